@@ -1,0 +1,250 @@
+"""memory_plan: lifetimes -> one arena (offsets), checked by an independent verifier.
+
+The last pass of the pipeline, written as a pure function::
+
+    [Buffer(id, size, start, end, zone)]  --plan(alignment)-->  Plan(offsets, arena_bytes, peak_live_bytes, ...)
+
+A buffer is live over the *closed* interval of program steps ``[start, end]``. Two buffers *conflict* when their
+intervals intersect; conflicting buffers must get disjoint byte ranges ``[offset, offset + size)``.
+
+Algorithms (one signature ``(buffers, alignment) -> {id: offset}``; every one runs, the smallest arena wins):
+
+* ``greedy_by_size``: largest buffer first; each goes into the *smallest* gap between already-placed conflicting
+  buffers that holds it (best fit), or above the highest of them.
+* ``greedy_by_breadth``: the same best-fit placement, in the order of the busiest step a buffer is live at
+  (the sum of live sizes there), largest first: buffers of the peak step are packed before the rest.
+* ``interval_first_fit``: buffers in order of their start step (then larger first), each at the *lowest*
+  offset that fits, as a TLSF-style allocator would hand them out while replaying the program.
+
+Why every algorithm is correct: a buffer is placed once, at an offset chosen by scanning the byte ranges of the
+already-placed buffers *it conflicts with*, sorted by offset; the offset it takes is either below the first of
+those ranges by at least its size, or in a gap between two of them at least its size wide, or at or above the end
+of the highest one.  So its range misses every one of them.  Conflict is symmetric and every pair of buffers has a
+later-placed member, so every conflicting pair was checked once, when the later one was placed: no two live buffers
+overlap.  Offsets are only ever 0 or an ``align_up`` of a range end, so they are multiples of the alignment; each
+buffer occupies its size rounded up to the alignment, which keeps the next offset aligned.
+
+Why ``peak_live_bytes`` is a lower bound: at the step where the sum of live (aligned) sizes is largest, those
+buffers all conflict pairwise, so they need disjoint ranges inside the arena; no placement can be smaller.
+
+``verify`` does not trust any of that: it is separate O(n^2) code that checks every pair, every alignment and the
+arena bound, and ``plan`` always calls it (InternalError on failure, never only in debug).
+
+Zones (``plan_zones``): long-lived regions (weights, KV cache, cross-layer state, dequant workspace, activations,
+I/O) are planned one at a time and laid out one after another, each zone's base aligned, so a zone never shares
+bytes with another zone whatever the lifetimes say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Iterable, Sequence
+
+from dayzero import InternalError, UserError
+
+# The order zones are laid out in, low addresses first (the long-lived ones first).
+ZONES = (
+    "weights",
+    "low_precision_weights",
+    "kv_cache",
+    "cross_layer_state",
+    "dequant_workspace",
+    "activations",
+    "io",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A buffer of ``size`` bytes live over program steps ``[start, end]`` (both included)."""
+
+    id: Hashable
+    size: int
+    start: int
+    end: int
+    zone: str = "activations"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The result of :func:`plan`: byte offsets into one arena, and how good the arena is."""
+
+    offsets: dict
+    arena_bytes: int
+    peak_live_bytes: int
+    algorithm: str
+    per_algorithm: dict
+
+    @property
+    def ratio(self) -> float:
+        """arena / peak-live lower bound (1.0 is optimal)."""
+        return self.arena_bytes / self.peak_live_bytes if self.peak_live_bytes else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ZonedPlan:
+    """Zones laid out one after another: ``zones[z] = (base, bytes)``; ``offsets`` are absolute."""
+
+    offsets: dict
+    total_bytes: int
+    zones: dict
+    plans: dict
+
+    def summary(self) -> dict:
+        """``{zone: bytes}`` in layout order."""
+        return {z: size for z, (_, size) in self.zones.items()}
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _check_inputs(buffers: Sequence[Buffer], alignment: int) -> None:
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise UserError(f"memory plan: alignment must be a positive power of two, got {alignment!r}")
+    seen = set()
+    for b in buffers:
+        if b.id in seen:
+            raise UserError(f"memory plan: buffer id {b.id!r} appears twice")
+        seen.add(b.id)
+        if not isinstance(b.size, int) or b.size < 0:
+            raise UserError(f"memory plan: buffer {b.id!r} has size {b.size!r}; sizes are integers >= 0")
+        if b.end < b.start:
+            raise UserError(f"memory plan: buffer {b.id!r} ends (step {b.end}) before it starts (step {b.start})")
+
+
+def peak_live_bytes(buffers: Iterable[Buffer], alignment: int = 64) -> int:
+    """max over steps of the sum of aligned sizes live at that step (a sweep over start/end events)."""
+    events = []
+    for b in buffers:
+        size = align_up(b.size, alignment)
+        events.append((b.start, 1, size))
+        events.append((b.end + 1, 0, -size))  # at the same step, frees (0) sort before allocations (1)
+    live = peak = 0
+    for _, _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _conflicts(a: Buffer, b: Buffer) -> bool:
+    return a.start <= b.end and b.start <= a.end
+
+
+def _place(order: Sequence[Buffer], alignment: int, best_fit: bool) -> dict:
+    """Place buffers in ``order``; each goes into a gap among the placed buffers it conflicts with."""
+    placed: list[tuple[Buffer, int, int]] = []  # (buffer, offset, aligned size)
+    offsets = {}
+    for b in order:
+        size = align_up(b.size, alignment)
+        if size == 0:
+            offsets[b.id] = 0
+            continue
+        taken = sorted((off, off + sz) for other, off, sz in placed if _conflicts(b, other))
+        chosen, best_gap, cursor = None, None, 0
+        for lo, hi in taken:
+            gap = lo - cursor
+            if gap >= size and (best_gap is None or gap < best_gap):
+                chosen, best_gap = cursor, gap
+                if not best_fit:
+                    break
+            cursor = max(cursor, align_up(hi, alignment))
+        if chosen is None:
+            chosen = cursor
+        offsets[b.id] = chosen
+        placed.append((b, chosen, size))
+    return offsets
+
+
+def greedy_by_size(buffers: Sequence[Buffer], alignment: int) -> dict:
+    order = sorted(buffers, key=lambda b: (-b.size, b.start, b.end, str(b.id)))
+    return _place(order, alignment, best_fit=True)
+
+
+def greedy_by_breadth(buffers: Sequence[Buffer], alignment: int) -> dict:
+    steps = sorted({b.start for b in buffers})  # the live sum only grows at a start step
+    live_at = {s: sum(align_up(b.size, alignment) for b in buffers if b.start <= s <= b.end) for s in steps}
+    breadth = {b.id: max(live_at[s] for s in steps if b.start <= s <= b.end) for b in buffers}
+    order = sorted(buffers, key=lambda b: (-breadth[b.id], -b.size, b.start, str(b.id)))
+    return _place(order, alignment, best_fit=True)
+
+
+def interval_first_fit(buffers: Sequence[Buffer], alignment: int) -> dict:
+    order = sorted(buffers, key=lambda b: (b.start, -b.size, b.end, str(b.id)))
+    return _place(order, alignment, best_fit=False)
+
+
+ALGORITHMS: dict[str, Callable[[Sequence[Buffer], int], dict]] = {
+    "greedy_by_size": greedy_by_size,
+    "greedy_by_breadth": greedy_by_breadth,
+    "interval_first_fit": interval_first_fit,
+}
+
+
+def arena_bytes(buffers: Sequence[Buffer], offsets: dict, alignment: int) -> int:
+    return max((offsets[b.id] + align_up(b.size, alignment) for b in buffers), default=0)
+
+
+def verify(buffers: Sequence[Buffer], plan: Plan, alignment: int = 64) -> None:
+    """Raise InternalError unless ``plan`` is a valid placement of ``buffers`` (independent of the placers)."""
+    problems = []
+    for b in buffers:
+        if b.id not in plan.offsets:
+            problems.append(f"buffer {b.id!r} has no offset")
+            continue
+        off = plan.offsets[b.id]
+        if off < 0 or off % alignment:
+            problems.append(f"buffer {b.id!r} at offset {off} is not {alignment}-byte aligned")
+        if off + b.size > plan.arena_bytes:
+            problems.append(f"buffer {b.id!r} [{off}, {off + b.size}) ends past the arena ({plan.arena_bytes})")
+    if problems:
+        raise InternalError("memory plan verifier: " + "; ".join(problems))
+    for i, a in enumerate(buffers):
+        for b in buffers[i + 1 :]:
+            if a.size == 0 or b.size == 0:
+                continue
+            live_together = max(a.start, b.start) <= min(a.end, b.end)
+            oa, ob = plan.offsets[a.id], plan.offsets[b.id]
+            bytes_overlap = max(oa, ob) < min(oa + a.size, ob + b.size)
+            if live_together and bytes_overlap:
+                problems.append(
+                    f"buffers {a.id!r} [{oa}, {oa + a.size}) steps [{a.start}, {a.end}] and "
+                    f"{b.id!r} [{ob}, {ob + b.size}) steps [{b.start}, {b.end}] overlap while both are live"
+                )
+    if plan.arena_bytes < plan.peak_live_bytes:
+        problems.append(f"arena {plan.arena_bytes} is below the peak-live lower bound {plan.peak_live_bytes}")
+    if problems:
+        raise InternalError("memory plan verifier: " + "; ".join(problems[:5]))
+
+
+def plan(buffers: Sequence[Buffer], alignment: int = 64) -> Plan:
+    """Run every algorithm, keep the smallest arena (ties: the first in ALGORITHMS), verify it, return it."""
+    buffers = list(buffers)
+    _check_inputs(buffers, alignment)
+    peak = peak_live_bytes(buffers, alignment)
+    results = {name: fn(buffers, alignment) for name, fn in ALGORITHMS.items()}
+    per_algorithm = {name: arena_bytes(buffers, offs, alignment) for name, offs in results.items()}
+    best = min(per_algorithm, key=per_algorithm.get)
+    result = Plan(dict(results[best]), per_algorithm[best], peak, best, per_algorithm)
+    verify(buffers, result, alignment)
+    return result
+
+
+def plan_zones(buffers: Sequence[Buffer], alignment: int = 64) -> ZonedPlan:
+    """Plan each zone on its own and lay the zones out in ZONES order, each base ``alignment``-aligned."""
+    buffers = list(buffers)
+    unknown = sorted({b.zone for b in buffers} - set(ZONES))
+    if unknown:
+        raise UserError(f"memory plan: unknown zone(s) {', '.join(unknown)}; zones are {', '.join(ZONES)}")
+    offsets, zones, plans, base = {}, {}, {}, 0
+    for zone in ZONES:
+        members = [b for b in buffers if b.zone == zone]
+        if not members:
+            continue
+        p = plan(members, alignment)
+        size = align_up(p.arena_bytes, alignment)
+        zones[zone], plans[zone] = (base, size), p
+        offsets.update({k: base + v for k, v in p.offsets.items()})
+        base += size
+    _check_inputs(buffers, alignment)  # ids unique across zones too
+    return ZonedPlan(offsets, base, zones, plans)

@@ -1,0 +1,219 @@
+"""memory_plan: hand-built Before/Expected cases, the verifier catching broken plans, and random invariants."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dayzero import InternalError, UserError
+from dayzero.passes.memory_plan import ALGORITHMS, Buffer, Plan, plan, plan_zones, verify
+
+
+def B(id, size, start, end, zone="activations"):
+    return Buffer(id, size, start, end, zone)
+
+
+# ---- hand-built cases -------------------------------------------------------------------------------------------
+
+
+def test_chain_reuses_memory():
+    # Before: a -> b -> c, each only live while the next is computed.  a and c never meet, so c reuses a's bytes.
+    bufs = [B("a", 100, 0, 1), B("b", 200, 1, 2), B("c", 100, 2, 3)]
+    p = plan(bufs)
+    # Expected: two 64-aligned slots, arena = 128 + 256.
+    assert p.peak_live_bytes == 384
+    assert p.arena_bytes == 384
+    assert p.offsets["a"] == p.offsets["c"]
+    assert {p.offsets["a"], p.offsets["b"]} == {0, 256}
+
+
+def test_disjoint_lifetimes_share_offset_zero():
+    p = plan([B(i, 1000, 2 * i, 2 * i + 1) for i in range(5)])
+    assert set(p.offsets.values()) == {0}
+    assert p.arena_bytes == p.peak_live_bytes == 1024
+
+
+def test_all_live_together_is_the_sum():
+    p = plan([B(0, 64, 0, 9), B(1, 1, 0, 9), B(2, 130, 5, 5)])
+    assert p.arena_bytes == p.peak_live_bytes == 64 + 64 + 192
+    assert all(off % 64 == 0 for off in p.offsets.values())
+
+
+def test_closed_interval_end_step_is_live():
+    # x ends at step 3 and y starts at step 3: they are live together and must not share bytes.
+    p = plan([B("x", 64, 0, 3), B("y", 64, 3, 5)])
+    assert p.offsets["x"] != p.offsets["y"]
+    assert p.peak_live_bytes == 128
+
+
+def test_zero_size_buffers_are_allowed():
+    p = plan([B("z", 0, 0, 10), B("a", 64, 0, 10), B("w", 0, 3, 3)])
+    assert p.arena_bytes == 64
+    assert p.offsets["z"] == 0
+
+
+def test_empty_program():
+    p = plan([])
+    assert (p.arena_bytes, p.peak_live_bytes, p.offsets) == (0, 0, {})
+
+
+def test_gap_is_filled_best_fit():
+    # Two long-lived buffers leave a 256-byte hole between them in the 0..11 window; a short buffer fits there.
+    bufs = [B("lo", 256, 0, 10), B("hole", 256, 0, 4), B("hi", 256, 0, 10), B("late", 256, 6, 10)]
+    p = plan(bufs)
+    assert p.arena_bytes == p.peak_live_bytes == 768
+
+
+def test_every_algorithm_is_reported_and_best_wins():
+    bufs = [B(i, 64 * (1 + i % 5), i, i + 3) for i in range(30)]
+    p = plan(bufs)
+    assert set(p.per_algorithm) == set(ALGORITHMS)
+    assert p.arena_bytes == min(p.per_algorithm.values())
+    assert p.per_algorithm[p.algorithm] == p.arena_bytes
+
+
+def test_bad_input_is_a_user_error():
+    with pytest.raises(UserError, match="ends"):
+        plan([B("x", 64, 5, 2)])
+    with pytest.raises(UserError, match="twice"):
+        plan([B("x", 64, 0, 1), B("x", 64, 0, 1)])
+    with pytest.raises(UserError, match="size"):
+        plan([B("x", -1, 0, 1)])
+    with pytest.raises(UserError, match="power of two"):
+        plan([B("x", 1, 0, 1)], alignment=48)
+
+
+# ---- the verifier catches broken plans --------------------------------------------------------------------------
+
+
+def test_verifier_catches_overlap_of_live_buffers():
+    bufs = [B("a", 128, 0, 5), B("b", 128, 3, 8)]
+    good = plan(bufs)
+    broken = dataclasses.replace(good, offsets={"a": 0, "b": 64}, arena_bytes=256)
+    with pytest.raises(InternalError, match="overlap"):
+        verify(bufs, broken)
+
+
+def test_verifier_catches_misalignment_and_missing_and_small_arena():
+    bufs = [B("a", 128, 0, 5), B("b", 128, 6, 8)]
+    with pytest.raises(InternalError, match="aligned"):
+        verify(bufs, Plan({"a": 0, "b": 32}, 256, 128, "hand", {}))
+    with pytest.raises(InternalError, match="no offset"):
+        verify(bufs, Plan({"a": 0}, 256, 128, "hand", {}))
+    with pytest.raises(InternalError, match="past the arena"):
+        verify(bufs, Plan({"a": 0, "b": 128}, 128, 128, "hand", {}))
+
+
+def test_verifier_accepts_overlap_of_non_conflicting_buffers():
+    bufs = [B("a", 128, 0, 5), B("b", 128, 6, 8)]
+    verify(bufs, Plan({"a": 0, "b": 0}, 128, 128, "hand", {}))
+
+
+def test_plan_runs_the_verifier(monkeypatch):
+    import dayzero.passes.memory_plan as mp
+
+    monkeypatch.setitem(mp.ALGORITHMS, "broken", lambda bufs, align: {b.id: 0 for b in bufs})
+    monkeypatch.setitem(mp.ALGORITHMS, "greedy_by_size", lambda bufs, align: {b.id: 0 for b in bufs})
+    monkeypatch.setitem(mp.ALGORITHMS, "greedy_by_breadth", lambda bufs, align: {b.id: 0 for b in bufs})
+    monkeypatch.setitem(mp.ALGORITHMS, "interval_first_fit", lambda bufs, align: {b.id: 0 for b in bufs})
+    with pytest.raises(InternalError):
+        plan([B("a", 64, 0, 1), B("b", 64, 1, 2)])
+
+
+# ---- zones ------------------------------------------------------------------------------------------------------
+
+
+def test_zones_are_contiguous_aligned_and_ordered():
+    bufs = [
+        B("act0", 100, 0, 1),
+        B("act1", 100, 2, 3),
+        B("w", 1000, 0, 3, zone="weights"),
+        B("kv", 4000, 0, 3, zone="kv_cache"),
+        B("hc", 10, 0, 3, zone="cross_layer_state"),
+    ]
+    zp = plan_zones(bufs)
+    assert zp.summary() == {"weights": 1024, "kv_cache": 4032, "cross_layer_state": 64, "activations": 128}
+    assert zp.zones["weights"] == (0, 1024)
+    assert zp.zones["kv_cache"] == (1024, 4032)
+    assert zp.zones["activations"] == (1024 + 4032 + 64, 128)
+    assert zp.offsets["act0"] == zp.offsets["act1"] == 5120
+    assert zp.total_bytes == sum(zp.summary().values())
+    assert all(off % 64 == 0 for off in zp.offsets.values())
+
+
+def test_unknown_zone_is_a_user_error():
+    with pytest.raises(UserError, match="scratchpad"):
+        plan_zones([B("a", 1, 0, 1, zone="scratchpad")])
+
+
+# ---- realistic transformer lifetimes ----------------------------------------------------------------------------
+
+
+def transformer_lifetimes(layers=8, tokens=512, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32000):
+    """Activation lifetimes of a decoder stack in execution order (bf16), as a tracer would produce them."""
+    bufs, step = [], 0
+    hd = hidden // heads
+
+    def new(name, size, uses_after):
+        nonlocal step
+        bufs.append(Buffer(name, size * 2, step, step + uses_after))
+        step += 1
+
+    res_alive = 0
+    bufs.append(Buffer("x0", tokens * hidden * 2, 0, 0))  # embedding output
+    for i in range(layers):
+        start = step
+        new(f"l{i}.norm1", tokens * hidden, 3)
+        new(f"l{i}.q", tokens * hidden, 3)
+        new(f"l{i}.k", tokens * kv_heads * hd, 2)
+        new(f"l{i}.v", tokens * kv_heads * hd, 2)
+        new(f"l{i}.scores", heads * tokens * tokens, 1)
+        new(f"l{i}.probs", heads * tokens * tokens, 1)
+        new(f"l{i}.attn", tokens * hidden, 1)
+        new(f"l{i}.o", tokens * hidden, 1)
+        new(f"l{i}.res1", tokens * hidden, 7)
+        new(f"l{i}.norm2", tokens * hidden, 2)
+        new(f"l{i}.gate", tokens * ffn, 2)
+        new(f"l{i}.up", tokens * ffn, 1)
+        new(f"l{i}.act", tokens * ffn, 1)
+        new(f"l{i}.down", tokens * hidden, 1)
+        # the residual stream entering the layer lives until the first add, then res1 until the second add
+        prev = bufs[res_alive]
+        bufs[res_alive] = Buffer(prev.id, prev.size, prev.start, start + 8)
+        new(f"l{i}.res2", tokens * hidden, 2)
+        res_alive = len(bufs) - 1
+    new("final_norm", tokens * hidden, 1)
+    new("logits", tokens * vocab, 0)
+    return bufs
+
+
+def test_transformer_arena_is_within_5_percent_of_peak_live():
+    bufs = transformer_lifetimes()
+    p = plan(bufs)
+    assert p.arena_bytes <= 1.05 * p.peak_live_bytes, (p.ratio, p.per_algorithm)
+
+
+def test_decode_shaped_lifetimes_are_within_5_percent():
+    p = plan(transformer_lifetimes(layers=4, tokens=1, hidden=4096, heads=32, kv_heads=8, ffn=14336))
+    assert p.arena_bytes <= 1.05 * p.peak_live_bytes, (p.ratio, p.per_algorithm)
+
+
+# ---- random invariants ------------------------------------------------------------------------------------------
+
+buffer_lists = st.lists(
+    st.tuples(st.integers(0, 5000), st.integers(0, 40), st.integers(0, 15)),
+    max_size=40,
+).map(lambda rows: [Buffer(i, size, s, s + d) for i, (size, s, d) in enumerate(rows)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(buffer_lists, st.sampled_from([1, 16, 64, 256]))
+def test_random_lifetimes_every_algorithm_is_valid(bufs, alignment):
+    p = plan(bufs, alignment)  # verify() runs inside on the winner
+    assert p.arena_bytes >= p.peak_live_bytes
+    assert all(off % alignment == 0 for off in p.offsets.values())
+    for name, fn in ALGORITHMS.items():  # and every loser is valid too
+        offs = fn(bufs, alignment)
+        arena = max((offs[b.id] + -(-b.size // alignment) * alignment for b in bufs), default=0)
+        verify(bufs, Plan(offs, arena, p.peak_live_bytes, name, {}), alignment)
