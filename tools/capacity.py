@@ -1,0 +1,478 @@
+"""capacity: plan a full-size model's memory on paper, from its config.json alone (no weights).
+
+    config.json --validate--> transformers config --meta device--> every parameter's name and shape
+        --> parameters by category (total, active per token)  --> resident bytes per weight format
+        --> KV cache bytes per token and per sequence, per attention layer type
+        --> split over N devices (experts: expert parallel; attention, dense MLP, shared experts: tensor parallel)
+        --> fits on the target? largest batch at the given context
+
+What is counted (the conventions the published figures use):
+
+* Parameters are exactly those of the transformers model built on the meta device (no memory is allocated).
+  Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of it and are not counted; that matches
+  the published totals (DeepSeek-V3 671B excludes its 14B MTP module).
+* ``params_active`` = every parameter a token's forward pass multiplies with: all of them, less the input embedding
+  table (a row lookup, no matmul), less the routed experts a token does not use (routed x (1 - k/E)).  Hash-routed
+  layers (DeepSeek-V4 ``hash_moe``) also send a token to k experts, so they count the same.  The figure with the
+  embedding table is ``params_active_incl_embedding``.
+* Weight formats: ``bf16`` (2 bytes everywhere); ``fp8_block`` (matmul weights of attention / MLP / experts as FP8
+  E4M3 plus one fp32 scale per 128x128 block, the rest bf16); ``mxfp4`` (routed-expert matrices as 4-bit E2M1 plus
+  one E8M0 byte per 32 values = 4.25 bits, the rest bf16); ``mxfp4_fp8`` (mxfp4 experts, fp8_block for the other
+  matmul weights: DeepSeek-V4's native checkpoint).  ``auto`` reads the config's ``quantization_config``.
+
+KV cache per layer and token (``kv_dtype`` bytes per element, bf16 by default):
+
+* dense MHA/GQA: ``2 * num_key_value_heads * head_dim``; layers whose ``layer_types`` entry is
+  ``sliding_attention`` keep only the last ``sliding_window`` tokens (gpt-oss alternates the two).
+* MLA (DeepSeek-V3, Kimi-K2): the compressed latent plus the shared rope key, ``kv_lora_rank + qk_rope_head_dim``
+  (the absorbed-MLA cache production engines keep; transformers' eager cache stores decompressed K/V instead).
+* DSA (DeepSeek-V3.2): MLA plus the indexer's key cache, ``index_head_dim`` values we assume stored as FP8 E4M3
+  with one fp32 scale per 128 values (DeepSeek's reference inference code), i.e. ``index_head_dim + 4`` bytes.
+* DeepSeek-V4 (from transformers' ``modeling_deepseek_v4``): every layer keeps a sliding window of
+  ``sliding_window`` shared K=V entries of ``head_dim`` (one tensor, K and V are the same).  A
+  ``compressed_sparse_attention`` layer adds one ``head_dim`` entry per ``m`` tokens
+  (``compress_rates["compressed_sparse_attention"]``) and one indexer key of ``index_head_dim`` per ``m`` tokens
+  (fp8 + scale as above); a ``heavily_compressed_attention`` layer adds one ``head_dim`` entry per ``m'`` tokens.
+  The compressors' carry-over (at most one window of kv and gate projections, plus CSA's overlap slice) is a
+  per-sequence constant reported as ``state_bytes``, an upper bound.
+
+Workspace: one step of at most ``step_tokens`` tokens: residual streams (times ``hc_mult`` for mHC), q / kv
+projections and the widest MLP (``k`` routed + shared experts, or the dense MLP) in bf16, fp32 logits for those
+rows (split over devices with the vocab-parallel head), and, when the weight format is not native on the target
+(mxfp4 without fp4 compute, fp8 without fp8 compute), a double-buffered bf16 dequant workspace the size of the
+largest single weight matrix converted on line.
+
+Parallelism on N devices: routed experts are split by expert (ceil(E/N) per device); embeddings and lm_head by
+vocab; attention, dense MLP and shared experts by tensor parallelism; norms, routers and hyper-connections are
+replicated.  Attention is ``tp`` (KV heads split; a device keeps at least one) or ``dp`` (attention weights
+replicated, sequences split across devices, as engines do for single-KV-head MLA/V4); ``auto`` picks ``dp`` when
+the cache has one KV head.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+from dayzero import UserError
+
+FORMATS = ("bf16", "fp8_block", "mxfp4", "mxfp4_fp8")
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+CATEGORIES = (
+    "embeddings",
+    "attention",
+    "dense_mlp",
+    "shared_experts",
+    "routed_experts",
+    "router",
+    "hyper_connections",
+    "norms",
+    "lm_head",
+    "other",
+)
+
+
+# ---- input --------------------------------------------------------------------------------------------------------
+
+
+def parse_count(value: int | str, what: str = "context") -> int:
+    """``1000`` / ``"128k"`` / ``"1M"`` / ``"1.5M"`` -> int (decimal: k = 10^3, M = 10^6, G = 10^9)."""
+    if isinstance(value, bool):
+        raise UserError(f"{what}: expected a number like 1000, 128k or 1M, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(value))
+        if not m:
+            raise UserError(f"{what}: expected a number like 1000, 128k or 1M, got {value!r}")
+        n = int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()])
+    if n <= 0:
+        raise UserError(f"{what}: must be positive, got {value!r}")
+    return n
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a config.json (or the config.json inside a checkpoint directory)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{p}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a JSON object")
+    return data
+
+
+def _int_field(cfg: dict, name: str, *, required: bool = True, minimum: int = 1):
+    v = cfg.get(name)
+    if v is None:
+        if required:
+            raise UserError(f"config: field '{name}' is missing")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise UserError(f"config: field '{name}' must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def num_experts(cfg: dict) -> tuple[str | None, int]:
+    """The routed-expert count and the field it came from (0 for a dense model)."""
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if cfg.get(name) is not None:
+            return name, _int_field(cfg, name, minimum=0)
+    return None, 0
+
+
+def validate_config(cfg: dict) -> dict:
+    """Check the fields capacity planning reads; a missing or contradictory one is a UserError naming it."""
+    if not isinstance(cfg.get("model_type"), str):
+        raise UserError("config: field 'model_type' is missing (transformers needs it to know the architecture)")
+    hidden = _int_field(cfg, "hidden_size")
+    layers = _int_field(cfg, "num_hidden_layers")
+    heads = _int_field(cfg, "num_attention_heads")
+    _int_field(cfg, "vocab_size")
+    head_dim = _int_field(cfg, "head_dim", required=False)
+    if head_dim is None and hidden % heads:
+        raise UserError(
+            f"config: field 'head_dim' is missing and num_attention_heads ({heads}) does not divide "
+            f"hidden_size ({hidden})"
+        )
+    kv_heads = _int_field(cfg, "num_key_value_heads", required=False) or heads
+    if heads % kv_heads:
+        raise UserError(
+            f"config: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})"
+        )
+    field, experts = num_experts(cfg)
+    k = _int_field(cfg, "num_experts_per_tok", required=False, minimum=0)
+    if experts and not k:
+        raise UserError(f"config: field 'num_experts_per_tok' is missing ({field} = {experts} routed experts)")
+    if experts and k > experts:
+        raise UserError(f"config: field 'num_experts_per_tok' ({k}) exceeds {field} ({experts})")
+    first_dense = _int_field(cfg, "first_k_dense_replace", required=False, minimum=0)
+    if first_dense is not None and first_dense > layers:
+        raise UserError(
+            f"config: field 'first_k_dense_replace' ({first_dense}) exceeds num_hidden_layers ({layers})"
+        )
+    if cfg.get("kv_lora_rank") is not None:
+        _int_field(cfg, "kv_lora_rank")
+        _int_field(cfg, "qk_rope_head_dim", minimum=0)
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
+        raise UserError(f"config: field 'layer_types' must list one entry per layer ({layers})")
+    return cfg
+
+
+# ---- parameters ---------------------------------------------------------------------------------------------------
+
+
+def _category(name: str) -> str:
+    """Which part of the model a parameter belongs to, from the attribute names transformers' modeling code uses."""
+    parts = name.split(".")
+    s = set(parts)
+    if s & {"embed_tokens", "wte", "word_embeddings", "embed_in"}:
+        return "embeddings"
+    if s & {"lm_head", "embed_out"}:
+        return "lm_head"
+    if s & {"shared_experts", "shared_expert", "shared_expert_gate"}:
+        return "shared_experts"
+    if "experts" in s:
+        return "routed_experts"
+    if s & {"gate", "router"} and s & {"mlp", "block_sparse_moe", "feed_forward"}:
+        return "router"
+    if s & {"self_attn", "attn", "attention", "self_attention"}:
+        return "attention"
+    if s & {"mlp", "feed_forward", "ffn"}:
+        return "dense_mlp"
+    if any(p.endswith("_hc") or p.startswith("hc_") for p in parts):
+        return "hyper_connections"
+    if any("norm" in p for p in parts):
+        return "norms"
+    return "other"
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_parameters(config_json: str) -> tuple:
+    """(name, category, shape) of every parameter of the transformers model, built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads(config_json)
+    model_type = cfg.pop("model_type")
+    for key in ("quantization_config", "transformers_version", "auto_map", "architectures"):
+        cfg.pop(key, None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **cfg)
+    except ValueError as e:
+        if "Unrecognized model" in str(e) or model_type in str(e):
+            raise UserError(f"config: field 'model_type' = {model_type!r} is not known to transformers") from None
+        raise UserError(f"config: transformers rejected it: {e}") from None
+    except (TypeError, KeyError) as e:
+        raise UserError(f"config: transformers rejected it: {e}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"config: cannot build a {model_type} model from it: {e}") from None
+    return tuple((n, _category(n), tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def _is_matrix(name: str, category: str, shape: tuple) -> bool:
+    """A matmul weight that low-precision checkpoints quantize (not embeddings, norms, biases, routers)."""
+    return (
+        category in ("attention", "dense_mlp", "shared_experts", "routed_experts")
+        and len(shape) >= 2
+        and not name.endswith("bias")
+    )
+
+
+def _bytes(shape: tuple, fmt: str) -> int:
+    """Bytes of one matrix (leading dims are stacked experts) in ``fmt``."""
+    *lead, rows, cols = shape
+    n = math.prod(lead)
+    if fmt == "fp8_block":
+        return n * (rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128))
+    if fmt == "mxfp4":
+        return n * (math.ceil(rows * cols / 2) + rows * math.ceil(cols / 32))
+    return 2 * n * rows * cols
+
+
+def _param_format(fmt: str, category: str, is_matrix: bool) -> str:
+    if not is_matrix:
+        return "bf16"
+    if fmt in ("mxfp4", "mxfp4_fp8") and category == "routed_experts":
+        return "mxfp4"
+    if fmt in ("fp8_block", "mxfp4_fp8"):
+        return "fp8_block"
+    return "bf16"
+
+
+def count_parameters(cfg: dict) -> dict:
+    """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``."""
+    params = dict.fromkeys(CATEGORIES, 0)
+    nbytes = {fmt: dict.fromkeys(CATEGORIES, 0) for fmt in FORMATS}
+    largest = {fmt: 0 for fmt in ("bf16", "fp8_block", "mxfp4")}  # bf16 bytes of the largest matrix stored as fmt
+    for name, cat, shape in _meta_parameters(json.dumps(cfg, sort_keys=True)):
+        params[cat] += math.prod(shape)
+        matrix = _is_matrix(name, cat, shape)
+        for fmt in FORMATS:
+            pf = _param_format(fmt, cat, matrix)
+            nbytes[fmt][cat] += _bytes(shape, pf) if matrix else 2 * math.prod(shape)
+            one = 2 * math.prod(shape[-2:]) if matrix else 0  # one expert's matrix, or the whole matrix
+            largest[pf] = max(largest[pf], one)
+    return {"params": params, "bytes": nbytes, "largest_matrix_bf16": largest}
+
+
+# ---- KV cache -----------------------------------------------------------------------------------------------------
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _index_key_bytes(cfg: dict) -> int:
+    """One indexer key: ``index_head_dim`` fp8 values + one fp32 scale per 128 of them."""
+    return cfg["index_head_dim"] + 4 * math.ceil(cfg["index_head_dim"] / 128)
+
+
+def _kv_entry(layers, entry_bytes=0.0, rate=1, window=None, window_bytes=0, state=0, formula=""):
+    return {"layers": layers, "bytes_per_token": entry_bytes / rate, "entry_bytes": entry_bytes,
+            "compress_rate": rate, "window": window, "window_bytes_per_token": window_bytes,
+            "state_bytes": state, "formula": formula}
+
+
+def kv_layout(cfg: dict, kv_dtype: str = "bf16") -> dict:
+    """Per attention layer type, one layer's cache: ``{type: {"layers": n, "bytes_per_token": growth per token
+    of context, "entry_bytes": bytes per cache entry, "compress_rate": tokens per entry, "window": tokens kept by
+    the windowed part (or None), "window_bytes_per_token", "state_bytes": per-sequence constant, "formula"}}``."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise UserError(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
+    b = KV_DTYPE_BYTES[kv_dtype]
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    counts = {t: types.count(t) for t in dict.fromkeys(types)}
+    out = {}
+    if isinstance(cfg.get("compress_rates"), dict):  # DeepSeek-V4: sliding window + CSA / HCA compression
+        hd, win, rates, ihd = _head_dim(cfg), cfg["sliding_window"], cfg["compress_rates"], cfg["index_head_dim"]
+        idx = _index_key_bytes(cfg)
+        window = dict(window=win, window_bytes=hd * b)
+        sliding = f"window {win} x head_dim {hd} x {b}B (K=V)"
+        for t, n in counts.items():
+            if t == "sliding_attention":
+                out[t] = _kv_entry(n, formula=sliding, **window)
+            elif t == "compressed_sparse_attention":
+                m = rates[t]
+                # carry-over: < m tokens of kv and gate projections (2 series of hd each) + the overlap slice
+                # (m x hd of kv and gate), for the compressor and for the indexer's own compressor
+                state = m * (4 * hd + 2 * hd) * b + m * (4 * ihd + 2 * ihd) * b
+                out[t] = _kv_entry(n, hd * b + idx, m, state=state, **window,
+                                   formula=f"{sliding} + (head_dim {hd} x {b}B + indexer key {idx}B) per {m} tokens")
+            elif t == "heavily_compressed_attention":
+                m = rates[t]
+                out[t] = _kv_entry(n, hd * b, m, state=m * 2 * hd * b, **window,
+                                   formula=f"{sliding} + head_dim {hd} x {b}B per {m} tokens")
+            else:
+                raise UserError(f"config: field 'layer_types' has {t!r}, not a DeepSeek-V4 attention type")
+        return out
+    if cfg.get("kv_lora_rank"):  # MLA latent cache, plus the DSA indexer keys when there is an indexer
+        per = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * b
+        formula = f"(kv_lora_rank {cfg['kv_lora_rank']} + qk_rope_head_dim {cfg['qk_rope_head_dim']}) x {b}B"
+        if not cfg.get("index_head_dim"):
+            return {"mla": _kv_entry(layers, per, formula=formula)}
+        idx = _index_key_bytes(cfg)
+        return {"mla+indexer": _kv_entry(layers, per + idx, formula=f"{formula} + indexer key {idx}B (fp8 + scale)")}
+    kvh, hd = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], _head_dim(cfg)
+    per = 2 * kvh * hd * b
+    formula = f"2 x kv_heads {kvh} x head_dim {hd} x {b}B"
+    for t, n in counts.items():
+        if t == "sliding_attention" and cfg.get("sliding_window"):
+            win = cfg["sliding_window"]
+            out[t] = _kv_entry(n, window=win, window_bytes=per, formula=f"window {win} x {formula}")
+        else:
+            out[t] = _kv_entry(n, per, formula=formula)
+    return out
+
+
+def kv_bytes_per_sequence(layout: dict, context: int) -> int:
+    """Exact bytes one sequence of ``context`` tokens holds, over all layers (one entry per full ``rate`` tokens)."""
+    total = 0
+    for e in layout.values():
+        windowed = min(context, e["window"]) * e["window_bytes_per_token"] if e["window"] else 0
+        total += e["layers"] * (e["state_bytes"] + windowed + (context // e["compress_rate"]) * e["entry_bytes"])
+    return int(total)
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------------
+
+
+def _auto_format(cfg: dict) -> str:
+    q = cfg.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "fp8":
+        return "mxfp4_fp8" if str(q.get("expert_dtype", "")).lower() in ("fp4", "mxfp4") else "fp8_block"
+    return "bf16"
+
+
+def plan_capacity(
+    config: dict,
+    target,
+    devices: int = 1,
+    context: int | str = 1_000_000,
+    batch: int | None = None,
+    *,
+    weight_format: str = "auto",
+    kv_dtype: str = "bf16",
+    attention: str = "auto",
+    step_tokens: int = 8192,
+) -> dict:
+    """Memory plan of a full-size model on ``devices`` x ``target`` at ``context`` tokens per sequence.
+
+    Returns a JSON-ready dict; the main fields: ``params_total``, ``params_active``, ``resident_bytes`` (per
+    format), ``kv_bytes_per_token`` (per layer type and total), ``kv_bytes_per_sequence``, ``workspace_bytes``,
+    ``per_device`` (weights / kv / workspace / total / usable), ``fits`` (at ``batch``, or 1 when None) and
+    ``max_batch`` (the most sequences of ``context`` tokens the devices hold together).
+    """
+    validate_config(config)
+    context = parse_count(context)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserError(f"devices must be a positive integer, got {devices!r}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise UserError(f"batch must be a positive integer, got {batch!r}")
+    fmt = _auto_format(config) if weight_format == "auto" else weight_format
+    if fmt not in FORMATS:
+        raise UserError(f"weight format {weight_format!r}: choose auto or one of {', '.join(FORMATS)}")
+    notes = []
+
+    counted = count_parameters(config)
+    params = counted["params"]
+    total = sum(params.values())
+    _, n_exp = num_experts(config)
+    k = config.get("num_experts_per_tok") or 0
+    routed_unused = params["routed_experts"] * (n_exp - k) // n_exp if n_exp else 0
+    active_with_embed = total - routed_unused
+    active = active_with_embed - params["embeddings"]
+    if config.get("num_nextn_predict_layers"):
+        notes.append(f"{config['num_nextn_predict_layers']} MTP layer(s) are not counted (not in the transformers model)")
+
+    layout = kv_layout(config, kv_dtype)
+    kv_per_token = {t: e["bytes_per_token"] for t, e in layout.items()}
+    kv_total_per_token = sum(e["layers"] * e["bytes_per_token"] for e in layout.values())
+    kv_seq = kv_bytes_per_sequence(layout, context)
+    max_pos = config.get("max_position_embeddings")
+    if max_pos and context > max_pos:
+        notes.append(f"context {context} exceeds max_position_embeddings {max_pos}")
+
+    # parallel split
+    kv_heads = 1 if (config.get("kv_lora_rank") or isinstance(config.get("compress_rates"), dict)) else (
+        config.get("num_key_value_heads") or config["num_attention_heads"])
+    if attention == "auto":
+        attention = "dp" if kv_heads == 1 and devices > 1 else "tp"
+    if attention not in ("tp", "dp"):
+        raise UserError(f"attention parallelism {attention!r}: choose auto, tp or dp")
+    tp_share = 1 / devices
+    share = {c: 1.0 for c in CATEGORIES}
+    share.update(embeddings=tp_share, lm_head=tp_share, dense_mlp=tp_share, shared_experts=tp_share)
+    share["attention"] = tp_share if attention == "tp" else 1.0
+    share["routed_experts"] = math.ceil(n_exp / devices) / n_exp if n_exp else 1.0
+    weights_dev = int(sum(b * share[c] for c, b in counted["bytes"][fmt].items()))
+
+    # workspace: one step of step_tokens tokens
+    hidden, hd = config["hidden_size"], _head_dim(config)
+    q_width = config["num_attention_heads"] * (
+        (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0) or hd)
+    ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
+    ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
+    per_token = 2 * (2 * (config.get("hc_mult") or 1) * hidden + q_width + 2 * kv_heads * hd + max(ffn_moe, ffn_dense))
+    activations = step_tokens * per_token
+    logits = step_tokens * config["vocab_size"] * 4 // devices
+    native = {"bf16": True, "fp8_block": target.fp8_compute, "mxfp4": target.fp4_compute}
+    dequant = 2 * max((b for f, b in counted["largest_matrix_bf16"].items() if not native[f]), default=0)
+    workspace = activations + logits + dequant
+
+    # what fits
+    usable = target.usable_bytes
+    kv_dev_per_seq = kv_seq * (1.0 if attention == "dp" else math.ceil(kv_heads / devices) / kv_heads)
+    free = usable - weights_dev - workspace
+    if free <= 0 or kv_dev_per_seq <= 0:
+        max_batch = 0 if free <= 0 else None
+    elif attention == "dp":
+        max_batch = int(free // kv_dev_per_seq) * devices
+    else:
+        max_batch = int(free // kv_dev_per_seq)
+    want = batch or 1
+    seqs_per_dev = math.ceil(want / devices) if attention == "dp" else want
+    kv_dev = int(seqs_per_dev * kv_dev_per_seq)
+    total_dev = weights_dev + kv_dev + workspace
+
+    return {
+        "model_type": config["model_type"],
+        "target": target.name,
+        "devices": devices,
+        "context": context,
+        "batch": batch,
+        "parallelism": {"routed_experts": "expert", "attention": attention, "dense": "tensor"},
+        "params_total": total,
+        "params_active": active,
+        "params_active_incl_embedding": active_with_embed,
+        "params_by_category": params,
+        "weight_format": fmt,
+        "resident_bytes": {f: sum(v.values()) for f, v in counted["bytes"].items()},
+        "resident_bytes_by_category": counted["bytes"][fmt],
+        "kv_dtype": kv_dtype,
+        "kv_layer_types": layout,
+        "kv_bytes_per_token": {"by_layer_type": kv_per_token, "total": kv_total_per_token},
+        "kv_bytes_per_sequence": kv_seq,
+        "workspace_bytes": {"activations": activations, "logits": logits, "dequant": dequant, "total": workspace},
+        "per_device": {"weights": weights_dev, "kv": kv_dev, "workspace": workspace, "total": total_dev,
+                       "usable": usable},
+        "fits": total_dev <= usable,
+        "max_batch": max_batch,
+        "notes": notes,
+    }
