@@ -57,7 +57,7 @@ import math
 import re
 from pathlib import Path
 
-from dayzero import UserError
+from dayzero import InternalError, UserError
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "mxfp4_fp8")
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -395,6 +395,9 @@ def plan_capacity(
     total = sum(params.values())
     _, n_exp = num_experts(config)
     k = config.get("num_experts_per_tok") or 0
+    if n_exp and not params["routed_experts"]:
+        raise InternalError(f"capacity: found no routed-expert parameters in the {config['model_type']} model; "
+                            "_category needs a rule for its module names")
     routed_unused = params["routed_experts"] * (n_exp - k) // n_exp if n_exp else 0
     active_with_embed = total - routed_unused
     active = active_with_embed - params["embeddings"]
