@@ -70,6 +70,10 @@ Low-precision routed-expert keys written by make-tiny (everything else stays fp3
   deepseek-v4: `...experts.{j}.w{1,2,3}.weight`): mxfp4 -> `....weight_blocks` uint8 [out, in/32, 16] +
   `....weight_scales` uint8 [out, in/32] (same packing as gpt-oss); fp8 -> `....weight` float8_e4m3fn [out, in] +
   `....weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)] (DeepSeek-V3 layout).
+  Fused tensors are blocked over [E, out, in] whatever their parameter layout; the NAMEs whose parameter layout
+  is input-major [E, in, out] (gpt-oss, llama4; transformers transposes them back) are listed in the
+  safetensors metadata key `dayzero.mxfp4_in_major` (JSON list). Other fused layouts (qwen3_vl_moe, hy_v4,
+  granitemoe_swa...) are [E, out, in] already.
   MXFP4: E2M1 codes, low nibble = even element; value = LUT[code] * 2^(scale - 127).
   FP8: value = fp8 * scale_inv per 128x128 block.
 """
@@ -836,6 +840,9 @@ def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str 
             hf_logging.disable_progress_bar()  # keep the CLI output to one line
             try:
                 model.save_pretrained(tmp)
+            except Exception as e:  # noqa: BLE001 - upstream save hooks (vocab padding, renames) may reject it
+                raise UserError(f"tiny {model_type} cannot be saved by transformers: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from e
             finally:
                 if bar:
                     hf_logging.enable_progress_bar()
