@@ -26,8 +26,10 @@ Host CPU schedules (AVX-512): per (row, 32-value block) the 16-entry table ``lut
 register and the nibbles are looked up with one ``vpermps`` per 16 values (``_permvar``); GEMV is parallel over
 output rows, 4 rows at a time sharing the activation loads, 16 lanes of partial sums per row. GEMM dequantises an
 [OT, K] weight tile into an L2-resident buffer once and reuses it for every token tile, with a 4-row x 64-token
-register tile over a transposed, zero-padded copy of x. CUDA schedules: GEMV 32 threads per row (coalesced block
-bytes, warp all-reduce); GEMM 64x64 output tiles with the decoded weight tile in shared memory.
+register tile over a transposed, zero-padded copy of x. CUDA: the same definitions (table lookup instead of
+vpermps), scheduled by dlight's GPU rules (GEMV / Matmul / Reduction / Fallback, thread-bound); not hand-tuned yet.
+
+Compiled kernels need 64-byte-aligned, offset-0 tensors (torch allocations are; numpy views may not be).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     y = te.compute((T, O), lambda t, o: te.sum(part[t, o, jj], axis=jj), name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, B, S, e, y)))
     if _is_cuda(target):
-        _gemv_cuda(sch, ["lut", "sc", "tbl", "wd", "xp", "part"], inner=("g", 2))
+        return _cuda_rules(sch, target)
     else:
         _mxfp4_gemv_cpu(sch, O, permvar=avx)
     return _done(sch)
@@ -204,7 +206,7 @@ def fp8_block_gemv(n_tokens: int, out_features: int, in_features: int, *, num_ex
     y = te.compute((T, O), lambda t, o: te.sum(xpad[t, k_] * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, Wt, S, e, y)))
     if _is_cuda(target):
-        _fp8_gemv_cuda(sch)
+        return _cuda_rules(sch, target)
     else:
         _fp8_gemv_cpu(sch, K)
     return _done(sch)
@@ -312,7 +314,7 @@ def mxfp4_gemm(out_features: int, in_features: int, *, num_experts: int | None =
     y = te.compute((T, O), lambda t, o: yt[o, t], name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, B, S, e, y)))
     if _is_cuda(target):
-        _gemm_cuda(sch, ["lut", "sc", "tbl"], red=3)
+        return _cuda_rules(sch, target)
     else:
         _gemm_cpu(sch, O, K, fmt="mxfp4", permvar=avx)
     return _done(sch)
@@ -343,7 +345,7 @@ def fp8_block_gemm(out_features: int, in_features: int, *, num_experts: int | No
     y = te.compute((T, O), lambda t, o: yt[o, t], name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, Wt, S, e, y)))
     if _is_cuda(target):
-        _gemm_cuda(sch, ["sc"], red=1)
+        return _cuda_rules(sch, target)
     else:
         _gemm_cpu(sch, O, K, fmt="fp8", permvar=False)
     return _done(sch)
@@ -402,100 +404,17 @@ def _gemm_cpu(sch, O: int, K: int, fmt: str, permvar: bool, orows: int = 4, tvec
 
 
 # ------------------------------------------------------------------------------------------ CUDA
-def _gemv_cuda(sch, inline: list[str], inner):
-    """One output row per warp: 32 threads split the reduction (coalesced reads), warp all-reduce."""
-    for name in ("lut", "sc", "tbl", "wd", "xp"):
-        try:
-            sch.compute_inline(sch.get_sblock(name))
-        except Exception:  # noqa: BLE001 - lut feeds tbl; inlining order makes some no-ops
-            pass
-    bp = sch.get_sblock("part")
-    sch.compute_inline(bp) if False else None
-    by = sch.get_sblock("y")
-    # part[t, o, j] -> reduce: bind (g_inner, j) to the 32 lanes of a warp
-    t, o, j = sch.get_loops(bp)[:3]
-    g, h = sch.get_loops(bp)[3:]
-    go, gi = sch.split(g, [None, 2])
-    sch.reorder(o, t, go, h, gi, j)
-    lane = sch.fuse(gi, j)
-    rf = sch.rfactor(lane, 2)
-    del rf
-    sch.compute_inline(sch.get_sblock("part"))
-    _bind_rows_and_lanes(sch)
+def _cuda_rules(sch, target: dict) -> tirx.PrimFunc:
+    """CUDA: the decode stages are inlined into the reduction, then dlight's GPU rules, first that applies:
+    GEMV (thread-bound reduction), Matmul, Reduction, Fallback. Rule-based, not hand-tuned: numbers on a GPU come
+    from tools/gpu_dequant_check.py."""
+    from tvm.s_tir import dlight as dl
 
-
-def _bind_rows_and_lanes(sch):
-    by = sch.get_sblock("y")
-    t, o, r = sch.get_loops(by)
-    oo, oi = sch.split(o, [None, 4])
-    sch.reorder(oo, oi, t, r)
-    sch.bind(oo, "blockIdx.x")
-    sch.bind(oi, "threadIdx.y")
-    sch.bind(r, "threadIdx.x")
-    rf = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if "rf" in sch.get(b).name_hint][0]
-    sch.compute_at(rf, t)
-    lr = sch.get_loops(rf)
-    sch.bind(lr[-1] if sch.get(lr[-1]).extent == 32 else lr[3], "threadIdx.x")
-
-
-def _fp8_gemv_cuda(sch):
-    sch.compute_inline(sch.get_sblock("wd"))
-    sch.compute_inline(sch.get_sblock("sc"))
-    by = sch.get_sblock("y")
-    t, o, k = sch.get_loops(by)
-    ko, ki = sch.split(k, [None, 32])
-    rf = sch.rfactor(ki, 2)
-    del rf
-    _bind_rows_and_lanes(sch)
-
-
-def _gemm_cuda(sch, inline: list[str], red: int):
-    """64x64 yt tiles per block, 16x16 threads with 4x4 outputs each, the decoded weight tile in shared memory."""
-    for name in inline:
-        sch.compute_inline(sch.get_sblock(name))
-    byt = sch.get_sblock("yt")
-    loops = sch.get_loops(byt)
-    o, t, rl = loops[0], loops[1], loops[2:]
-    k = sch.fuse(*rl) if len(rl) > 1 else rl[0]
-    bo, ty, oi = sch.split(o, [None, 16, 4])
-    bt, tx, ti = sch.split(t, [None, 16, 4])
-    ko, ki = sch.split(k, [None, 16])
-    sch.reorder(bo, bt, ty, tx, ko, ki, oi, ti)
-    sch.bind(bo, "blockIdx.y")
-    sch.bind(bt, "blockIdx.x")
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
-    acc = sch.cache_write(byt, 0, "local")
-    sch.reverse_compute_at(acc, tx)
-    bw = sch.get_sblock("wd")
-    sch.compute_at(bw, ko)
-    sch.set_scope(bw, 0, "shared")
-    _coop_bind(sch, bw)
-    bx = sch.get_sblock("xt")
-    sch.compute_inline(bx)
-    xs = sch.cache_read(byt, 1, "shared")
-    sch.compute_at(xs, ko)
-    _coop_bind(sch, xs)
-    sch.decompose_reduction(byt, ko)
-    by = sch.get_sblock("y")
-    ty_, oy = sch.get_loops(by)
-    f = sch.fuse(ty_, oy)
-    b, th = sch.split(f, [None, 256])
-    sch.bind(b, "blockIdx.x")
-    sch.bind(th, "threadIdx.x")
-
-
-def _coop_bind(sch, blk):
-    loops = sch.get_loops(blk)
-    inner = [lp for lp in loops if sch.get(lp).thread_binding is None][4:] if False else None
-    del inner
-    n = len(loops)
-    # the loops created by compute_at come after the 5 bound/ko loops
-    own = loops[5:] if n > 5 else loops[-1:]
-    f = sch.fuse(*own)
-    _, tyy, txx = sch.split(f, [None, 16, 16])
-    sch.bind(tyy, "threadIdx.y")
-    sch.bind(txx, "threadIdx.x")
+    func = sch.mod["main"]
+    mod = tvm.IRModule({"main": func})
+    with tvm.target.Target(target):
+        mod = dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Matmul(), dl.gpu.Reduction(), dl.gpu.Fallback())(mod)
+    return mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 # ------------------------------------------------------------------------------------------ build
