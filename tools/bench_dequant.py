@@ -1,0 +1,162 @@
+"""`dayzero bench dequant`: MXFP4 dequant-GEMV / GEMM vs torch eager and vs this machine's read bandwidth.
+
+run_bench(quick) -> {"suite": "dequant", "machine": {...}, "results": [...]} (DESIGN.md's bench JSON).
+
+Cases (out x in, real expert shapes: gpt-oss 2880x2880, DeepSeek-V3 2048x7168 both ways):
+- decode_gemv_mxfp4_<O>x<K>_n<T>: dayzero = seconds per call reading weights that are NOT in cache (a rotation
+  over a pool of distinct expert slabs larger than the last-level cache share we can hope for, like MoE decode
+  where each layer reads other experts); bound = weight bytes / streaming read bandwidth measured in this run;
+  baselines.torch_eager = dequantise (LUT + ldexp, transformers' way) then matmul, same rotation.
+- prefill_gemm_mxfp4_<O>x<K>_T<T>: dayzero = dequant-GEMM from MXFP4; baselines.torch_matmul = x @ W.T on
+  pre-dequantised fp32 weights (the bar: dayzero <= 2x of it); bound = flops / nothing measured -> null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import click
+import numpy as np
+
+GEMV_SHAPES = [(2880, 2880), (2048, 7168), (7168, 2048)]
+GEMM_SHAPES = [(2880, 2880)]
+GEMM_TOKENS = [128, 512, 1024]
+
+
+def _best(fn, repeats: int, inner: int = 1) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Streaming read bandwidth in bytes/s: best of `repeats` torch sums over an nbytes fp32 array."""
+    import torch
+
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    a.sum()
+    return nbytes / _best(lambda: a.sum(), repeats)
+
+
+def _torch_dequant_mxfp4(blocks, scales):
+    """transformers' way (mxfp4.convert_moe_packed_tensors): LUT on each nibble, then ldexp by the E8M0 scale."""
+    import torch
+
+    from ..frontend.lowprec import FP4_E2M1_VALUES
+
+    lut = torch.from_numpy(FP4_E2M1_VALUES)
+    o, g, _ = blocks.shape
+    w = torch.empty(o, g, 32)
+    w[..., 0::2] = lut[(blocks & 0x0F).long()]
+    w[..., 1::2] = lut[(blocks >> 4).long()]
+    w = torch.ldexp(w, scales.to(torch.int32)[..., None] - 127)
+    return w.reshape(o, g * 32)
+
+
+def _machine(bw: float) -> dict:
+    from ..targets.host import host_target_dict
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "target": host_target_dict(),
+        "cores": os.cpu_count(),
+        "read_bandwidth_GBps": round(bw / 1e9, 2),
+        "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def run_bench(quick: bool = False) -> dict:
+    import torch
+
+    from ..codegen.kernels import dequant as dq
+    from ..targets.host import host_target_dict
+
+    tgt = host_target_dict()
+    pool_bytes = (256 if quick else 1024) << 20
+    bw = read_bandwidth(pool_bytes)
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for O, K in GEMV_SHAPES[:1] if quick else GEMV_SHAPES:
+        G = K // 32
+        wbytes = O * G * 17
+        P = max(2, pool_bytes // wbytes)
+        blocks = torch.randint(0, 256, (P, O, G, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(118, 130, (P, O, G), dtype=torch.uint8, generator=gen)
+        for T in (1,) if quick else (1, 4):
+            f = dq.build("mxfp4_gemv", T, O, K, num_experts=P, target=tgt)
+            x = torch.randn(T, K, generator=gen)
+            y = torch.empty(T, O)
+            f(x, blocks, scales, 0, y)
+
+            def sweep():
+                for e in range(P):
+                    f(x, blocks, scales, e, y)
+
+            t_dz = _best(sweep, 3) / P
+            ne = min(P, 8 if quick else 16)
+
+            def eager():
+                for e in range(ne):
+                    x @ _torch_dequant_mxfp4(blocks[e], scales[e]).T
+
+            t_eager = _best(eager, 2) / ne
+            hot = _best(lambda: f(x, blocks, scales, 0, y), 5, 20)
+            bound = wbytes / bw
+            results.append({
+                "case": f"decode_gemv_mxfp4_{O}x{K}_n{T}", "unit": "s", "dayzero": t_dz,
+                "baselines": {"torch_eager": t_eager}, "bound": bound, "bound_name": "weight_bytes/read_bandwidth",
+                "weight_bytes": wbytes, "achieved_GBps": wbytes / t_dz / 1e9,
+                "fraction_of_bandwidth": bound / t_dz, "speedup_vs_torch_eager": t_eager / t_dz,
+                "dayzero_cache_hot": hot,
+            })
+        del blocks, scales
+    for O, K in GEMM_SHAPES:
+        G = K // 32
+        blocks = torch.randint(0, 256, (O, G, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(118, 130, (O, G), dtype=torch.uint8, generator=gen)
+        W = _torch_dequant_mxfp4(blocks, scales).contiguous()
+        f = dq.build("mxfp4_gemm", O, K, target=tgt)
+        for T in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
+            x = torch.randn(T, K, generator=gen)
+            y = torch.empty(T, O)
+            f(x, blocks, scales, y)
+            err = float((y - x @ W.T).abs().max() / (x @ W.T).abs().max())
+            r = 2 if T >= 512 else 3
+            t_dz = _best(lambda: f(x, blocks, scales, y), r)
+            t_mm = _best(lambda: torch.matmul(x, W.T), r)
+            results.append({
+                "case": f"prefill_gemm_mxfp4_{O}x{K}_T{T}", "unit": "s", "dayzero": t_dz,
+                "baselines": {"torch_matmul_predequantised": t_mm}, "bound": None, "bound_name": None,
+                "gflops": 2 * T * O * K / t_dz / 1e9, "ratio_vs_torch_matmul": t_mm / t_dz, "max_rel_err": err,
+            })
+    return {"suite": "dequant", "machine": _machine(bw), "results": results}
+
+
+@click.command("dequant")
+@click.option("--json", "as_json", is_flag=True, help="Print the bench JSON object.")
+@click.option("--quick", is_flag=True, help="Fewer shapes and a smaller weight pool.")
+def dequant_command(as_json: bool, quick: bool):
+    """MXFP4 dequant-GEMV (decode) and dequant-GEMM (prefill) vs torch and the machine's read bandwidth."""
+    out = run_bench(quick=quick)
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    m = out["machine"]
+    click.echo(f"read bandwidth {m['read_bandwidth_GBps']} GB/s, target {m['target']}")
+    for r in out["results"]:
+        base = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in r["baselines"].items())
+        extra = (f"{r['achieved_GBps']:.1f} GB/s = {r['fraction_of_bandwidth']:.0%} of bw, "
+                 f"{r['speedup_vs_torch_eager']:.1f}x eager" if "achieved_GBps" in r
+                 else f"{r['gflops']:.0f} GFLOP/s, {r['ratio_vs_torch_matmul']:.2f}x torch")
+        click.echo(f"{r['case']:40s} {r['dayzero'] * 1e3:8.3f} ms  ({base})  {extra}")
+
+
+if __name__ == "__main__":
+    dequant_command()
