@@ -1,0 +1,186 @@
+"""From an optimised graph to an executable program: buffers, kernels and steps.
+
+    Graph ──► buffers   one per value; views (reshape, getitem, ...) alias their source's buffer
+          ──► kernels   one PrimFunc per distinct (op, attrs, types): the two layers of a model share kernels
+          ──► steps     [(kernel, argument buffers)] in topological order
+
+Every buffer has a symbolic shape and a zone (``weights``, ``io``, ``activations``); the memory plan (the last
+pass) gives it an offset in the arena, sized at the symbols' declared upper bounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import sympy
+import tvm
+from tvm import te
+
+from dayzero import InternalError, UnsupportedOpsError
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.text import _value
+from . import lower
+
+
+@dataclass
+class BufferInfo:
+    id: int
+    dtype: str
+    shape: tuple  # ints and sympy expressions
+    zone: str  # weights | io | activations
+    alias_of: int | None = None  # views share the bytes of another buffer
+    weight: str | None = None  # weights: the manifest name
+    name: str | None = None  # io: input name / output index
+
+    def max_bytes(self, bounds: dict[str, int]) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d if isinstance(d, int) else int(d.subs({s: bounds[s.name] for s in d.free_symbols}))
+        return n * ops.DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Kernel:
+    name: str
+    op: str
+    func: tvm.tirx.PrimFunc
+    key: str
+    span: str = ""
+    route: str = "default"  # hand-scheduled | tuned | default | generic (set by codegen/schedule.py)
+
+
+@dataclass
+class Step:
+    kernel: str
+    args: list[int]  # buffer ids: inputs then outputs
+    node: str  # op and span, for reports and errors
+    symbols: list[str] = field(default_factory=list)  # trailing scalar arguments: symbol values
+    outputs: int = 1  # the last `outputs` of args are written
+
+
+@dataclass
+class Program:
+    name: str
+    symbols: list[tuple[str, int, int]]
+    buffers: list[BufferInfo] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+
+
+def check_supported(g: Graph) -> None:
+    """Raise one error naming every op that has no lowering, with its upstream source line."""
+    bad = []
+    seen = set()
+    for n in g.nodes():
+        if n.op in ("input", "weight") or ops.get(n.op).view:
+            continue
+        if not lower.can_lower(n.op) and (n.op, str(n.span)) not in seen:
+            seen.add((n.op, str(n.span)))
+            bad.append((n.op, str(n.span) or "<unknown>"))
+    if bad:
+        raise UnsupportedOpsError(bad)
+
+
+def _kernel_key(n: Node) -> str:
+    ins = ";".join(f"{i.dtype}{list(map(str, i.shape))}" for i in n.inputs)
+    outs = ";".join(f"{t.dtype}{list(map(str, t.shape))}" for t in n.types)
+    attrs = ",".join(f"{k}={_value(v)}" for k, v in n.attrs)
+    return f"{n.op}|{attrs}|{ins}|{outs}"
+
+
+def _safe(op: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in op)
+
+
+def make_prim_func(n: Node, name: str) -> tvm.tirx.PrimFunc:
+    ctx = lower.Ctx()
+    phs = [te.placeholder(ctx.shape(i.shape), dtype=i.dtype, name=f"in{k}") for k, i in enumerate(n.inputs)]
+    outs = lower.lower_node(ctx, n.op, phs, n.attr, n.types)
+    if len(outs) != len(n.types):
+        raise InternalError(f"lowering of {n.op} gave {len(outs)} outputs for {len(n.types)}")
+    for o, t in zip(outs, n.types):
+        if o.dtype != t.dtype:
+            raise InternalError(f"lowering of {n.op} gives {o.dtype}, the node is {t.dtype}")
+    # a symbol used by the compute but not bare in any argument's shape (it only appears inside an
+    # expression, or not at all) is passed as a trailing int64 scalar argument
+    bare = {str(d) for t in phs + outs for d in t.shape if isinstance(d, tvm.tirx.Var)}
+    extra = [v for s, v in sorted(ctx.vars.items()) if s not in bare]
+    f = te.create_prim_func(phs + outs + extra)
+    return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", [v.name for v in extra])
+
+
+def build_program(g: Graph, name: str = "prefill") -> Program:
+    check_supported(g)
+    prog = Program(name, [tuple(s) for s in g.symbols])
+    buf_of: dict[int, list[int]] = {}  # node id -> buffer id per output
+    by_key: dict[str, str] = {}
+
+    def new_buffer(t: TensorType, zone: str, **kw) -> int:
+        b = BufferInfo(len(prog.buffers), t.dtype, t.shape, zone, **kw)
+        prog.buffers.append(b)
+        return b.id
+
+    out_nodes = {id(o) for o in g.outputs}
+    for n in g.nodes():
+        if n.op == "input":
+            bid = new_buffer(n.type, "io", name=n.attr["name"])
+            prog.inputs.append(bid)
+            buf_of[id(n)] = [bid]
+            continue
+        if n.op == "weight":
+            buf_of[id(n)] = [new_buffer(n.type, "weights", weight=n.attr["name"])]
+            continue
+        od = ops.get(n.op)
+        if od.view:
+            src = buf_of[id(n.inputs[0])][n.attr["index"] if n.op == "getitem" else 0]
+            root = prog.buffers[src].alias_of if prog.buffers[src].alias_of is not None else src
+            buf_of[id(n)] = [new_buffer(n.type, prog.buffers[root].zone, alias_of=root)]
+            continue
+        zone = "io" if id(n) in out_nodes else "activations"
+        outs = [new_buffer(t, zone) for t in n.types]
+        buf_of[id(n)] = outs
+        key = _kernel_key(n)
+        kname = by_key.get(key)
+        if kname is None:
+            kname = f"k{len(by_key):03d}_{_safe(n.op)}"
+            by_key[key] = kname
+            prog.kernels[kname] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span))
+        syms = [str(x) for x in prog.kernels[kname].func.attrs["dayzero.scalar_symbols"]]
+        args = [buf_of[id(i)][0] if len(i.types) == 1 else None for i in n.inputs]
+        if None in args:
+            raise InternalError(f"{n.op} reads a multi-output node directly")
+        prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs)))
+    for o in g.outputs:
+        prog.outputs.append(buf_of[id(o)][0])
+    return prog
+
+
+def structural_key(func: tvm.tirx.PrimFunc) -> str:
+    return hashlib.sha256(str(tvm.ir.structural_hash(func)).encode()).hexdigest()[:16]
+
+
+def dim_json(d) -> int | str:
+    return d if isinstance(d, int) else sympy.sstr(d)
+
+
+def program_json(prog: Program) -> dict:
+    return {
+        "name": prog.name,
+        "symbols": [list(s) for s in prog.symbols],
+        "inputs": prog.inputs,
+        "outputs": prog.outputs,
+        "buffers": [{"id": b.id, "dtype": b.dtype, "shape": [dim_json(d) for d in b.shape], "zone": b.zone,
+                     "alias_of": b.alias_of, "weight": b.weight, "name": b.name} for b in prog.buffers],
+        "steps": [{"kernel": s.kernel, "args": s.args, "node": s.node, "symbols": s.symbols,
+                   "outputs": s.outputs} for s in prog.steps],
+        "kernels": {k.name: {"op": k.op, "route": k.route, "span": k.span} for k in prog.kernels.values()},
+    }
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)

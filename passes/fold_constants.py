@@ -1,0 +1,47 @@
+"""fold_constants: evaluate at compile time every value that depends on no input and no weight.
+
+    scalar_tensor(1e-6)            weight "const.<hash>"  (bound from the artifact's constants)
+    arange(0, 8) -> mul(., 2)  ==>
+    full([], True)
+
+Only statically shaped values are folded (a value shaped by ``seq`` depends on the input's length) and only small
+ones (at most ``MAX_ELEMENTS``): folding a large broadcast would trade a cheap kernel for resident bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Graph, Node, rewrite
+
+MAX_ELEMENTS = 1 << 16
+
+
+def fold_constants(g: Graph, constants: dict[str, torch.Tensor]) -> Graph:
+    """Returns the rewritten graph; the folded values are added to ``constants`` (name -> tensor)."""
+    values: dict[int, torch.Tensor] = {}
+
+    def fn(n: Node):
+        if n.op in ("input", "weight") or len(n.types) != 1:
+            return None
+        if not all(id(i) in values for i in n.inputs):
+            return None
+        if any(not isinstance(d, int) for d in n.shape):
+            return None
+        numel = 1
+        for d in n.shape:
+            numel *= d
+        if numel > MAX_ELEMENTS:
+            return None
+        v = ops.get(n.op).call([values[id(i)] for i in n.inputs], n.attr)
+        raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        name = "const." + hashlib.sha256(raw + str(n.types[0]).encode()).hexdigest()[:16]
+        constants[name] = v
+        folded = Node.make("weight", (), {"name": name}, n.types, n.span)
+        values[id(folded)] = v
+        return folded
+
+    return rewrite(g, fn)

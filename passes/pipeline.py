@@ -1,0 +1,50 @@
+"""The compiler, on one screen: every pass in order, each named as in the IR dumps (``NNN_<pass>.ir``).
+
+Passes are functions ``(graph, ctx) -> graph``; ``ctx`` carries what passes share with the rest of the compile
+(the constants they fold, the patterns they find). The verifier runs after every pass when ``verify=True``
+(tests, ``dayzero dump-ir``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dayzero.passes.ir.node import Graph
+from dayzero.passes.ir.text import print_graph
+from dayzero.passes.ir.verify import verify as verify_graph
+from .fold_constants import fold_constants
+
+
+@dataclass
+class PassContext:
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    patterns: dict[str, int] = field(default_factory=dict)  # pattern name -> matches
+
+
+Pass = Callable[[Graph, PassContext], Graph]
+
+PIPELINE: list[tuple[str, Pass]] = [
+    # -- canonicalize ----------------------------------------------------------------------------------------
+    ("fold_constants", lambda g, ctx: fold_constants(g, ctx.constants)),
+    # -- identify patterns (dequant, moe, sparse attention, cross-layer state) plug in here ------------------
+]
+
+
+def run_pipeline(g: Graph, ctx: PassContext, verify: bool = False, dump_dir: str | Path | None = None) -> Graph:
+    dump = Path(dump_dir) if dump_dir is not None else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "000_input.ir").write_text(print_graph(g))
+    if verify:
+        verify_graph(g)
+    for k, (name, fn) in enumerate(PIPELINE, start=1):
+        g = fn(g, ctx)
+        if verify:
+            verify_graph(g)
+        if dump is not None:
+            (dump / f"{k:03d}_{name}.ir").write_text(print_graph(g))
+    return g

@@ -1,0 +1,181 @@
+"""The runtime: load an artifact, allocate one arena, bind the weights, run programs.
+
+    arena = torch.empty(arena_bytes, uint8)     one allocation; every buffer is a 64-byte-aligned view into it
+    weights zone  <- checkpoint recipes (copy runs from memory-mapped safetensors) / weights.safetensors
+    prefill(input_ids) -> logits                symbols (seq) from the input's shape, then the steps in order
+
+Kernels take DLPack views of the arena (TVM_NOTES: byte_offset must be 0 and the pointer 64-byte aligned, which
+the planner guarantees). Argument lists are prepared once per distinct symbol binding and cached.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import sympy
+import torch
+import tvm
+from safetensors import safe_open
+
+from dayzero import InternalError, UserError
+from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
+
+ALIGN = 64
+
+
+class _Program:
+    def __init__(self, pj: dict, lib, arena: torch.Tensor):
+        self.name = pj["name"]
+        self.symbols = {s: (lo, hi) for s, lo, hi in pj["symbols"]}
+        self.buffers = pj["buffers"]
+        self.offsets = {int(k): v for k, v in pj["memory"]["offsets"].items()}
+        self.inputs = pj["inputs"]
+        self.outputs = pj["outputs"]
+        self.arena = arena
+        syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
+        order = list(syms)
+        self._shape_fns = []
+        for b in self.buffers:
+            dims = []
+            for d in b["shape"]:
+                if isinstance(d, int):
+                    dims.append(d)
+                else:
+                    dims.append(sympy.lambdify([syms[s] for s in order], sympy.sympify(d, locals=syms), "math"))
+            self._shape_fns.append(dims)
+        self._order = order
+        self._funcs = {}
+        self.steps = []
+        for st in pj["steps"]:
+            f = self._funcs.get(st["kernel"])
+            if f is None:
+                f = self._funcs[st["kernel"]] = lib[st["kernel"]]
+            self.steps.append((f, st["args"], st.get("symbols", []), st["node"], st["outputs"]))
+        self._cache = lru_cache(maxsize=16)(self._prepare)
+
+    def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else int(d(*env)) for d in self._shape_fns[bid])
+
+    def view(self, bid: int, env: tuple) -> torch.Tensor:
+        b = self.buffers[bid]
+        shape = self.shape(bid, env)
+        n = int(np.prod(shape)) if shape else 1
+        off = self.offsets[bid]
+        nbytes = n * DTYPE_BYTES[b["dtype"]]
+        if off % ALIGN:
+            raise InternalError(f"buffer {bid} at unaligned offset {off}")
+        return self.arena[off:off + nbytes].view(torch_dtype(b["dtype"])).view(shape)
+
+    def _prepare(self, env: tuple):
+        views = {}
+
+        def v(bid):
+            if bid not in views:
+                views[bid] = self.view(bid, env)
+            return views[bid]
+        values = dict(zip(self._order, env))
+        calls = [(f, [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, _ in self.steps]
+        return calls, [v(i) for i in self.inputs], [v(o) for o in self.outputs]
+
+    def bind(self, inputs: list[torch.Tensor]) -> tuple:
+        env = {}
+        for bid, t in zip(self.inputs, inputs):
+            for d, size in zip(self.buffers[bid]["shape"], t.shape):
+                if isinstance(d, str) and d in self.symbols:
+                    env[d] = int(size)
+        for s, (lo, hi) in self.symbols.items():
+            if s not in env:
+                raise InternalError(f"symbol {s} is not bound by any input dimension")
+            if not lo <= env[s] <= hi:
+                raise UserError(f"{s}={env[s]} is outside the compiled range [{lo}, {hi}]")
+        return tuple(env[s] for s in self._order)
+
+    def run(self, inputs: list[torch.Tensor], observe=None) -> list[torch.Tensor]:
+        """Run the steps; ``observe(step_index, node, output_views)`` (debugging, compare) sees each step's
+        outputs right after it ran, before the arena reuses their bytes."""
+        env = self.bind(inputs)
+        calls, in_views, out_views = self._cache(env)
+        for view, t in zip(in_views, inputs):
+            if tuple(view.shape) != tuple(t.shape):
+                raise UserError(f"input shape {tuple(t.shape)} does not match the program's {tuple(view.shape)}")
+            view.copy_(t)
+        if observe is None:
+            for f, args in calls:
+                f(*args)
+        else:
+            for k, ((f, args), (_, bids, _, node, n_out)) in enumerate(zip(calls, self.steps)):
+                f(*args)
+                n_in = len(bids) - n_out
+                observe(k, node, args[n_in:n_in + n_out])
+        return [o.clone() for o in out_views]
+
+
+class Runtime:
+    """A loaded artifact: ``prefill(input_ids) -> logits``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        pfile = self.path / "program.json"
+        if not pfile.is_file():
+            raise UserError(f"{path}: not a dayzero artifact (no program.json)")
+        self.program_json = json.loads(pfile.read_text())
+        self.manifest = json.loads((self.path / "weights.json").read_text())
+        self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
+        progs = self.program_json["programs"]
+        arena_bytes = max(p["memory"]["arena_bytes"] for p in progs.values())
+        # torch's CPU allocator aligns large allocations to 64 bytes; checked, since kernels require it
+        self.arena = torch.empty(arena_bytes + ALIGN, dtype=torch.uint8)
+        shift = (-self.arena.data_ptr()) % ALIGN
+        self.arena = self.arena[shift:shift + arena_bytes]
+        self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
+        self._bind_weights()
+
+    def _bind_weights(self) -> None:
+        prog = next(iter(self.programs.values()))
+        tensors = self.manifest["tensors"]
+        ck = self.manifest.get("checkpoint")
+        own = self.path / "weights.safetensors"
+        handles = {}
+        try:
+            for bid, b in enumerate(prog.buffers):
+                name = b.get("weight")
+                if name is None or b.get("alias_of") is not None:
+                    continue
+                entry = tensors[name]
+                dst = prog.view(bid, ())
+                if entry["source"] == "artifact":
+                    if "own" not in handles:
+                        handles["own"] = safe_open(str(own), framework="pt")
+                    dst.copy_(handles["own"].get_tensor(name).reshape(dst.shape))
+                    continue
+                flat = dst.reshape(-1)
+                for d0, key, s0, length in entry["runs"]:
+                    f = ck["keys"][key]
+                    if f not in handles:
+                        handles[f] = safe_open(f, framework="pt")
+                    src = handles[f].get_slice(key)
+                    shape = src.get_shape()
+                    row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                    # read only the rows the run covers (safetensors slices the leading dim without reading more)
+                    r0, r1 = s0 // row, -(-(s0 + length) // row)
+                    part = src[r0:r1].reshape(-1)
+                    off = s0 - r0 * row
+                    flat[d0:d0 + length].copy_(part[off:off + length])
+        except FileNotFoundError as e:
+            raise UserError(f"checkpoint file missing: {e.filename}") from None
+        finally:
+            handles.clear()
+
+    def prefill(self, input_ids) -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        ids = ids.to(torch.int64)
+        return self.programs["prefill"].run([ids])[0]
+
+
+def load(path: str | Path) -> Runtime:
+    return Runtime(path)
