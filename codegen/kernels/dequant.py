@@ -294,8 +294,9 @@ def mxfp4_gemm(out_features: int, in_features: int, *, num_experts: int | None =
     scales  uint8 [(E,) O, G]
     expert  int32                  only with num_experts
     y       fp32  [T, O]
-    Internally xt[g, h, j, tp] = x[tp, 32g + 2j + h] (0 for tp >= T, tp < Tp = T rounded up to the token tile),
-    yt[o, tp] = sum_{g,h,j} wd[o, g, h, j] * xt[g, h, j, tp], y[t, o] = yt[o, t].
+    Internally xt[b, g, h, j, i] = x[64b + i, 32g + 2j + h] (0 past T; token tiles of 64 outermost so one tile's
+    activations are contiguous), yt[o, tp] = sum_{g,h,j} wd[o, g, h, j] * xt[tp // 64, g, h, j, tp % 64],
+    y[t, o] = yt[o, t].
     """
     _check_dims("mxfp4_gemm", out_features, in_features)
     O, K, G = out_features, in_features, in_features // 32
@@ -306,11 +307,11 @@ def mxfp4_gemm(out_features: int, in_features: int, *, num_experts: int | None =
     B, S, e = _weight_args("mxfp4", O, K, num_experts)
     avx = _has_avx512(target)
     wd = _mxfp4_stages(B, S, e, O, G, lanes16=avx)
-    xt = te.compute((G, 2, 16, Tp), lambda g, h, j, t: tirx.if_then_else(
-        t < T, x[tirx.min(t, T - 1), g * 32 + j * 2 + h], _f32(0.0)), name="xt")
+    xt = te.compute((Tp // tt, G, 2, 16, tt), lambda b, g, h, j, i: tirx.if_then_else(
+        b * tt + i < T, x[tirx.min(b * tt + i, T - 1), g * 32 + j * 2 + h], _f32(0.0)), name="xt")
     g_, h_, j_ = te.reduce_axis((0, G), "g"), te.reduce_axis((0, 2), "h"), te.reduce_axis((0, 16), "j")
-    yt = te.compute((O, Tp), lambda o, t: te.sum(wd[o, g_, h_, j_] * xt[g_, h_, j_, t], axis=[g_, h_, j_]),
-                    name="yt")
+    yt = te.compute((O, Tp), lambda o, t: te.sum(wd[o, g_, h_, j_] * xt[t // tt, g_, h_, j_, t % tt],
+                                                 axis=[g_, h_, j_]), name="yt")
     y = te.compute((T, O), lambda t, o: yt[o, t], name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, B, S, e, y)))
     if _is_cuda(target):
@@ -329,7 +330,8 @@ def fp8_block_gemm(out_features: int, in_features: int, *, num_experts: int | No
     scale_inv fp32  [(E,) ceil(O/128), ceil(K/128)]
     expert    int32              only with num_experts
     y         fp32  [T, O]
-    Internally xt[k, tp] = x[tp, k] (0 past T), yt[o, tp] = sum_k wd[o, k] * xt[k, tp], y[t, o] = yt[o, t].
+    Internally xt[b, k, i] = x[64b + i, k] (0 past T), yt[o, tp] = sum_k wd[o, k] * xt[tp // 64, k, tp % 64],
+    y[t, o] = yt[o, t].
     """
     _check_dims("fp8_block_gemm", out_features, in_features)
     O, K = out_features, in_features
@@ -339,9 +341,10 @@ def fp8_block_gemm(out_features: int, in_features: int, *, num_experts: int | No
     x = te.placeholder((T, K), "float32", name="x")
     Wt, S, e = _weight_args("fp8", O, K, num_experts)
     wd = _fp8_wd(Wt, S, e, O, K)
-    xt = te.compute((K, Tp), lambda k, t: tirx.if_then_else(t < T, x[tirx.min(t, T - 1), k], _f32(0.0)), name="xt")
+    xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
+        b * tt + i < T, x[tirx.min(b * tt + i, T - 1), k], _f32(0.0)), name="xt")
     k_ = te.reduce_axis((0, K), "k")
-    yt = te.compute((O, Tp), lambda o, t: te.sum(wd[o, k_] * xt[k_, t], axis=k_), name="yt")
+    yt = te.compute((O, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, k_, t % tt], axis=k_), name="yt")
     y = te.compute((T, O), lambda t, o: yt[o, t], name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, Wt, S, e, y)))
     if _is_cuda(target):
@@ -357,7 +360,7 @@ def _token_tile(target: dict) -> int:
 
 def _gemm_cpu(sch, O: int, K: int, fmt: str, permvar: bool, orows: int = 4, tvec: int = 4):
     """yt tile loops: o_outer (parallel, OT rows) / t_outer / o_mid / k... / o_inner(orows) / t (tvec x 16 lanes)."""
-    ot = max(orows, min(64, (96 * 1024) // (4 * K) // orows * orows))  # decoded [OT, K] tile ~<= 96 KiB (L2)
+    ot = max(orows, min(64, (768 * 1024) // (4 * K) // orows * orows))  # decoded [OT, K] tile <= 768 KiB (L2)
     while O % ot and ot > orows:
         ot -= orows
     if O % ot:
@@ -397,7 +400,9 @@ def _gemm_cpu(sch, O: int, K: int, fmt: str, permvar: bool, orows: int = 4, tvec
         ko, ki = sch.split(lw[-1], [None, 16])
         sch.vectorize(ki)
     bx = sch.get_sblock("xt")
-    sch.vectorize(sch.split(sch.get_loops(bx)[-1], [None, 16])[-1])
+    lx = sch.get_loops(bx)
+    sch.parallel(lx[0])
+    sch.vectorize(sch.split(lx[-1], [None, 16])[-1])
     by = sch.get_sblock("y")
     ty, oy = sch.get_loops(by)
     sch.parallel(ty)
