@@ -39,7 +39,12 @@ def schedule_kernel(k: Kernel, target: tvm.target.Target, db: "tuning.TuningData
             k.route = "tuned"
             return mod
     try:
-        mod = tuning.default_schedule(k.func, target)
+        if "cpu" in target.keys:
+            # dlight's CPU GEMV rule vectorises across strided rows with a 256-step unroll: LLVM then spends
+            # 10-40 s on one tiny bmm and the code is no faster than parallel loops. Parallel loops it is.
+            mod = tuning._cpu_parallel_fallback(tuning.normalize(k.func))
+        else:
+            mod = tuning.default_schedule(k.func, target)
         k.route = "default"
         return mod
     except Exception as e:  # noqa: BLE001 - a rule that breaks on an unusual kernel: keep the plain loops

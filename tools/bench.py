@@ -1,0 +1,68 @@
+"""``dayzero bench e2e``: the demo model, compiled vs torch eager vs torch.compile, in one run.
+
+Cases: prefill at 64 tokens, and a one-token forward (the decode-equivalent step until the decode program lands).
+Each figure is the median of ``repeat`` runs after a warm-up; all three contenders run interleaved in the same
+process so the machine's noise hits them alike. Peak RSS is the process's high-water mark (``resource``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    from dayzero.targets.host import host_cpu
+
+    return {"cpu": host_cpu(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_e2e(repeat: int = 20) -> dict:
+    from dayzero.frontend.hf import load_upstream
+    from dayzero.runtime import load
+    from dayzero.tools.demo import DEMO_MODEL
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="dayzero-bench-"))
+    make_tiny(DEMO_MODEL, work / "ckpt", seed=0)
+    compile_model(str(work / "ckpt"), str(work / "art"), max_seq=128)
+    rt = load(work / "art")
+    eager = load_upstream(work / "ckpt")
+    compiled = torch.compile(eager)
+    results = []
+    for case, seq in (("prefill_64", 64), ("step_1_token", 1)):
+        ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+        mask = torch.ones_like(ids)
+
+        def run_eager(m=eager):
+            with torch.no_grad():
+                return m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+        ours = _median_time(lambda: rt.prefill(ids), repeat)
+        t_eager = _median_time(run_eager, repeat)
+        t_compiled = _median_time(lambda: run_eager(compiled), repeat)
+        results.append({"case": case, "unit": "s", "dayzero": ours,
+                        "baselines": {"torch_eager": t_eager, "torch_compile": t_compiled},
+                        "bound": None, "bound_name": None, "tokens": seq})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
+            "model": DEMO_MODEL}

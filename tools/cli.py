@@ -1,0 +1,217 @@
+"""The ``dayzero`` command line.
+
+Every command: ``--help``; ``--json`` for one machine-readable object on stdout; exit code 0 only on success.
+Errors are one line on stderr: a user error (bad model, flag, file) exits 2, an internal error (a dayzero bug)
+exits 3 with a hint; ``--debug`` (before the command) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import click
+
+from dayzero import DayzeroError, InternalError, UserError
+
+
+def _emit(obj, as_json: bool, human=None) -> None:
+    if as_json:
+        click.echo(json.dumps(obj, indent=1, sort_keys=True, default=str))
+    elif human is not None:
+        human(obj)
+    else:
+        for k, v in obj.items():
+            click.echo(f"{k}: {v}")
+
+
+class DayzeroGroup(click.Group):
+    """Turns errors into one line and an exit code (2 user, 3 internal) unless --debug."""
+
+    def invoke(self, ctx):
+        debug = ctx.params.get("debug", False)
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except UserError as e:
+            if debug:
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except Exception as e:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+            if debug:
+                raise
+            kind = "internal error" if isinstance(e, (InternalError, DayzeroError)) else \
+                f"internal error ({type(e).__name__})"
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            click.echo(f"{kind}: {msg} (rerun with --debug for the traceback)", err=True)
+            ctx.exit(3)
+
+
+@click.group(cls=DayzeroGroup)
+@click.option("--debug", is_flag=True, help="show tracebacks instead of one-line errors")
+@click.version_option(package_name="dayzero")
+def main(debug: bool) -> None:
+    """dayzero: compiler-driven bring-up of sparse LLMs (PyTorch + Apache TVM)."""
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(message)s")
+    if not debug:
+        warnings.filterwarnings("ignore")
+
+
+@main.command("compile")
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="artifact directory to write")
+@click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
+@click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
+@click.option("--verify", is_flag=True, help="run the IR verifier after every pass")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def compile_cmd(model, out, target, max_seq, verify, as_json):
+    """Compile MODEL (checkpoint dir or module.path:factory) into the artifact directory OUT."""
+    from dayzero.tools.driver import compile_model
+
+    if max_seq < 1:
+        raise UserError("--max-seq must be at least 1")
+    rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify)
+    summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
+               "steps": rep["programs"]["prefill"]["steps"],
+               "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"]}
+    _emit(summary, as_json)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UserError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UserError("--input-ids is empty: give at least one token id")
+    return ids
+
+
+@main.command("run")
+@click.argument("artifact", type=click.Path())
+@click.option("--input-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+@click.option("--json", "as_json", is_flag=True)
+def run_cmd(artifact, input_ids, as_json):
+    """Run the compiled prefill program on INPUT_IDS and print the logits' shape and argmax."""
+    from dayzero.runtime import load
+
+    ids = _parse_ids(input_ids)
+    rt = load(artifact)
+    t0 = time.perf_counter()
+    logits = rt.prefill(ids)
+    dt = time.perf_counter() - t0
+    res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist(), "seconds": dt}
+    _emit(res, as_json)
+
+
+@main.command("dump-ir")
+@click.argument("model")
+@click.option("--dir", "out_dir", required=True, type=click.Path(file_okay=False), help="where NNN_<pass>.ir go")
+@click.option("--max-seq", default=512, show_default=True)
+def dump_ir_cmd(model, out_dir, max_seq):
+    """Trace MODEL and write its IR after every pass (NNN_<pass>.ir), verifying each."""
+    from dayzero.tools.driver import optimize, trace_model
+
+    fe = trace_model(model, max_seq)
+    optimize(fe, verify=True, dump_dir=out_dir)
+    files = sorted(os.listdir(out_dir))
+    click.echo("\n".join(os.path.join(out_dir, f) for f in files))
+
+
+@main.command("report")
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def report_cmd(artifact, as_json):
+    """Routes (kernel -> hand-scheduled / tuned / default / generic), patterns, memory of a compiled artifact."""
+    path = os.path.join(artifact, "report.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{artifact}: not a dayzero artifact (no report.json)")
+    with open(path) as f:
+        rep = json.load(f)
+
+    def human(r):
+        from collections import Counter
+
+        click.echo(f"model_type: {r.get('model_type') or '-'}   target: {r['target']}")
+        click.echo("routes: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(r['routes'].values()).items())))
+        click.echo("patterns: " + (", ".join(f"{k} x{v}" for k, v in r["patterns"].items()) or "none"))
+        click.echo(f"unsupported: {len(r['unsupported'])}")
+        for name, p in r["programs"].items():
+            m = p["memory"]
+            click.echo(f"{name}: {p['steps']} steps, {p['kernels']} kernels, arena {m['arena_bytes']} B "
+                       f"(zones: {m['zones']})")
+    _emit(rep, as_json, human)
+
+
+@main.command("demo")
+@click.option("--out", type=click.Path(), default=None, help="artifact directory (default: a temp dir)")
+@click.option("--seq-len", default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo_cmd(out, seq_len, as_json):
+    """Build a tiny fixed-seed upstream MoE model, compile it, run it, and compare with eager PyTorch."""
+    from dayzero.tools.demo import run_demo
+
+    res = run_demo(out, seq_len)
+
+    def human(r):
+        click.echo(f"model: {r['model']} (tiny, seed 0) -> {r['artifact']}")
+        for k, v in r["seconds"].items():
+            click.echo(f"  {k:<12} {v:7.2f} s")
+        click.echo(f"max |logits - upstream eager| = {r['max_abs_diff']:.3g}  ({'ok' if r['ok'] else 'MISMATCH'})")
+    _emit(res, as_json, human)
+    if not res["ok"]:
+        sys.exit(1)
+
+
+@main.group("bench")
+def bench_group():
+    """Benchmarks, side by side in one run; --json writes the DESIGN.md schema."""
+
+
+@bench_group.command("e2e")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--repeat", default=20, show_default=True)
+def bench_e2e_cmd(as_json, repeat):
+    """Demo model: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
+    from dayzero.tools.bench import bench_e2e
+
+    _emit(bench_e2e(repeat), as_json, _bench_human)
+
+
+def _bench_human(r):
+    click.echo(f"suite {r['suite']} on {r['machine'].get('cpu', '?')}")
+    for row in r["results"]:
+        base = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row["baselines"].items())
+        click.echo(f"  {row['case']:<28} dayzero {row['dayzero'] * 1e3:.2f} ms | {base}")
+
+
+def _register_optional():
+    """Commands that live in their own modules."""
+    from dayzero.tools.make_tiny import make_tiny_cmd
+    from dayzero.tools.plan_cmd import plan
+
+    main.add_command(make_tiny_cmd)
+    main.add_command(plan)
+    try:
+        from dayzero.tools.bench_dequant import dequant_command as dequant_cmd
+
+        bench_group.add_command(dequant_cmd)
+    except ImportError:
+        pass
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()
