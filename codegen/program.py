@@ -70,6 +70,7 @@ class Program:
     inputs: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     kernels: dict[str, Kernel] = field(default_factory=dict)
+    input_ranges: dict[str, list[int]] = field(default_factory=dict)  # input name -> [lo, hi) of its values
 
 
 def check_supported(g: Graph) -> None:
@@ -157,6 +158,10 @@ def build_program(g: Graph, name: str = "prefill") -> Program:
         prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs)))
     for o in g.outputs:
         prog.outputs.append(buf_of[id(o)][0])
+    # an input used as embedding indices must be in [0, rows): checked by the runtime before any kernel reads
+    for n in g.nodes():
+        if n.op == "embedding" and n.inputs[1].op == "input":
+            prog.input_ranges[n.inputs[1].attr["name"]] = [0, int(n.inputs[0].shape[0])]
     return prog
 
 
@@ -173,6 +178,7 @@ def program_json(prog: Program) -> dict:
         "name": prog.name,
         "symbols": [list(s) for s in prog.symbols],
         "inputs": prog.inputs,
+        "input_ranges": prog.input_ranges,
         "outputs": prog.outputs,
         "buffers": [{"id": b.id, "dtype": b.dtype, "shape": [dim_json(d) for d in b.shape], "zone": b.zone,
                      "alias_of": b.alias_of, "weight": b.weight, "name": b.name} for b in prog.buffers],

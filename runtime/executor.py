@@ -33,6 +33,7 @@ class _Program:
         self.buffers = pj["buffers"]
         self.offsets = {int(k): v for k, v in pj["memory"]["offsets"].items()}
         self.inputs = pj["inputs"]
+        self.input_ranges = pj.get("input_ranges", {})
         self.outputs = pj["outputs"]
         self.arena = arena
         syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
@@ -81,6 +82,13 @@ class _Program:
         return calls, [v(i) for i in self.inputs], [v(o) for o in self.outputs]
 
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
+        for bid, t in zip(self.inputs, inputs):
+            name = self.buffers[bid]["name"]
+            if name in self.input_ranges and t.numel():
+                lo, hi = self.input_ranges[name]
+                bad = (t < lo) | (t >= hi)
+                if bool(bad.any()):
+                    raise UserError(f"{name}: value {int(t[bad][0])} is outside [{lo}, {hi}) (vocabulary size {hi})")
         env = {}
         for bid, t in zip(self.inputs, inputs):
             for d, size in zip(self.buffers[bid]["shape"], t.shape):
@@ -174,6 +182,8 @@ class Runtime:
         if ids.dim() == 1:
             ids = ids[None]
         ids = ids.to(torch.int64)
+        if ids.numel() == 0:
+            raise UserError("empty prompt: give at least one token id")
         return self.programs["prefill"].run([ids])[0]
 
 

@@ -1,0 +1,32 @@
+"""Shared fixtures: models compiled once per session (compiling is the slow part), GPU marker handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = torch.cuda.is_available()
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def compiled_factory(tmp_path_factory):
+    """compiled_factory("tiny_dense") -> (artifact dir, module, example inputs), cached per session."""
+    from dayzero.tools import examples
+    from dayzero.tools.driver import compile_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            module, inputs = getattr(examples, name)()
+            out = tmp_path_factory.mktemp(name) / "artifact"
+            compile_model((module, inputs), out, max_seq=64, verify=True)
+            cache[name] = (out, module, inputs)
+        return cache[name]
+    return get
