@@ -204,6 +204,12 @@ def _register_optional():
     main.add_command(make_tiny_cmd)
     main.add_command(plan)
     try:
+        from dayzero.tools.compare import compare_cmd
+
+        main.add_command(compare_cmd)
+    except ImportError:
+        pass
+    try:
         from dayzero.tools.bench_dequant import dequant_command as dequant_cmd
 
         bench_group.add_command(dequant_cmd)

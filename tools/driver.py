@@ -53,6 +53,10 @@ def resolve_target(target: str | dict) -> dict:
 
 def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
     seq = torch.export.Dim("seq", min=1, max=max_seq)
+    if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
+        from dayzero.frontend.onnx_import import trace_onnx
+
+        return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         ckpt = Checkpoint(model)
         module, _ = hf.meta_model(ckpt)
