@@ -134,6 +134,10 @@ def _result_dtype(ins: list[te.Tensor], scalars=()) -> str:
 
 LOWERINGS: dict[str, Callable] = {}
 
+# op -> fn(node) -> a complete, already scheduled PrimFunc (``tirx.is_scheduled``) or None to fall back to
+# LOWERINGS: for kernels TE cannot express (data-dependent loop bounds: grouped expert GEMM, sparse attention)
+PRIMFUNCS: dict[str, Callable] = {}
+
 
 def lowering(*names):
     def deco(fn):
@@ -790,4 +794,4 @@ def lower_node(ctx: Ctx, op: str, ins: list[te.Tensor], attrs: dict, out_types) 
 
 
 def can_lower(op: str) -> bool:
-    return op in LOWERINGS
+    return op in LOWERINGS or op in PRIMFUNCS

@@ -99,6 +99,15 @@ def _safe(op: str) -> str:
 
 
 def make_prim_func(n: Node, name: str) -> tvm.tirx.PrimFunc:
+    """The node's kernel: a hand-written PrimFunc (``lower.PRIMFUNCS``) or the TE compute of its lowering.
+
+    Argument order is always the node's inputs, then its outputs, then any symbol passed as a scalar."""
+    hand = lower.PRIMFUNCS.get(n.op)
+    if hand is not None:
+        f = hand(n)
+        if f is not None:
+            extra = f.attrs.get("dayzero.scalar_symbols", []) if f.attrs is not None else []
+            return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", list(extra))
     ctx = lower.Ctx()
     phs = [te.placeholder(ctx.shape(i.shape), dtype=i.dtype, name=f"in{k}") for k, i in enumerate(n.inputs)]
     outs = lower.lower_node(ctx, n.op, phs, n.attr, n.types)

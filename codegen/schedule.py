@@ -27,6 +27,9 @@ HAND_SCHEDULED: dict[str, Rule] = {}
 
 
 def schedule_kernel(k: Kernel, target: tvm.target.Target, db: "tuning.TuningDatabase | None") -> tvm.IRModule:
+    if k.func.attrs is not None and "tirx.is_scheduled" in k.func.attrs:  # written scheduled (lower.PRIMFUNCS)
+        k.route = "hand-scheduled"
+        return tvm.IRModule({"main": k.func})
     rule = HAND_SCHEDULED.get(k.op)
     if rule is not None:
         mod = rule(k, target)
