@@ -113,7 +113,11 @@ def optimize(fe: Frontend, verify: bool = False, dump_dir=None) -> tuple[Graph, 
 
 
 def plan_memory(prog: Program) -> dict:
-    """Lifetimes over program steps -> zoned arena offsets, sized at the symbols' upper bounds."""
+    """Lifetimes over program steps -> zoned arena offsets, sized at the symbols' upper bounds.
+
+    ``buffers`` keeps every planned buffer as ``[offset, bytes, first_step, last_step, zone]`` (lifetimes
+    inclusive; weights and program I/O span [0, steps]) so ``dayzero report --plot`` can draw the arena
+    from report.json alone."""
     bounds = {s: hi for s, lo, hi in prog.symbols}
     n = len(prog.steps)
     first: dict[int, int] = {}
@@ -152,6 +156,8 @@ def plan_memory(prog: Program) -> dict:
         "planned_bytes": {z: p.arena_bytes for z, p in zp.plans.items()},
         "algorithm": {z: p.algorithm for z, p in zp.plans.items()},
         "bounds": bounds,
+        "steps": n,
+        "buffers": [[zp.offsets[b.id], b.size, b.start, b.end, b.zone] for b in sorted(bufs, key=lambda b: b.id)],
     }
 
 
