@@ -129,31 +129,6 @@ def dump_ir_cmd(model, out_dir, max_seq):
     click.echo("\n".join(os.path.join(out_dir, f) for f in files))
 
 
-@main.command("report")
-@click.argument("artifact", type=click.Path())
-@click.option("--json", "as_json", is_flag=True)
-def report_cmd(artifact, as_json):
-    """Routes (kernel -> hand-scheduled / tuned / default / generic), patterns, memory of a compiled artifact."""
-    path = os.path.join(artifact, "report.json")
-    if not os.path.isfile(path):
-        raise UserError(f"{artifact}: not a dayzero artifact (no report.json)")
-    with open(path) as f:
-        rep = json.load(f)
-
-    def human(r):
-        from collections import Counter
-
-        click.echo(f"model_type: {r.get('model_type') or '-'}   target: {r['target']}")
-        click.echo("routes: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(r['routes'].values()).items())))
-        click.echo("patterns: " + (", ".join(f"{k} x{v}" for k, v in r["patterns"].items()) or "none"))
-        click.echo(f"unsupported: {len(r['unsupported'])}")
-        for name, p in r["programs"].items():
-            m = p["memory"]
-            click.echo(f"{name}: {p['steps']} steps, {p['kernels']} kernels, arena {m['arena_bytes']} B "
-                       f"(zones: {m['zones']})")
-    _emit(rep, as_json, human)
-
-
 @main.command("demo")
 @click.option("--out", type=click.Path(), default=None, help="artifact directory (default: a temp dir)")
 @click.option("--seq-len", default=16, show_default=True)
@@ -200,9 +175,11 @@ def _register_optional():
     """Commands that live in their own modules."""
     from dayzero.tools.make_tiny import make_tiny_cmd
     from dayzero.tools.plan_cmd import plan
+    from dayzero.tools.report import report_cmd
 
     main.add_command(make_tiny_cmd)
     main.add_command(plan)
+    main.add_command(report_cmd)
     try:
         from dayzero.tools.compare import compare_cmd
 
