@@ -29,8 +29,9 @@ IDX = "int64"
 class Ctx:
     """Per-kernel state: the TIR variable of each symbol."""
 
-    def __init__(self):
+    def __init__(self, bind: dict[str, int] | None = None):
         self.vars: dict[str, tvm.tirx.Var] = {}
+        self.bind = dict(bind or {})  # symbols specialised to a value (tuning at a size, decode at seq=1)
 
     def dim(self, d) -> Any:
         if isinstance(d, int):
@@ -45,6 +46,8 @@ def _sym_to_tir(e, ctx: Ctx):
     if e.is_Integer:
         return tvm.tirx.const(int(e), IDX)
     if e.is_Symbol:
+        if e.name in ctx.bind:
+            return tvm.tirx.const(ctx.bind[e.name], IDX)
         if e.name not in ctx.vars:
             ctx.vars[e.name] = te.var(e.name, dtype=IDX)
         return ctx.vars[e.name]

@@ -50,6 +50,7 @@ class Kernel:
     key: str
     span: str = ""
     route: str = "default"  # hand-scheduled | tuned | default | generic (set by codegen/schedule.py)
+    node: Node | None = None  # the first node that uses it (to re-lower it specialised)
 
 
 @dataclass
@@ -98,17 +99,18 @@ def _safe(op: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in op)
 
 
-def make_prim_func(n: Node, name: str) -> tvm.tirx.PrimFunc:
+def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tvm.tirx.PrimFunc:
     """The node's kernel: a hand-written PrimFunc (``lower.PRIMFUNCS``) or the TE compute of its lowering.
 
-    Argument order is always the node's inputs, then its outputs, then any symbol passed as a scalar."""
+    Argument order is always the node's inputs, then its outputs, then any symbol passed as a scalar.
+    ``bind`` specialises symbols to values (a static-shape copy for tuning or a decode-sized kernel)."""
     hand = lower.PRIMFUNCS.get(n.op)
     if hand is not None:
         f = hand(n)
         if f is not None:
             extra = f.attrs.get("dayzero.scalar_symbols", []) if f.attrs is not None else []
             return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", list(extra))
-    ctx = lower.Ctx()
+    ctx = lower.Ctx(bind)
     phs = [te.placeholder(ctx.shape(i.shape), dtype=i.dtype, name=f"in{k}") for k, i in enumerate(n.inputs)]
     outs = lower.lower_node(ctx, n.op, phs, n.attr, n.types)
     if len(outs) != len(n.types):
@@ -159,7 +161,7 @@ def build_program(g: Graph, name: str = "prefill") -> Program:
         if kname is None:
             kname = f"k{len(by_key):03d}_{_safe(n.op)}"
             by_key[key] = kname
-            prog.kernels[kname] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span))
+            prog.kernels[kname] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span), node=n)
         syms = [str(x) for x in prog.kernels[kname].func.attrs["dayzero.scalar_symbols"]]
         args = [buf_of[id(i)][0] if len(i.types) == 1 else None for i in n.inputs]
         if None in args:
