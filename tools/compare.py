@@ -1,0 +1,374 @@
+"""``dayzero compare MODEL OUT``: the compiled artifact against the upstream model, and where they part.
+
+    fixed-seed input ──► upstream, eager (checkpoint: transformers; module:factory: the module; *.onnx: onnx_import)
+                     ──► reference interpreter on the re-traced IR, upstream's own weights   (the trace check)
+                     ──► compiled program, observed after every step ─┐ in lockstep with the interpreter,
+                                                                      └ step k <-> k-th compute node
+    report: logits max abs / max rel error vs upstream; per decoder layer (nodes grouped by the ``...layers.N``
+    prefix of their span's module path) its largest error and first bad node; the first divergence overall
+    with its upstream source line; with ``--per-node`` every step.
+
+Localising. The IR is re-traced with the artifact's bound (program.json's symbols) and run through the same
+pipeline, so its compute nodes, in ``Graph.nodes()`` order, are the program's steps one for one (checked: each
+step records "op at span"). The interpreter reads the *upstream* model's tensors (``state_dict()`` and
+``named_buffers()``), not the artifact's, so a corrupted artifact weight shows up at the first node reading it;
+tensors upstream does not hold (folded constants, the frontend's computed buffers) come from the frontend or the
+artifact's own ``weights.safetensors``. First the interpreter's logits are checked against upstream: if they
+differ, the trace itself is wrong and that is what is reported (stage ``trace``).
+
+Top-k ties. With few heads or experts, a router or indexer can score two candidates exactly equally at the k-th
+place; torch and a TVM kernel may then pick different ones, and every value downstream legitimately differs.
+dayzero makes the comparison meaningful by checking, at each ``topk`` step whose compiled indices differ from
+the reference's, whether the compiled choice scores the same under the *reference* scores (|ref score at compiled
+index - ref top-k value| <= 1e-6 at every position; in particular the k-th and (k+1)-th reference scores are
+equal). If so, it is reported as "tie at <node>", not as a bug, and the interpreter continues with the compiled
+choice (indices, and values gathered from the reference scores), so everything after the tie is compared
+against a reference that broke the tie the same way. ``ok`` is then true when the tie-aligned comparison is
+within tolerance; ``max_abs_diff`` still states the raw difference from upstream.
+
+Tolerance: element-wise ``|compiled - ref| <= atol + rtol * |ref|`` (defaults 1e-4 and 0, i.e. absolute;
+``--rtol`` states a relative bound where magnitudes are large). ``max_rel_diff`` is the largest
+``|compiled - ref| / |ref|`` over elements with ``|ref| > atol``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import click
+import torch
+
+from dayzero import InternalError, UserError
+
+ATOL = 1e-4
+TIE_EPS = 1e-6
+DEFAULT_SEQ = 16
+_LAYER = re.compile(r"^(.*?\blayers\.\d+)(?:\.|$)")
+
+
+# ---- numbers ---------------------------------------------------------------------------------------------------
+
+def diff(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
+    """``{abs, rel, bad}`` of ``out`` against ``ref``: largest errors and how many elements are outside tolerance."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return {"abs": float("inf"), "rel": float("inf"), "bad": max(out.numel(), ref.numel(), 1)}
+    if out.numel() == 0:
+        return {"abs": 0.0, "rel": 0.0, "bad": 0}
+    a, b = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # equal infinities and NaN where upstream has NaN agree
+    d = torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=float("inf")))
+    big = b.abs() > atol
+    rel = float((d[big] / b.abs()[big]).max()) if bool(big.any()) else 0.0
+    bad = int((d > atol + rtol * b.abs().nan_to_num(nan=0.0, posinf=0.0)).sum())
+    return {"abs": float(d.max()), "rel": rel, "bad": bad}
+
+
+def topk_tie(scores: torch.Tensor, ref_idx: torch.Tensor, out_idx: torch.Tensor, k: int, dim: int,
+             largest: bool = True, eps: float = TIE_EPS) -> dict | None:
+    """Whether compiled top-k indices that differ from the reference's are only another way of breaking a tie.
+
+    ``scores`` are the reference's top-k input. Returns None when the indices agree or when the compiled choice
+    scores differently (a real divergence); else ``{rows, kth_tied}``: how many rows differ, and whether in all of
+    them the k-th and (k+1)-th reference scores are equal within ``eps`` (the tie crosses the selection
+    boundary; otherwise it is only the order among equally scored selected entries)."""
+    if tuple(ref_idx.shape) != tuple(out_idx.shape) or torch.equal(ref_idx, out_idx):
+        return None
+    n = scores.shape[dim]
+    if bool(((out_idx < 0) | (out_idx >= n)).any()):
+        return None
+    ref_val = scores.gather(dim, ref_idx)
+    got = scores.gather(dim, out_idx)
+    if not torch.allclose(got.to(torch.float64), ref_val.to(torch.float64), atol=eps, rtol=0.0):
+        return None
+    picked = out_idx.movedim(dim, -1).reshape(-1, out_idx.shape[dim]).sort(-1).values
+    if bool((picked[:, 1:] == picked[:, :-1]).any()):
+        return None  # choosing one candidate twice is no tie-break
+    rows = (ref_idx != out_idx).movedim(dim, -1).reshape(-1, ref_idx.shape[dim]).any(-1)
+    srt = scores.sort(dim, descending=largest).values.movedim(dim, -1).reshape(-1, n)
+    kth_tied = bool(k < n and ((srt[rows, k - 1] - srt[rows, k]).abs() <= eps).all())
+    return {"rows": int(rows.sum()), "kth_tied": kth_tied}
+
+
+# ---- the model and its inputs -----------------------------------------------------------------------------------
+
+def fixed_inputs(pj: dict, seq_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """One tensor per program input, from a fixed seed: token ids uniform over the embedding's rows, floats
+    standard normal; every symbolic dimension at ``seq_len``."""
+    from dayzero.passes.ir.ops import torch_dtype
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for bid in pj["inputs"]:
+        b = pj["buffers"][bid]
+        shape = [d if isinstance(d, int) else seq_len for d in b["shape"]]
+        dt = torch_dtype(b["dtype"])
+        if dt.is_floating_point:
+            out.append(torch.randn(shape, generator=gen).to(dt))
+        else:
+            lo, hi = pj.get("input_ranges", {}).get(b["name"], [0, 2])
+            out.append(torch.randint(lo, hi, shape, generator=gen).to(dt))
+    return out
+
+
+def _logits(out) -> torch.Tensor:
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    if isinstance(out, dict):
+        return next(iter(out.values()))
+    return out
+
+
+def upstream(model, max_seq: int):
+    """``(run(inputs) -> logits, tensors by name or {}, frontend)``; the frontend is the re-trace of MODEL."""
+    from dayzero.tools.driver import trace_model
+
+    if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
+        try:
+            from dayzero.frontend.onnx_import import reference_outputs
+        except ImportError:
+            raise UserError("comparing an ONNX model needs dayzero.frontend.onnx_import.reference_outputs, which "
+                            "this installation does not have") from None
+        fe = trace_model(model, max_seq)
+        names = [n.attr["name"] for n in fe.traced.graph.inputs]
+
+        def run_onnx(inputs):
+            return torch.as_tensor(_logits(reference_outputs(str(model), dict(zip(names, inputs)))))
+        return run_onnx, {}, fe
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        from dayzero.frontend.hf import load_upstream
+
+        module = load_upstream(model)
+        fe = trace_model(model, max_seq)
+
+        def run_hf(inputs):
+            ids = inputs[0]
+            return module(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    else:
+        if isinstance(model, str):
+            import importlib
+
+            if ":" not in model:
+                raise UserError(f"{model}: neither a checkpoint directory, a .onnx file nor module.path:factory")
+            mod_name, _, attr = model.partition(":")
+            try:
+                model = getattr(importlib.import_module(mod_name), attr)()
+            except (ImportError, AttributeError) as e:
+                raise UserError(f"cannot load {model}: {e}") from None
+        if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module)):
+            raise UserError("a model factory must return (nn.Module, example_inputs)")
+        module = model[0].eval()
+        fe = trace_model(model, max_seq)
+
+        def run_hf(inputs):
+            return _logits(module(*inputs))
+    tensors = dict(module.state_dict())
+    tensors.update(module.named_buffers())
+    return run_hf, tensors, fe
+
+
+# ---- the comparison ---------------------------------------------------------------------------------------------
+
+def _where(n) -> dict:
+    m = _LAYER.match(n.span.module or "")
+    return {"op": n.op, "layer": m.group(1) if m else None, "module": n.span.module, "source": n.span.source}
+
+
+def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rtol: float = 0.0,
+            per_node: bool = False) -> dict:
+    """Compare MODEL's upstream forward with the compiled ARTIFACT; see the module docstring."""
+    from dayzero.passes.ir import ops
+    from dayzero.passes.ir.interp import infer_env, run_graph
+    from dayzero.passes.ir.ops import torch_dtype
+    from dayzero.runtime import load
+    from dayzero.tools.driver import optimize
+
+    art = Path(artifact)
+    if not (art / "program.json").is_file():
+        raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
+    rt = load(art)
+    pname, prog = next(iter(rt.programs.items()))
+    pj = rt.program_json["programs"][pname]
+    bounds = {s: hi for s, lo, hi in pj["symbols"]}
+    max_seq = max(bounds.values(), default=DEFAULT_SEQ)
+    seq = min(seq_len or DEFAULT_SEQ, max_seq)
+    if seq_len is not None and not 1 <= seq_len <= max_seq:
+        raise UserError(f"--seq-len {seq_len} is outside the artifact's range [1, {max_seq}]")
+    inputs = fixed_inputs(pj, seq)
+
+    run_upstream, tensors, fe = upstream(model, max_seq)
+    tensors.update(fe.traced.weights)
+    g, _ = optimize(fe)
+    compute = [n for n in g.nodes() if n.op not in ("input", "weight") and not ops.get(n.op).view]
+    steps = pj["steps"]
+    for k, (n, st) in enumerate(zip(compute, steps)):
+        if st["node"] != f"{n.op} at {n.span}":
+            raise UserError(f"{artifact} was not compiled from this model by this dayzero: step {k} is "
+                            f"{st['node']!r}, the re-trace gives '{n.op} at {n.span}' (recompile it)")
+    if len(compute) != len(steps):
+        raise UserError(f"{artifact}: {len(steps)} steps, the re-trace of the model gives {len(compute)} (recompile)")
+
+    # weights: upstream's own tensors first, the artifact's bound copy only for what upstream does not hold
+    wbid = {b["weight"]: b["id"] for b in pj["buffers"] if b.get("weight") and b.get("alias_of") is None}
+    wnode = {n.attr["name"]: n for n in g.nodes() if n.op == "weight"}
+    source = {"upstream": 0, "artifact": 0}
+
+    def weight(name: str) -> torch.Tensor:
+        n = wnode[name]
+        t = tensors.get(name)
+        if t is not None and t.numel() == _numel(n.shape):
+            source["upstream"] += 1
+            return t.detach().to(torch_dtype(n.dtype)).reshape(n.shape)
+        if name not in wbid:
+            raise InternalError(f"weight {name} is neither upstream's nor bound in the artifact")
+        source["artifact"] += 1
+        return prog.view(wbid[name], ()).clone()
+
+    names = [n.attr["name"] for n in g.inputs]
+    feed = dict(zip(names, inputs))
+    with torch.no_grad():
+        expected = _logits(run_upstream(inputs)).detach()
+        interp = run_graph(g, feed, weight)[0]
+        # the compiled program in lockstep with the interpreter: step k is compute[k]
+        env = infer_env(g, feed)
+        vals: dict[int, object] = {}
+        pending = iter(g.nodes())
+        rows, ties = [], []
+        wcache: dict[str, torch.Tensor] = {}
+
+        def advance_to(target):
+            for n in pending:
+                if n.op == "input":
+                    v = feed[n.attr["name"]]
+                elif n.op == "weight":
+                    v = wcache.setdefault(n.attr["name"], weight(n.attr["name"]))
+                else:
+                    v = ops.get(n.op).call([vals[id(i)] for i in n.inputs], n.attr, env)
+                vals[id(n)] = v
+                if n is target:
+                    return v
+            raise InternalError("the interpreter ran past the program")
+
+        def observe(k, node, views):
+            n = compute[k]
+            ref = advance_to(n)
+            refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+            row = dict(step=k, node=f"%{index[id(n)]}", **_where(n))
+            if n.op == "topk" and len(views) == 2:
+                a = n.attr
+                tie = topk_tie(vals[id(n.inputs[0])], refs[1], views[1], int(a["k"]), int(a.get("dim", -1)),
+                               bool(a.get("largest", True)))
+                if tie is not None:
+                    scores = vals[id(n.inputs[0])]
+                    idx = views[1].clone()
+                    refs = [scores.gather(int(a.get("dim", -1)), idx), idx]
+                    vals[id(n)] = tuple(refs)  # downstream follows the compiled tie-break
+                    ties.append(dict(row, **tie))
+                    row["tie"] = True
+            ds = [diff(v, r, atol, rtol) for v, r in zip(views, refs)]
+            row.update(abs_diff=max(d["abs"] for d in ds), rel_diff=max(d["rel"] for d in ds),
+                       bad=sum(d["bad"] for d in ds))
+            rows.append(row)
+
+        index = {id(n): i for i, n in enumerate(g.nodes())}
+        got = prog.run(inputs, observe=observe)[0]
+
+    res = {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model[0]).__name__,
+           "artifact": str(art.resolve()), "program": pname, "seq_len": seq, "atol": atol, "rtol": rtol}
+    head = diff(got, expected, atol, rtol)
+    trace = diff(interp, expected, atol, rtol)
+    res.update(max_abs_diff=head["abs"], max_rel_diff=head["rel"], logits_ok=head["bad"] == 0,
+               trace_max_abs_diff=trace["abs"], trace_ok=trace["bad"] == 0, weights=source)
+    first = next((r for r in rows if r["bad"]), None)
+    res["ties"] = [f"tie at {t['node']} ({t['op']} at {t['module'] or '-'} {t['source']}): {t['rows']} row(s)"
+                   + (", k-th and (k+1)-th scores equal" if t["kth_tied"] else ", order among equal scores")
+                   for t in ties]
+    if not res["trace_ok"]:
+        res["stage"] = "trace"
+        res["first_divergence"] = {"node": None, "op": None, "layer": None, "source": "trace",
+                                   "abs_diff": trace["abs"],
+                                   "message": "the reference interpreter on the traced IR already differs from "
+                                              "upstream: the divergence is in tracing, not in compilation"}
+    elif first is not None:
+        res["stage"] = "compile"
+        res["first_divergence"] = {k: first[k] for k in ("node", "op", "layer", "module", "source", "abs_diff",
+                                                         "rel_diff", "step")}
+    else:
+        res["stage"] = None
+        res["first_divergence"] = None
+    # explained by ties: every step agrees once the reference follows the compiled tie-break
+    res["ok"] = res["trace_ok"] and (head["bad"] == 0 or (bool(ties) and first is None))
+    layers: dict[str, dict] = {}
+    for r in rows:
+        key = r["layer"] or r["module"] or "-"
+        e = layers.setdefault(key, {"layer": key, "steps": 0, "max_abs_diff": 0.0, "first_divergence": None})
+        e["steps"] += 1
+        e["max_abs_diff"] = max(e["max_abs_diff"], r["abs_diff"])
+        if r["bad"] and e["first_divergence"] is None:
+            e["first_divergence"] = {k: r[k] for k in ("node", "op", "source", "abs_diff")}
+    res["layers"] = list(layers.values())
+    if per_node:
+        res["nodes"] = rows
+    return res
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ---- the command --------------------------------------------------------------------------------------------------
+
+def _human(r: dict) -> None:
+    click.echo(f"{r['model']} vs {r['artifact']} ({r['program']}, seq {r['seq_len']}, atol {r['atol']:g}"
+               + (f", rtol {r['rtol']:g}" if r["rtol"] else "") + ")")
+    click.echo(f"logits: max abs diff {r['max_abs_diff']:.3g}, max rel diff {r['max_rel_diff']:.3g}  "
+               f"({'ok' if r['logits_ok'] else 'OUTSIDE TOLERANCE'})")
+    click.echo(f"trace (interpreter vs upstream): max abs diff {r['trace_max_abs_diff']:.3g}  "
+               f"({'ok' if r['trace_ok'] else 'DIFFERS: the divergence is in tracing'})")
+    for t in r["ties"]:
+        click.echo(t + ": downstream differences are tie-breaking, not a numerical bug")
+    for e in r["layers"]:
+        fd = e["first_divergence"]
+        tail = f"first bad {fd['node']} {fd['op']} ({fd['source']}) {fd['abs_diff']:.3g}" if fd else "ok"
+        click.echo(f"  {e['layer']:<32} {e['steps']:4d} steps  max abs {e['max_abs_diff']:9.3g}  {tail}")
+    for n in r.get("nodes", []):
+        click.echo(f"    {n['step']:4d} {n['node']:>6} {n['op']:<28} {n['abs_diff']:9.3g} "
+                   f"{'BAD' if n['bad'] else ('tie' if n.get('tie') else 'ok '):4} {n['module']} {n['source']}")
+    fd = r["first_divergence"]
+    if fd is None:
+        click.echo("first divergence: none" + (" (after aligning ties)" if r["ties"] else ""))
+    elif r["stage"] == "trace":
+        click.echo(f"first divergence: {fd['message']}")
+    else:
+        click.echo(f"first divergence: {fd['node']} {fd['op']} in {fd['layer'] or fd['module']} at {fd['source']}, "
+                   f"abs diff {fd['abs_diff']:.3g}")
+    click.echo("ok" if r["ok"] else "MISMATCH")
+
+
+@click.command("compare")
+@click.argument("model")
+@click.argument("out", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--seq-len", type=int, default=None, help=f"input length (default {DEFAULT_SEQ}, capped at the bound)")
+@click.option("--per-node", is_flag=True, help="report every compiled step, not only every layer")
+@click.option("--atol", type=float, default=ATOL, show_default=True, help="absolute tolerance")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance (large magnitudes)")
+def compare_cmd(model, out, as_json, seq_len, per_node, atol, rtol):
+    """Compare the artifact OUT with MODEL run eagerly upstream on the same fixed-seed input; localise the first
+    divergence layer by layer (exit 1 when outside tolerance)."""
+    if atol < 0 or rtol < 0:
+        raise UserError("--atol and --rtol must be non-negative")
+    r = compare(model, out, seq_len=seq_len, atol=atol, rtol=rtol, per_node=per_node)
+    if as_json:
+        click.echo(json.dumps(r, indent=1, sort_keys=True, default=str))
+    else:
+        _human(r)
+    if not r["ok"]:
+        raise SystemExit(1)
