@@ -187,5 +187,14 @@ class Runtime:
         return self.programs["prefill"].run([ids])[0]
 
 
+    def run(self, *inputs) -> list[torch.Tensor]:
+        """Run the prefill program on generic inputs (ONNX models: any names, dtypes, ranks), given in the
+        program's input order; symbols bind from their shapes. Returns every output."""
+        prog = self.programs["prefill"]
+        if len(inputs) != len(prog.inputs):
+            raise UserError(f"the program takes {len(prog.inputs)} inputs, got {len(inputs)}")
+        ts = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)) for x in inputs]
+        return prog.run(ts)
+
 def load(path: str | Path) -> Runtime:
     return Runtime(path)
