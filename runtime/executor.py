@@ -186,7 +186,6 @@ class Runtime:
             raise UserError("empty prompt: give at least one token id")
         return self.programs["prefill"].run([ids])[0]
 
-
     def run(self, *inputs) -> list[torch.Tensor]:
         """Run the prefill program on generic inputs (ONNX models: any names, dtypes, ranks), given in the
         program's input order; symbols bind from their shapes. Returns every output."""
