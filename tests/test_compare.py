@@ -1,0 +1,135 @@
+"""``dayzero compare``: the compiled artifact against upstream eager, and where they part.
+
+Specification:
+* a correct artifact compares within 1e-4 (exit 0), the interpreter matches upstream (the trace is right);
+* an artifact whose copy of one layer-1 weight was corrupted after compiling fails (exit 1) and names the first
+  divergent node: the linear reading that weight, in ``layers.1``, with its upstream source line;
+* a top-k over exactly tied scores is reported as "tie at <node>", not as a numerical bug, and the comparison
+  downstream follows the compiled tie-break.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from dayzero.tools.cli import main
+from dayzero.tools.compare import compare, diff, topk_tie
+
+TINY_MOE = "dayzero.tools.examples:tiny_moe"
+
+
+def test_compare_passes_on_a_correct_artifact(compiled_factory):
+    art, _, _ = compiled_factory("tiny_moe")
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(art), "--json", "--seq-len", "7"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["ok"] and res["trace_ok"] and res["first_divergence"] is None and res["ties"] == []
+    assert res["max_abs_diff"] <= 1e-4 and res["max_rel_diff"] >= 0 and res["seq_len"] == 7
+    layers = [e["layer"] for e in res["layers"]]
+    assert "model.model.layers.0" in layers and "model.model.layers.1" in layers
+    assert res["weights"]["upstream"] > 0  # the reference reads upstream's tensors, not the artifact's
+
+
+def test_corrupted_weight_fails_and_names_the_layer(compiled_factory, tmp_path):
+    art, _, _ = compiled_factory("tiny_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(art, bad)
+    name = "model.model.layers.1.self_attn.o_proj.weight"
+    w = load_file(str(bad / "weights.safetensors"))
+    w[name][3, 5] += 0.5
+    save_file(w, str(bad / "weights.safetensors"))
+
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(bad), "--json", "--per-node"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.output)
+    assert not res["ok"] and res["trace_ok"] and res["stage"] == "compile"
+    fd = res["first_divergence"]
+    assert fd["layer"] == "model.model.layers.1" and fd["op"] == "linear"
+    assert fd["module"] == "model.model.layers.1.self_attn.o_proj"
+    assert fd["source"].startswith("transformers/models/qwen3_moe/modeling_qwen3_moe.py:")
+    assert fd["abs_diff"] > 1e-4 and fd["node"].startswith("%")
+    by_layer = {e["layer"]: e for e in res["layers"]}
+    assert by_layer["model.model.layers.0"]["first_divergence"] is None
+    # --per-node: every step, and nothing before the corrupted linear is outside tolerance
+    nodes = res["nodes"]
+    assert [n["step"] for n in nodes] == list(range(len(nodes)))
+    assert not any(n["bad"] for n in nodes[:fd["step"]])
+
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(bad)])  # the human form names it too
+    assert r.exit_code == 1 and "first divergence: %" in r.output and "model.model.layers.1" in r.output
+
+
+class TieRouter(torch.nn.Module):
+    """Every row scores its 6 candidates 3 > 2 = 2 = 2 > 1 > 0: the 2nd place is a three-way tie."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 6, bias=False)
+        self.w = torch.nn.Parameter(torch.tensor([3.0, 1.0, 2.0, 2.0, 2.0, 0.0]))
+
+    def forward(self, x):
+        scores = self.proj(x) * 0.0 + self.w
+        vals, idx = torch.topk(scores, 2, dim=-1)
+        return self.proj(x).gather(-1, idx) * vals
+
+
+def test_topk_tie_detected_end_to_end(tmp_path):
+    from dayzero.tools.driver import compile_model
+
+    torch.manual_seed(0)
+    model = (TieRouter().eval(), (torch.randn(1, 5, 4),))
+    compile_model(model, tmp_path / "art", max_seq=16)
+    res = compare(model, tmp_path / "art", seq_len=9, per_node=True)
+    assert res["ok"] and res["trace_ok"] and res["first_divergence"] is None
+    if not res["logits_ok"]:  # the kernel broke the tie another way than torch: it must be named as a tie
+        assert len(res["ties"]) == 1 and res["ties"][0].startswith("tie at %")
+        assert "k-th and (k+1)-th scores equal" in res["ties"][0]
+        assert [n["op"] for n in res["nodes"] if n.get("tie")] == ["topk"]
+
+
+def test_topk_tie_rules():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    ref_v, ref_i = scores.topk(2, -1)  # row 0: 2nd place tied between 2 and 3
+    other = ref_i.clone()
+    other[0, 1] = 3 if int(ref_i[0, 1]) == 2 else 2
+    t = topk_tie(scores, ref_i, other, 2, -1)
+    assert t == {"rows": 1, "kth_tied": True}
+    assert topk_tie(scores, ref_i, ref_i.clone(), 2, -1) is None  # same choice: nothing to explain
+    wrong = ref_i.clone()
+    wrong[1, 1] = 2  # 3.0 instead of 4.0: a real divergence
+    assert topk_tie(scores, ref_i, wrong, 2, -1) is None
+    swapped = torch.tensor([[0, 3], [0, 1]]), torch.tensor([[0, 2], [0, 1]])
+    s2 = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    assert topk_tie(s2, swapped[1], swapped[0], 2, -1)["rows"] == 1
+    # ties within 1e-6 count, a gap of 1e-3 does not
+    near = torch.tensor([[3.0, 2.0 + 5e-7, 2.0]])
+    assert topk_tie(near, torch.tensor([[0, 1]]), torch.tensor([[0, 2]]), 2, -1)["kth_tied"]
+    far = torch.tensor([[3.0, 2.001, 2.0]])
+    assert topk_tie(far, torch.tensor([[0, 1]]), torch.tensor([[0, 2]]), 2, -1) is None
+
+
+def test_diff_tolerance():
+    ref = torch.tensor([1000.0, 1.0, 0.0])
+    out = ref + torch.tensor([0.01, 0.0, 5e-5])
+    assert diff(out, ref, 1e-4, 0.0)["bad"] == 1  # 0.01 on 1000 is outside an absolute 1e-4
+    assert diff(out, ref, 1e-4, 1e-4)["bad"] == 0  # ... inside a stated relative bound
+    d = diff(out, ref, 1e-4, 0.0)
+    assert abs(d["rel"] - 1e-5) < 1e-7 and abs(d["abs"] - 0.01) < 1e-4  # float32 inputs
+    assert diff(torch.tensor([float("nan")]), torch.tensor([float("nan")]), 1e-4, 0.0)["bad"] == 0
+    assert diff(torch.tensor([float("nan")]), torch.tensor([1.0]), 1e-4, 0.0)["bad"] == 1
+    assert diff(torch.zeros(2), torch.zeros(3), 1e-4, 0.0)["bad"] > 0
+
+
+def test_compare_user_errors(compiled_factory, tmp_path):
+    art, _, _ = compiled_factory("tiny_moe")
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "not a dayzero artifact" in r.output
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(art), "--seq-len", "999"])
+    assert r.exit_code == 2 and "outside the artifact's range" in r.output
+    r = CliRunner().invoke(main, ["compare", "dayzero.tools.examples:tiny_dense", str(art)])
+    assert r.exit_code == 2 and "not compiled from this model" in r.output
