@@ -1,6 +1,7 @@
 """``dayzero compare MODEL OUT``: the compiled artifact against the upstream model, and where they part.
 
-    fixed-seed input ──► upstream, eager (checkpoint: transformers; module:factory: the module; *.onnx: onnx_import)
+    fixed-seed input ──► upstream, eager (checkpoint: transformers; module:factory: the module;
+                                          *.onnx: onnx_import.reference_outputs)
                      ──► reference interpreter on the re-traced IR, upstream's own weights   (the trace check)
                      ──► compiled program, observed after every step ─┐ in lockstep with the interpreter,
                                                                       └ step k <-> k-th compute node

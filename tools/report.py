@@ -1,6 +1,6 @@
 """``dayzero report OUT [--json] [--plot FILE.png]``: what a compiled artifact is made of, from its files alone.
 
-    report.json + program.json ──► kernels   kernel -> op, route (hand-scheduled / tuned / default / generic)
+    report.json + program.json ──► kernels    kernel -> op, route (hand-scheduled / tuned / default / generic)
                                ──► op counts  steps per op (what the program executes), kernels per route
                                ──► patterns   pattern -> times found; unsupported ops (a list, empty when compiled)
                                ──► memory     per program: arena vs peak-live lower bound, zones, buffers
@@ -62,7 +62,7 @@ def build_report(artifact: str) -> dict:
         mem = {k: v for k, v in m.items() if k != "buffers"}
         peak = sum(m.get("peak_live_bytes", {}).values())
         mem["peak_live_total_bytes"] = peak
-        mem["arena_over_peak"] = round(m["arena_bytes"] / peak, 4) if peak else None
+        mem["arena_over_peak"] = round(m.get("arena_bytes", 0) / peak, 4) if peak else None
         mem["buffers"] = len(m.get("buffers", []))
         programs[name] = {"steps": p.get("steps"), "kernels": p.get("kernels"), "memory": mem}
     return {
