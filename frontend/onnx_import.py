@@ -6,7 +6,7 @@ the existing lowerings, reference interpreter and verifier apply unchanged:
     MatMul -> matmul            Gemm -> linear (+ mul / add)     Conv -> convolution (+ constant_pad_nd)
     Softmax -> softmax.int      Reshape/Flatten/(Un)Squeeze -> view       Transpose -> permute
     Gather -> embedding / select.int / index.Tensor    GatherND -> index.Tensor    Slice -> slice.Tensor
-    LayerNormalization -> layer_norm    RMSNormalization -> rms_norm    Attention (23) -> scaled_dot_product_attention
+    LayerNormalization -> layer_norm    RMSNormalization -> its decomposition    Attention (23) -> scaled_dot_product_attention
     BatchNormalization, InstanceNormalization -> their elementwise decomposition
     MaxPool / AveragePool -> max_pool2d / avg_pool2d     GlobalAveragePool -> mean.dim
     TopK -> topk    Where -> where.self    Cast -> _to_copy    reductions -> mean.dim / sum.dim_IntList / amax ...
@@ -993,13 +993,17 @@ def _layer_norm(imp, ins, attrs, n):
 
 @onnx_op("RMSNormalization")
 def _rms_norm(imp, ins, attrs, n):
+    """x * rsqrt(mean(x^2 over axis..) + eps) * scale, in float32: the decomposition Llama-style exports carry,
+    so the same later patterns see both (``lower.py``'s ``rms_norm`` lowering fails on float32 inputs today)."""
     x = imp.tensor(ins[0])
-    shape = imp.shape(x)
-    axis = attrs.get("axis", -1) % len(shape)
-    if axis != len(shape) - 1:
-        raise _Unsupported("axis other than the last")
-    return [imp.aten("rms_norm", input=x, normalized_shape=shape[axis:], weight=imp.tensor(ins[1]),
-                     eps=attrs.get("epsilon", 1e-5))]
+    nd = len(x.shape)
+    axis = attrs.get("axis", -1) % nd
+    xf = imp.cast(x, "float32")
+    ms = imp.aten("mean.dim", self=imp.aten("mul.Tensor", self=xf, other=xf), dim=list(range(axis, nd)), keepdim=True)
+    inv = imp.aten("rsqrt", self=imp.aten("add.Scalar", self=ms, other=attrs.get("epsilon", 1e-5)))
+    y = imp.aten("mul.Tensor", self=imp.aten("mul.Tensor", self=xf, other=inv), other=imp.cast(imp.tensor(ins[1]),
+                                                                                                  "float32"))
+    return [imp.cast(y, x.dtype)]
 
 
 @onnx_op("Attention")
