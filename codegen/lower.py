@@ -68,9 +68,9 @@ def _sym_to_tir(e, ctx: Ctx):
         return tvm.tirx.floordiv(_sym_to_tir(num, ctx), _sym_to_tir(den, ctx))
     if isinstance(e, sympy.Mod):
         return tvm.tirx.floormod(args[0], args[1])
-    if isinstance(e, sympy.Max):
+    if type(e).__name__ == "Max":  # sympy's or torch's own (torch.utils._sympy.functions)
         return tvm.tirx.max(*args) if len(args) == 2 else _fold(tvm.tirx.max, args)
-    if isinstance(e, sympy.Min):
+    if type(e).__name__ == "Min":
         return tvm.tirx.min(*args) if len(args) == 2 else _fold(tvm.tirx.min, args)
     if type(e).__name__ in ("FloorDiv",):  # torch's sympy FloorDiv
         return tvm.tirx.floordiv(args[0], args[1])
@@ -105,6 +105,8 @@ def _dt(x) -> str:
 def _cast(x, dtype: str):
     if hasattr(x, "tensor") and hasattr(x, "indices"):  # TensorSlice -> load expression
         x = x.tensor(*x.indices)
+    if isinstance(x, tvm.tirx.IterVar):  # a reduction axis used as a value
+        x = x.var
     return x if _dt(x) == dtype else x.astype(dtype)
 
 
@@ -261,7 +263,7 @@ def _gelu_tanh(a):
 _UNARY = {
     "neg": lambda a: -a, "exp": tvm.tirx.exp, "log": tvm.tirx.log, "sqrt": tvm.tirx.sqrt, "rsqrt": tvm.tirx.rsqrt,
     "sin": tvm.tirx.sin, "cos": tvm.tirx.cos, "tanh": tvm.tirx.tanh, "sigmoid": tvm.tirx.sigmoid,
-    "erf": tvm.tirx.erf, "abs": tvm.tirx.abs, "floor": tvm.tirx.floor, "ceil": tvm.tirx.ceil,
+    "erf": tvm.tirx.erf, "log1p": tvm.tirx.log1p, "expm1": lambda a: tvm.tirx.exp(a) - _const(1.0, _dt(a)), "abs": tvm.tirx.abs, "floor": tvm.tirx.floor, "ceil": tvm.tirx.ceil,
     "reciprocal": lambda a: _const(1.0, _dt(a)) / a, "relu": lambda a: tvm.tirx.max(a, _const(0, _dt(a))),
     "silu": lambda a: a * tvm.tirx.sigmoid(a), "logical_not": lambda a: tvm.tirx.Not(a.astype("bool")),
     "bitwise_not": lambda a: tvm.tirx.Not(a) if _dt(a) == "bool" else ~a,
@@ -786,6 +788,293 @@ def _rms_norm(ctx, ins, attrs, outs):
             y = y * _cast(w[i[-1]], "float32")
         return _cast(y, outs[0].dtype)
     return te.compute(x.shape, body, name="T")
+
+
+# ---- scatter family and in-place-style updates ---------------------------------------------------------------
+
+@lowering("empty.memory_format", "empty_like", "new_empty")
+def _empty(ctx, ins, attrs, outs):
+    # contents are undefined in ATen; zeros keep runs reproducible (every reader overwrites them first)
+    return te.compute(ctx.shape(outs[0].shape), lambda *i: _const(0, outs[0].dtype), name="T")
+
+
+@lowering("copy", "fill.Tensor")
+def _copy(ctx, ins, attrs, outs):
+    """copy(self, src): src broadcast to self's shape, in self's dtype."""
+    return _elementwise(ctx, ins[1:2], outs[0], lambda a: a)
+
+
+@lowering("fill.Scalar")
+def _fill_scalar(ctx, ins, attrs, outs):
+    c = _const(attrs["value"], outs[0].dtype)
+    return te.compute(ctx.shape(outs[0].shape), lambda *i: c, name="T")
+
+
+def _slice_bounds(ctx, attrs, size):
+    """ATen's slice normalisation: negative start/end count from the end, both clamp to [0, size]."""
+    zero = tvm.tirx.const(0, IDX)
+
+    def norm(v, default):
+        if v is None:
+            return default
+        e = ctx.dim(v) if isinstance(v, sympy.Basic) else tvm.tirx.const(int(v), IDX)
+        if isinstance(v, int) and v < 0:
+            e = size + e
+        return tvm.tirx.max(tvm.tirx.min(e, size), zero)
+    start = norm(attrs.get("start"), zero)
+    end = tvm.tirx.max(norm(attrs.get("end"), size), start)
+    return start, end
+
+
+@lowering("slice_scatter")
+def _slice_scatter(ctx, ins, attrs, outs):
+    x, src = ins
+    nd = len(x.shape)
+    dim = _norm_dim(attrs.get("dim", 0), nd)
+    step = attrs.get("step", 1) or 1
+    start, end = _slice_bounds(ctx, attrs, x.shape[dim])
+    cd = outs[0].dtype
+    st = tvm.tirx.const(step, IDX)
+
+    def body(*i):
+        j = i[dim]
+        inside = tvm.tirx.all(j >= start, j < end, tvm.tirx.floormod(j - start, st) == 0)
+        idx = list(i)
+        idx[dim] = tvm.tirx.floordiv(j - start, st)
+        return tvm.tirx.if_then_else(inside, _cast(src[tuple(idx)], cd), _cast(x[i], cd))
+    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+def _scatter_hit(ctx, x, index, dim, mode):
+    """For every position of x: the position k along ``dim`` of the index entry that writes it.
+
+    mode "last": the largest such k (ATen leaves duplicates unspecified; the CPU kernel's serial loop makes the
+    last writer win, and so do we), -1 when none; the other coordinates must lie inside index's extent.
+    """
+    nd = len(x.shape)
+    k = te.reduce_axis((0, index.shape[dim]), name="k")
+
+    def body(*i):
+        src = list(i)
+        src[dim] = k
+        inb = tvm.tirx.all(*[i[d] < index.shape[d] for d in range(nd) if d != dim]) if nd > 1 else \
+            tvm.tirx.const(True, "bool")
+        hit = tvm.tirx.if_then_else(
+            inb, _wrap(_cast(index[tuple(src)], IDX), x.shape[dim]) == i[dim], tvm.tirx.const(False, "bool"))
+        return te.max(tvm.tirx.Select(hit, _cast(k, IDX), tvm.tirx.const(-1, IDX)), axis=k)
+    return te.compute(x.shape, body, name="hit")
+
+
+@lowering("scatter.value", "scatter.src", "scatter.value_reduce", "scatter.reduce")
+def _scatter(ctx, ins, attrs, outs):
+    """out = self; out[..., index[..., k, ...], ...] = src[..., k, ...] (or value) along dim."""
+    x, index = ins[0], ins[1]
+    src = ins[2] if len(ins) > 2 else None
+    if attrs.get("reduce") is not None:
+        raise InternalError("scatter with reduce= is not lowered (use scatter_add / scatter_reduce)")
+    nd = len(x.shape)
+    dim = _norm_dim(attrs["dim"], nd)
+    cd = outs[0].dtype
+    hit = _scatter_hit(ctx, x, index, dim, "last")
+    val = None if src is not None else _const(attrs["value"], cd)
+
+    def body(*i):
+        h = hit[i]
+        if src is None:
+            return tvm.tirx.Select(h >= 0, val, _cast(x[i], cd))
+        s_idx = list(i)
+        s_idx[dim] = tvm.tirx.max(h, tvm.tirx.const(0, IDX))
+        return tvm.tirx.if_then_else(h >= 0, _cast(src[tuple(s_idx)], cd), _cast(x[i], cd))
+    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+@lowering("scatter_add", "scatter_reduce.two")
+def _scatter_add(ctx, ins, attrs, outs):
+    x, index, src = ins
+    reduce = attrs.get("reduce", "sum")
+    if reduce not in ("sum", "amax", "amin") or not attrs.get("include_self", True):
+        raise InternalError(f"scatter_reduce {reduce} (include_self={attrs.get('include_self')}) is not lowered")
+    nd = len(x.shape)
+    dim = _norm_dim(attrs["dim"], nd)
+    cd = outs[0].dtype
+    k = te.reduce_axis((0, index.shape[dim]), name="k")
+    ident = {"sum": _const(0, cd), "amax": tvm.tirx.min_value(cd), "amin": tvm.tirx.max_value(cd)}[reduce]
+
+    def body(*i):
+        si = list(i)
+        si[dim] = k
+        inb = tvm.tirx.all(*[i[d] < index.shape[d] for d in range(nd) if d != dim]) if nd > 1 else \
+            tvm.tirx.const(True, "bool")
+        hit = tvm.tirx.if_then_else(
+            inb, _wrap(_cast(index[tuple(si)], IDX), x.shape[dim]) == i[dim], tvm.tirx.const(False, "bool"))
+        v = tvm.tirx.if_then_else(hit, _cast(src[tuple(si)], cd), ident)
+        return {"sum": te.sum, "amax": te.max, "amin": te.min}[reduce](v, axis=k)
+    acc = te.compute(x.shape, body, name="acc")
+    comb = {"sum": lambda a, b: a + b, "amax": tvm.tirx.max, "amin": tvm.tirx.min}[reduce]
+    return te.compute(ctx.shape(outs[0].shape), lambda *i: comb(_cast(x[i], cd), acc[i]), name="T")
+
+
+@lowering("index_put")
+def _index_put(ctx, ins, attrs, outs):
+    """out = self; out[indices] = values (accumulate: +=). Bool masks select where true; integer index tensors
+    broadcast together and address the leading indexed dimensions (last writer wins on duplicates)."""
+    x, idx_ts, values = ins[0], list(ins[1:-1]), ins[-1]
+    present = list(attrs["indices"]) + [False] * (len(x.shape) - len(attrs["indices"]))
+    nd = len(x.shape)
+    cd = outs[0].dtype
+    acc = attrs.get("accumulate", False)
+    if len(idx_ts) == 1 and _dt(idx_ts[0]) in ("bool", "uint8"):
+        m = idx_ts[0]
+        first = present.index(True)
+        mnd = len(m.shape)
+        if mnd == nd - first and not acc:
+            # values broadcast against the (masked) result: only the 0-d / trailing-dims-broadcast form is
+            # well defined without knowing how many entries are true
+            vnd = len(values.shape)
+            if all(isinstance(d, tvm.tirx.IntImm) and int(d) == 1 for d in values.shape):
+                def body(*i):
+                    mv = _bcast_load(m, list(i[first:]), mnd) if mnd else m()
+                    v = values(*[tvm.tirx.const(0, IDX)] * vnd)
+                    return tvm.tirx.Select(mv.astype("bool"), _cast(v, cd), _cast(x[i], cd))
+                return te.compute(ctx.shape(outs[0].shape), body, name="T")
+        raise InternalError("index_put with a boolean mask is lowered only for mask over trailing dims and a "
+                            "broadcast value")
+    pos = [k for k, p in enumerate(present) if p]
+    if pos != list(range(len(pos))):
+        raise InternalError("index_put is lowered for leading index tensors only")
+    bshape = list(idx_ts[0].shape)
+    for t in idx_ts[1:]:
+        if len(t.shape) > len(bshape):
+            bshape = list(t.shape)
+    bnd = len(bshape)
+    # one flat reduction over the broadcast index positions
+    raxes = [te.reduce_axis((0, d), name=f"k{j}") for j, d in enumerate(bshape)]
+    npos = len(pos)
+    rest = nd - npos
+
+    def match(i):
+        conds = []
+        for j, t in enumerate(idx_ts):
+            conds.append(_wrap(_cast(_bcast_load(t, raxes, bnd), IDX), x.shape[pos[j]]) == i[j])
+        return tvm.tirx.all(*conds) if len(conds) > 1 else conds[0]
+
+    def vload(i):
+        # values broadcast to [*bshape, *x.shape[npos:]]
+        return _cast(_bcast_load(values, list(raxes) + list(i[npos:]), bnd + rest), cd)
+    if acc:
+        s = te.compute(x.shape, lambda *i: te.sum(tvm.tirx.if_then_else(match(i), vload(i), _const(0, cd)),
+                                                 axis=raxes), name="acc")
+        return te.compute(ctx.shape(outs[0].shape), lambda *i: _cast(x[i], cd) + s[i], name="T")
+    strides = []
+    acc_s = tvm.tirx.const(1, IDX)
+    for d in reversed(bshape):
+        strides.insert(0, acc_s)
+        acc_s = acc_s * d
+    flat = _fold(lambda a, b: a + b, [_cast(r, IDX) * st for r, st in zip(raxes, strides)])
+    hit = te.compute(x.shape, lambda *i: te.max(tvm.tirx.Select(match(i), flat, tvm.tirx.const(-1, IDX)),
+                                                 axis=raxes), name="hit")
+
+    def body(*i):
+        h = hit[i]
+        hc = tvm.tirx.max(h, tvm.tirx.const(0, IDX))
+        bidx, r = [], hc
+        for d in reversed(bshape):
+            bidx.insert(0, tvm.tirx.floormod(r, d))
+            r = tvm.tirx.floordiv(r, d)
+        v = _cast(_bcast_load(values, bidx + list(i[npos:]), bnd + rest), cd)
+        return tvm.tirx.if_then_else(h >= 0, v, _cast(x[i], cd))
+    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+@lowering("index_select")
+def _index_select(ctx, ins, attrs, outs):
+    x, index = ins
+    dim = _norm_dim(attrs["dim"], len(x.shape))
+
+    def body(*i):
+        src = list(i)
+        src[dim] = _wrap(_cast(index[i[dim]] if len(index.shape) else index(), IDX), x.shape[dim])
+        return x[tuple(src)]
+    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+@lowering("layer_norm")
+def _layer_norm(ctx, ins, attrs, outs):
+    it = iter(ins)
+    x = next(it)
+    w = next(it) if attrs.get("weight") else None
+    b = next(it) if attrs.get("bias") else None
+    nshape = attrs["normalized_shape"]
+    if len(nshape) != 1:
+        raise InternalError("layer_norm over more than one dimension")
+    nd = len(x.shape)
+    eps = attrs.get("eps", 1e-5)
+    n = _cast(x.shape[nd - 1], "float32")
+    k = te.reduce_axis((0, x.shape[nd - 1]), name="k")
+    mean = te.compute(x.shape[:-1], lambda *i: te.sum(_cast(x[i + (k,)], "float32"), axis=k), name="s1")
+    k2 = te.reduce_axis((0, x.shape[nd - 1]), name="k2")
+    var = te.compute(x.shape[:-1], lambda *i: te.sum(
+        (_cast(x[i + (k2,)], "float32") - mean[i] / n) * (_cast(x[i + (k2,)], "float32") - mean[i] / n), axis=k2),
+        name="s2")
+
+    def body(*i):
+        y = (_cast(x[i], "float32") - mean[i[:-1]] / n) * tvm.tirx.rsqrt(var[i[:-1]] / n + _const(eps, "float32"))
+        if w is not None:
+            y = y * _cast(w[i[-1]], "float32")
+        if b is not None:
+            y = y + _cast(b[i[-1]], "float32")
+        return _cast(y, outs[0].dtype)
+    return te.compute(x.shape, body, name="T")
+
+
+@lowering("logsumexp")
+def _logsumexp(ctx, ins, attrs, outs):
+    x = ins[0]
+    nd = len(x.shape)
+    dims = attrs.get("dim")
+    dims = [_norm_dim(d, nd) for d in (dims if isinstance(dims, tuple) else (dims,))] if dims not in (None, ()) \
+        else list(range(nd))
+    keep = attrs.get("keepdim", False)
+    cd = outs[0].dtype
+    red_shape = [x.shape[d] for d in range(nd) if d not in dims]
+
+    def full(o, axes):
+        src, ai, oi = [], iter(axes), iter(o)
+        for d in range(nd):
+            src.append(next(ai) if d in dims else next(oi))
+        return tuple(src)
+    a1 = [te.reduce_axis((0, x.shape[d]), name=f"a{d}") for d in dims]
+    mx = te.compute(red_shape, lambda *o: te.max(_cast(x[full(o, a1)], cd), axis=a1), name="mx")
+    # an all -inf (or +inf) row: shift by 0 instead, as ATen does, so the result is -inf (inf), not nan
+    safe = te.compute(red_shape, lambda *o: tvm.tirx.Select(tvm.tirx.isinf(mx[o]), _const(0, cd), mx[o]), name="sh")
+    a2 = [te.reduce_axis((0, x.shape[d]), name=f"b{d}") for d in dims]
+    se = te.compute(red_shape, lambda *o: te.sum(tvm.tirx.exp(_cast(x[full(o, a2)], cd) - safe[o]), axis=a2),
+                    name="se")
+
+    def body(*o):
+        r = tuple(o[d] for d in range(nd) if d not in dims) if keep else o
+        return tvm.tirx.log(se[r]) + safe[r]
+    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+@lowering("rsub.Scalar", "rsub.Tensor")
+def _rsub(ctx, ins, attrs, outs):
+    cd = outs[0].dtype
+    alpha = attrs.get("alpha", 1)
+    if len(ins) == 2:
+        return _elementwise(ctx, ins, outs[0], lambda a, b: b - a * _const(alpha, cd), cd)
+    s = _const(attrs["other"], cd)
+    return _elementwise(ctx, ins, outs[0], lambda a: s - a * _const(alpha, cd), cd)
+
+
+@lowering("clamp_min", "clamp_max")
+def _clamp_1(ctx, ins, attrs, outs):
+    cd = outs[0].dtype
+    if attrs["__op__"] == "clamp_min":
+        c = _const(attrs["min"], cd)
+        return _elementwise(ctx, ins, outs[0], lambda a: tvm.tirx.max(a, c), cd)
+    c = _const(attrs["max"], cd)
+    return _elementwise(ctx, ins, outs[0], lambda a: tvm.tirx.min(a, c), cd)
 
 
 def lower_node(ctx: Ctx, op: str, ins: list[te.Tensor], attrs: dict, out_types) -> list[te.Tensor]:

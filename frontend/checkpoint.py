@@ -151,6 +151,16 @@ def learn_recipes(ckpt: Checkpoint, load_model) -> tuple[dict[str, list[Run]], s
         if flat.numel() == 0:
             missing.add(name)
             continue
+        if flat.dtype.is_floating_point and flat.dtype != torch.float64:
+            # a module transformers keeps in another dtype (``_keep_in_fp32_modules``, e.g. a MoE router): the
+            # element ids lost their precision on the cast, so they cannot say which element went where; such
+            # tensors are loaded by name, as-is (a whole-tensor run), when the checkpoint holds them
+            info = ckpt.tensors.get(name)
+            if info is not None and list(info.shape) == list(t.shape):
+                recipes[name] = [(0, name, 0, flat.numel())]
+            else:
+                missing.add(name)
+            continue
         if flat.dtype.is_floating_point:
             if not torch.all((flat >= ID_BASE) & (flat == flat.round())):
                 missing.add(name)

@@ -113,10 +113,33 @@ class _Translator:
             return d
         if isinstance(d, torch.SymInt):
             e = d.node.expr
-            return sympy.sympify(e).xreplace(self.sym_map) if not e.is_Integer else int(e)
+            return self._simplify(sympy.sympify(e).xreplace(self.sym_map)) if not e.is_Integer else int(e)
         if isinstance(d, sympy.Expr):
-            return d.xreplace(self.sym_map)
+            return self._simplify(d.xreplace(self.sym_map))
         raise InternalError(f"not a dimension: {d!r}")
+
+    def _simplify(self, e):
+        """torch's own Min/Max become sympy's, then decided over the symbols' declared ranges: with seq >= 4,
+        ``min(4, seq)`` is 4 (each symbol s >= lo is written lo - 1 + p, p a positive integer, and back)."""
+        from torch.utils._sympy import functions as tf
+
+        if not isinstance(e, sympy.Basic) or e.is_Integer:
+            return int(e) if isinstance(e, sympy.Basic) and e.is_Integer else e
+        if e.has(tf.Min) or e.has(tf.Max):
+            e = e.replace(lambda x: isinstance(x, tf.Min), lambda x: sympy.Min(*x.args))
+            e = e.replace(lambda x: isinstance(x, tf.Max), lambda x: sympy.Max(*x.args))
+        if e.has(sympy.Min) or e.has(sympy.Max):
+            lows = {name: lo for name, lo, _ in self.symbols}
+            fwd, back = {}, {}
+            for s in e.free_symbols:
+                lo = lows.get(s.name, 1)
+                if lo > 1:
+                    p = sympy.Symbol(f"_p_{s.name}", integer=True, positive=True)
+                    fwd[s], back[p] = p + (lo - 1), s - (lo - 1)
+            if fwd:
+                e = sympy.simplify(e.xreplace(fwd)).xreplace(back)
+                e = sympy.expand(e) if not (e.has(sympy.Min) or e.has(sympy.Max)) else e
+        return int(e) if e.is_Integer else e
 
     def ttype(self, val) -> TensorType:
         return TensorType(ops.dtype_name(val.dtype), tuple(self.dim(d) for d in val.shape))
@@ -264,4 +287,8 @@ def symbol_names_from(ep: ExportedProgram, dims: dict[str, dict[int, str]]) -> d
                 d = n.meta["val"].shape[axis]
                 if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                     out[str(d.node.expr)] = name
+                elif isinstance(d, torch.SymInt):  # seq = 8*_seq: the block count
+                    coeff, rest = d.node.expr.as_coeff_Mul()
+                    if rest.is_Symbol and coeff.is_Integer:
+                        out[str(rest)] = f"{name}_blocks"
     return out

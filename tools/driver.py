@@ -8,7 +8,9 @@ until every step before the artifact succeeded: an unsupported op or a broken ch
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +19,10 @@ from typing import Any
 import torch
 
 from dayzero import UserError
-from dayzero.codegen import artifact
+from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library
 from dayzero.codegen.program import Program, build_program, program_json
+from dayzero.codegen.schedule import tune_kernels
 from dayzero.frontend import hf
 from dayzero.frontend.checkpoint import Checkpoint, learn_recipes
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
@@ -61,8 +64,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
         ckpt = Checkpoint(model)
         module, _ = hf.meta_model(ckpt)
         wrapper = hf.CausalLMPrefill(module)
-        example = (torch.zeros(1, min(8, max_seq), dtype=torch.int64, device="meta"),)
-        ep = export_module(wrapper, example, {"input_ids": {1: seq}})
+        ep = export_seq_dynamic(wrapper, "input_ids", max_seq)
         traced = to_graph(ep, symbol_names_from(ep, {"input_ids": {1: "seq"}}), strip_prefix="upstream.")
         recipes, _ = learn_recipes(ckpt, hf.load_for_recipes)
         # tensors the checkpoint does not hold (non-persistent buffers such as rotary inverse frequencies) come
@@ -89,6 +91,69 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
     dims = {n: {1: "seq"} for n, d in dyn.items() if d}
     traced = to_graph(ep, symbol_names_from(ep, dims))
     return Frontend(traced)
+
+
+_SUGGEST_MULT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*\*\s*(\w+)\s*$", re.M)
+_SUGGEST_DIM = re.compile(r"^\s*(\w+)\s*=\s*Dim\('\w+'(.*?)\)\s*$", re.M)
+_GUARD = re.compile(r"satisfy the generated guard (.*?)\.?$", re.M)
+
+
+def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, attempts: int = 5):
+    """Export ``module(input_ids [1, seq])`` with the widest symbolic ``seq`` torch.export accepts.
+
+    Some graphs constrain the sequence length: a ``min(topk, seq)`` guard (it holds, but only once seq >= topk
+    torch can prove it), or block-compressed attention that needs seq a multiple of its block sizes. What the
+    constraint is gets learned from torch.export's constraint-violation report, never from the model's type:
+    its suggested fixes (``seq = 8*_seq``, ``Dim('seq', min=16)``), lower bounds in the violated guards
+    (``16 <= seq``) and, when a guard gives neither, the integer constants it compares seq with, tried as lower
+    bounds one at a time. The compiled program then accepts seq = multiple * k >= lo, and the runtime pads shorter
+    or unaligned prompts on the right (a causal LM's earlier logits do not see later tokens) and slices back.
+    """
+    mult, lo = 1, 1
+    tried_consts: set[int] = set()
+    last = None
+    for _ in range(attempts):
+        if mult > 1:
+            kmin = max(1, -(-lo // mult))
+            if max_seq // mult < kmin:
+                raise UserError(f"--max-seq {max_seq} is below the shortest sequence this model exports at "
+                                f"({mult * kmin})")
+            seq = mult * torch.export.Dim("seq_blocks", min=kmin, max=max_seq // mult)
+            n = mult * max(kmin, min(max_seq // mult, -(-max(lo, 32) // mult)))
+        else:
+            if lo > max_seq:
+                raise UserError(f"--max-seq {max_seq} is below the shortest sequence this model exports at ({lo})")
+            seq = torch.export.Dim("seq", min=lo, max=max_seq)
+            n = min(max(lo, 32), max_seq)  # well inside the range: short examples take special paths
+        example = (torch.zeros(1, n, dtype=torch.int64, device="meta"),)
+        try:
+            return export_module(module, example, {input_name: {1: seq}})
+        except UserError as e:
+            cause = e.__cause__
+            msg = str(cause) if cause is not None else str(e)
+            if "Constraints violated" not in msg:
+                raise
+            last = e
+        new_mult, new_lo = mult, lo
+        for _, k, _ in _SUGGEST_MULT.findall(msg):
+            new_mult = math.lcm(new_mult, int(k))
+        for _, kw in _SUGGEST_DIM.findall(msg):
+            m = re.search(r"min\s*=\s*(\d+)", kw)
+            if m:
+                new_lo = max(new_lo, int(m.group(1)))
+        for g in _GUARD.findall(msg):
+            m = re.match(r"^\s*(\d+)\s*<=\s*L\[", g)
+            if m:
+                new_lo = max(new_lo, int(m.group(1)))
+        if (new_mult, new_lo) == (mult, lo):
+            consts = sorted({int(c) for g in _GUARD.findall(msg) for c in re.findall(r"(?<![\w\[])(\d+)(?![\w\]])", g)
+                             if lo < int(c) <= max_seq} - tried_consts)
+            if not consts:
+                break
+            tried_consts.add(consts[0])
+            new_lo = consts[0]
+        mult, lo = new_mult, new_lo
+    raise last if last is not None else UserError("torch.export failed")
 
 
 def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.Tensor]:
@@ -185,6 +250,31 @@ def weights_manifest(fe: Frontend, g: Graph, ctx: PassContext) -> tuple[dict, di
     return manifest, own
 
 
+def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | None) -> int:
+    """Tune the program's tunable kernels that have no record, with a rich progress bar on stderr."""
+    import logging
+
+    import tvm
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if trials < 1:
+        raise UserError("--tune needs at least 1 trial")
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    symbols = {s: (lo, hi) for s, lo, hi in prog.symbols}
+    with Progress(TextColumn("tuning {task.fields[kernel]}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tune", total=trials, kernel="", best="-")
+
+        def progress(kernel, n, best):
+            bar.update(task, completed=min(n, trials), kernel=kernel,
+                       best=f"{best * 1e6:.1f} us" if best else "-")
+        done = tune_kernels(list(prog.kernels.values()), tvm.target.Target(target), db, symbols, trials, minutes,
+                            progress)
+    return len(done)
+
+
 def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAULT_MAX_SEQ,
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
                   tuning_dir: str | None = None) -> dict:
@@ -198,8 +288,13 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     prog = build_program(g, "prefill")  # raises UnsupportedOpsError before anything is written
     times["passes_s"] = time.perf_counter() - t0
     tgt = resolve_target(target)
+    db = tuning.TuningDatabase(tuning_dir)
+    if tune:
+        t0 = time.perf_counter()
+        times["tuned_kernels"] = tune_program(prog, tgt, db, tune, tune_minutes)
+        times["tune_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lib, build_stats = build_library([prog], tgt)
+    lib, build_stats = build_library([prog], tgt, db)
     times["codegen_s"] = time.perf_counter() - t0
     memory = plan_memory(prog)
     manifest, own = weights_manifest(fe, g, ctx)
@@ -210,6 +305,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         "programs": {"prefill": {"steps": len(prog.steps), "kernels": len(prog.kernels),
                                  "memory": {k: v for k, v in memory.items() if k != "offsets"}}},
         "routes": {k.name: k.route for k in prog.kernels.values()},
+        "tuned": {k.name: k.tuned for k in prog.kernels.values() if k.tuned},
         "kernel_ops": {k.name: k.op for k in prog.kernels.values()},
         "patterns": dict(ctx.patterns),
         "unsupported": [],
