@@ -1,0 +1,273 @@
+"""Routed experts as one hand-scheduled TIR kernel: permute by expert, grouped GEMM over routed experts, combine.
+
+Arguments (the ``moe_experts`` node's inputs, then its output; see ``passes/moe.py``)::
+
+    x    [T, H]      hidden states (T symbolic: one kernel for every T)
+    ids  [T, k]      int, routed expert of each (token, slot)
+    w    [T, k]      routing weight of each (token, slot)
+    Wgu  [E, GU, H] (layout nk) | [E, H, GU] (kn)       b_gu [E, GU]  (if gate_up_bias)
+    Wd   [E, H, I]  (layout nk) | [E, I, H]  (kn)       b_d  [E, H]   (if down_bias)
+    y    [T, H]
+
+Phases (a = t*k + j is an assignment, S = T*k of them; p its position once sorted by expert):
+1. counting sort (serial, O(S + E)): cnt[e] -> offs[e] (exclusive prefix sum), order[p] = a, stable in a.
+2. gate/up grouped GEMM: G[p, n] = sum_h x[order[p] // k, h] * Wgu[e, n, h] (+ b_gu[e, n]) for p in
+   [offs[e], offs[e+1]); parallel over (n-block, expert) jobs, n-block-major so every thread sees every expert.
+   An expert no token chose has an empty range and its weights are never touched.
+3. activation: A[p, i] = act(G[p, :])[i], the node's expression (SwiGLU, gpt-oss clamped SwiGLU, ...).
+4. down grouped GEMM: D[p, h] = sum_i A[p, i] * Wd[e, h, i] (+ b_d[e, h]), same job structure.
+5. combine in token order: y[t, h] = sum_j w[t, j] * D[pos(t*k + j), h] (deterministic, no atomics).
+
+Bytes: each routed expert's weights are read once per call from memory (every job reads a [NB, K] block of one
+expert's matrix, all token tiles of that expert reuse it from cache), so a decode step reads exactly the routed
+experts' bytes plus O(T*k*(H + GU)) activations: that is the bound by construction (``weight_bytes_read``).
+
+GEMM micro-kernel (``nk``): MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of partial sums each, reduced at the
+end; a token tile past the expert's range clamps its loads and masks its stores. ``kn`` uses the same loop nest
+reading the transposed weight (strided loads: correct, not tuned). CUDA: the same phases with the parallel loops
+bound to blocks (one thread each): compiles for sm_90, not tuned.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from dayzero import InternalError
+from dayzero.codegen import lower
+
+MB, NB, L = 4, 4, 16
+
+
+def _act_builder(expr, G, p):
+    """The activation expression at column i as a TIR expression over G[p, :]."""
+    f32 = lambda v: T.float32(v)  # noqa: E731
+
+    def build(e, i):
+        kind = e[0]
+        if kind == "col":
+            return G[p, e[1] + e[2] * i]
+        if kind == "const":
+            return f32(e[1])
+        if kind == "clamp":
+            v = build(e[1], i)
+            if e[2] is not None:
+                v = T.max(v, f32(e[2]))
+            if e[3] is not None:
+                v = T.min(v, f32(e[3]))
+            return v
+        if kind == "silu":
+            v = build(e[1], i)
+            return v * T.sigmoid(v)
+        if kind == "sigmoid":
+            return T.sigmoid(build(e[1], i))
+        if kind == "relu":
+            return T.max(build(e[1], i), f32(0))
+        if kind == "tanh":
+            return T.tanh(build(e[1], i))
+        if kind == "exp":
+            return T.exp(build(e[1], i))
+        if kind == "neg":
+            return -build(e[1], i)
+        if kind == "gelu":
+            v = build(e[1], i)
+            return v * f32(0.5) * (f32(1) + T.erf(v * f32(0.7071067811865476)))
+        a, b = build(e[1], i), build(e[2], i)
+        return {"mul": lambda: a * b, "add": lambda: a + b, "sub": lambda: a - b, "div": lambda: a / b}[kind]()
+    return build
+
+
+def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
+                     down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
+                     out_dtype="float32", target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    if GU % NB or H % NB or H % L or I % L:
+        raise InternalError(f"moe_experts kernel needs H, GU multiples of {NB} and H, I multiples of {L} "
+                            f"(H={H}, GU={GU}, I={I})")
+    nk = layout == "nk"
+    cuda = target_kind == "cuda"
+
+    def par(n):
+        return T.thread_binding(n, thread="blockIdx.x") if cuda else T.parallel(n)
+
+    def one():
+        return T.thread_binding(1, thread="blockIdx.x") if cuda else T.serial(1)
+
+    def wgu_at(W, e, n, h):
+        return W[e, n, h] if nk else W[e, h, n]
+
+    def wd_at(W, e, n, i):
+        return W[e, n, i] if nk else W[e, i, n]
+
+    f32 = "float32"
+    wgu_shape = (E, GU, H) if nk else (E, H, GU)
+    wd_shape = (E, H, I) if nk else (E, I, H)
+    def act_value(G, p, i):
+        return _act_builder(act, G, p)(act, i)
+
+    def gu_bias(B, e, n):
+        return T.float32(0) if B is None else T.Cast(f32, B[e, n])
+
+    def d_bias(B, e, n):
+        return T.float32(0) if B is None else T.Cast(f32, B[e, n])
+
+    @T.macro(hygienic=True)
+    def body(X, IDS, WR, WGU, BGU, WD, BD, Y, n_tok):
+        offs = T.alloc_buffer((E + 1,), "int32")
+        fill = T.alloc_buffer((E,), "int32")
+        order = T.alloc_buffer((n_tok * k,), "int32")
+        pos = T.alloc_buffer((n_tok * k,), "int32")
+        G = T.alloc_buffer((n_tok * k, GU), f32)
+        A = T.alloc_buffer((n_tok * k, I), f32)
+        D = T.alloc_buffer((n_tok * k, H), f32)
+        # 1. counting sort of assignments by expert
+        for _s in one():
+            for e in range(E + 1):
+                offs[e] = 0
+            for a in range(n_tok * k):
+                offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
+            for e in range(E):
+                offs[e + 1] = offs[e + 1] + offs[e]
+                fill[e] = offs[e]
+            for a in range(n_tok * k):
+                order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
+                pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
+                fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
+        # 2. gate/up grouped GEMM over the routed experts
+        for job in par(E * (GU // NB)):
+            acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
+            for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
+                for m, n in T.grid(MB, NB):
+                    for l in T.vectorized(L):
+                        acc[m, n, l] = T.float32(0)
+                for ho in range(H // L):
+                    for m in T.unroll(MB):
+                        for n in T.unroll(NB):
+                            for l in T.vectorized(L):
+                                acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[T.min(
+                                    offs[job % E] + mt * MB + m, offs[job % E + 1] - 1)] // k, ho * L + l]) * \
+                                    T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
+                for m, n in T.grid(MB, NB):
+                    if offs[job % E] + mt * MB + m < offs[job % E + 1]:
+                        G[offs[job % E] + mt * MB + m, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
+                        for l in range(L):
+                            G[offs[job % E] + mt * MB + m, job // E * NB + n] = \
+                                G[offs[job % E] + mt * MB + m, job // E * NB + n] + acc[m, n, l]
+        # 3. activation
+        for p in par(n_tok * k):
+            for i in range(I):
+                A[p, i] = act_value(G, p, i)
+        # 4. down grouped GEMM
+        for job in par(E * (H // NB)):
+            acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
+            for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
+                for m, n in T.grid(MB, NB):
+                    for l in T.vectorized(L):
+                        acc2[m, n, l] = T.float32(0)
+                for io in range(I // L):
+                    for m in T.unroll(MB):
+                        for n in T.unroll(NB):
+                            for l in T.vectorized(L):
+                                acc2[m, n, l] = acc2[m, n, l] + A[T.min(
+                                    offs[job % E] + mt * MB + m, offs[job % E + 1] - 1), io * L + l] * \
+                                    T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
+                for m, n in T.grid(MB, NB):
+                    if offs[job % E] + mt * MB + m < offs[job % E + 1]:
+                        D[offs[job % E] + mt * MB + m, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
+                        for l in range(L):
+                            D[offs[job % E] + mt * MB + m, job // E * NB + n] = \
+                                D[offs[job % E] + mt * MB + m, job // E * NB + n] + acc2[m, n, l]
+        # 5. weighted combine in token order
+        for t in par(n_tok):
+            for h in range(H):
+                Y[t, h] = T.Cast(out_dtype, T.float32(0))
+            for j in range(k):
+                for h in range(H):
+                    Y[t, h] = Y[t, h] + T.Cast(out_dtype, T.Cast(f32, WR[t, j]) * D[pos[t * k + j], h])
+
+    @T.prim_func
+    def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
+                  wd_h: T.handle, bd_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
+        BGU = T.match_buffer(bgu_h, (E, GU), wt_dtype)
+        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
+        BD = T.match_buffer(bd_h, (E, H), wt_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, WGU, BGU, WD, BD, Y, n_tok)
+
+    @T.prim_func
+    def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
+                wd_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
+        BGU = T.match_buffer(bgu_h, (E, GU), wt_dtype)
+        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, WGU, BGU, WD, None, Y, n_tok)
+
+    @T.prim_func
+    def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
+               bd_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
+        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
+        BD = T.match_buffer(bd_h, (E, H), wt_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, WGU, None, WD, BD, Y, n_tok)
+
+    @T.prim_func
+    def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
+                y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
+        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, WGU, None, WD, None, Y, n_tok)
+
+    return {(True, True): with_both, (True, False): with_gu, (False, True): with_d,
+            (False, False): without}[(gate_up_bias, down_bias)]
+
+
+def _prim_func_for(node, target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """The node's PrimFunc; missing optional biases become unused [E, *] parameters dropped below."""
+    a = node.attr
+    x, ids, w, wgu = node.inputs[:4]
+    E, H = int(wgu.shape[0]), int(x.shape[1])
+    I = int(a["inter"])
+    GU = int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2])
+    k = int(ids.shape[1])
+    wd = node.inputs[5 if a["gate_up_bias"] else 4]
+    if wd.dtype != wgu.dtype:
+        return None
+    f = moe_experts_func(E, H, GU, I, k, layout=a["layout"], act=a["act"], gate_up_bias=a["gate_up_bias"],
+                         down_bias=a["down_bias"], x_dtype=x.dtype, ids_dtype=ids.dtype, w_dtype=w.dtype,
+                         wt_dtype=wgu.dtype, out_dtype=node.dtype, target_kind=target_kind)
+    return f
+
+
+def weight_bytes_read(node_or_shapes, ids) -> int:
+    """Expert-weight bytes one call reads: every expert with a non-empty range, its full matrices (and biases),
+    once -- the kernel's access pattern (phase 2/4 jobs of an empty expert do zero iterations)."""
+    import torch
+
+    per_expert = node_or_shapes  # bytes of one expert's matrices + biases
+    return int(torch.unique(torch.as_tensor(ids).reshape(-1)).numel()) * per_expert
+
+
+lower.PRIMFUNCS["moe_experts"] = _prim_func_for
