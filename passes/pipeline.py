@@ -17,6 +17,7 @@ from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
 from .fold_constants import fold_constants
+from .moe import moe
 
 
 @dataclass
@@ -31,6 +32,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     # -- canonicalize ----------------------------------------------------------------------------------------
     ("fold_constants", lambda g, ctx: fold_constants(g, ctx.constants)),
     # -- identify patterns (dequant, moe, sparse attention, cross-layer state) plug in here ------------------
+    ("moe", moe),
 ]
 
 
