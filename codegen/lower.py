@@ -354,7 +354,7 @@ def _fill(ctx, ins, attrs, outs):
     v = attrs.get("s", attrs.get("fill_value"))
     if v is None:
         v = 1 if "ones" in attrs["__op__"] else 0
-    c = _const(v, out.dtype)
+    c = _cast(ctx.dim(v), out.dtype) if isinstance(v, sympy.Basic) else _const(v, out.dtype)  # SymInt fill
     return te.compute(ctx.shape(out.shape), lambda *i: c, name="T")
 
 

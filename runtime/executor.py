@@ -94,6 +94,16 @@ class _Program:
             for d, size in zip(self.buffers[bid]["shape"], t.shape):
                 if isinstance(d, str) and d in self.symbols:
                     env[d] = int(size)
+                elif isinstance(d, str):  # a linear dimension of one symbol (8*seq_blocks): solve for it
+                    e = sympy.sympify(d)
+                    free = list(e.free_symbols)
+                    if len(free) == 1 and free[0].name in self.symbols and free[0].name not in env:
+                        poly = sympy.Poly(e, free[0])
+                        if poly.degree() == 1:
+                            a, b = (int(c) for c in poly.all_coeffs())
+                            if (int(size) - b) % a:
+                                raise UserError(f"dimension {int(size)} is not of the compiled form {d}")
+                            env[free[0].name] = (int(size) - b) // a
         for s, (lo, hi) in self.symbols.items():
             if s not in env:
                 raise InternalError(f"symbol {s} is not bound by any input dimension")
@@ -101,9 +111,66 @@ class _Program:
                 raise UserError(f"{s}={env[s]} is outside the compiled range [{lo}, {hi}]")
         return tuple(env[s] for s in self._order)
 
+    def pad(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """Pad inputs on the right up to the nearest length the program was compiled for.
+
+        A symbolic input dimension may be constrained (traced as ``8*seq_blocks`` with seq_blocks >= 2, or
+        ``seq`` >= 4): a shorter or unaligned length is padded with zeros (token id 0) to the smallest size the
+        expression takes at or above it. For a causal LM, tokens appended on the right do not change the logits
+        of the tokens before them, so the outputs are sliced back (``run`` does it). Returns the padded inputs and
+        {dimension expression: original size} for the dimensions that were padded."""
+        padded, orig = [], {}
+        for bid, t in zip(self.inputs, inputs):
+            for axis, d in enumerate(self.buffers[bid]["shape"]):
+                if not isinstance(d, str) or d in self.symbols or axis >= t.dim():
+                    continue
+                e = sympy.sympify(d)
+                free = list(e.free_symbols)
+                if len(free) != 1 or free[0].name not in self.symbols:
+                    continue
+                lo, hi = self.symbols[free[0].name]
+                size = int(t.shape[axis])
+                a, b = sympy.Poly(e, free[0]).all_coeffs() if sympy.Poly(e, free[0]).degree() == 1 else (None, None)
+                if a is None or int(a) <= 0:
+                    continue
+                v = max(lo, -(-(size - int(b)) // int(a)))
+                if v > hi:
+                    continue  # bind() reports the out-of-range length
+                target = int(a) * v + int(b)
+                if target != size:
+                    pad = [0, 0] * (t.dim() - axis - 1) + [0, target - size]
+                    t = torch.nn.functional.pad(t, pad)
+                    orig[d] = size
+            padded.append(t)
+        # a bare symbol with a lower bound (seq >= 4): pad up to it
+        for k, (bid, t) in enumerate(zip(self.inputs, padded)):
+            for axis, d in enumerate(self.buffers[bid]["shape"]):
+                if isinstance(d, str) and d in self.symbols and axis < t.dim():
+                    lo, _ = self.symbols[d]
+                    size = int(t.shape[axis])
+                    if 0 < size < lo:
+                        t = torch.nn.functional.pad(t, [0, 0] * (t.dim() - axis - 1) + [0, lo - size])
+                        orig[d] = size
+            padded[k] = t
+        return padded, orig
+
     def run(self, inputs: list[torch.Tensor], observe=None) -> list[torch.Tensor]:
         """Run the steps; ``observe(step_index, node, output_views)`` (debugging, compare) sees each step's
-        outputs right after it ran, before the arena reuses their bytes."""
+        outputs right after it ran, before the arena reuses their bytes. Inputs shorter than (or not aligned to)
+        what the program accepts are padded on the right and the outputs sliced back (see ``pad``)."""
+        inputs, orig = self.pad(inputs)
+        outs = self._run(inputs, observe)
+        if orig:
+            res = []
+            for bid, o in zip(self.outputs, outs):
+                for axis, d in enumerate(self.buffers[bid]["shape"]):
+                    if isinstance(d, str) and d in orig:
+                        o = o.narrow(axis, 0, orig[d])
+                res.append(o.contiguous())
+            outs = res
+        return outs
+
+    def _run(self, inputs: list[torch.Tensor], observe=None) -> list[torch.Tensor]:
         env = self.bind(inputs)
         calls, in_views, out_views = self._cache(env)
         for view, t in zip(in_views, inputs):
