@@ -6,7 +6,8 @@ the existing lowerings, reference interpreter and verifier apply unchanged:
     MatMul -> matmul            Gemm -> linear (+ mul / add)     Conv -> convolution (+ constant_pad_nd)
     Softmax -> softmax.int      Reshape/Flatten/(Un)Squeeze -> view       Transpose -> permute
     Gather -> embedding / select.int / index.Tensor    GatherND -> index.Tensor    Slice -> slice.Tensor
-    LayerNormalization -> layer_norm    RMSNormalization -> its decomposition    Attention (23) -> scaled_dot_product_attention
+    LayerNormalization -> layer_norm    RMSNormalization -> its decomposition (mean.dim, rsqrt, mul)
+    Attention (opset 23) -> scaled_dot_product_attention
     BatchNormalization, InstanceNormalization -> their elementwise decomposition
     MaxPool / AveragePool -> max_pool2d / avg_pool2d     GlobalAveragePool -> mean.dim
     TopK -> topk    Where -> where.self    Cast -> _to_copy    reductions -> mean.dim / sum.dim_IntList / amax ...
@@ -21,8 +22,9 @@ node's output type comes from running its ATen op on fake tensors with those sym
 Block-quantised weights stay as stored: ``DequantizeLinear`` with ``block_size`` and the ``MatMulNBits`` contrib op
 become an explicit dequant subgraph of ATen ops on the packed bytes (nibble unpack with ``bitwise_and`` /
 ``bitwise_right_shift``, ``_to_copy`` to float, minus the zero point, times the per-block scale broadcast over a
-``[..., blocks, block_size]`` view) feeding a ``linear`` / ``matmul``; the dequant pattern pass recognises that
-subgraph, and without it the generic lowerings run it as is.
+``[..., blocks, block_size]`` view) feeding a ``linear`` / ``matmul``. That subgraph is the one the dequant
+pattern pass matches for PyTorch checkpoints (packed storage -> unpack -> scale -> GEMM), so ONNX exports reach the
+same fused kernels once that pass runs; where it does not match, the generic lowerings run the subgraph as is.
 
 Symbolic input dimensions (``dim_param``) stay symbolic, bounded by ``max_batch`` for batch-like names and
 ``max_seq`` otherwise. Spans name the ONNX node and its op: ``Span(module=node.name, source="Conv (opset 20)")``.
@@ -42,7 +44,7 @@ import sympy
 import torch
 from onnx import numpy_helper
 
-from dayzero import InternalError, UnsupportedOpsError, UserError
+from dayzero import UnsupportedOpsError, UserError
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType
 from dayzero.passes.ir.text import make_symbol

@@ -186,6 +186,18 @@ def test_blocked_dequantize_linear_int4_matches_onnxruntime(tmp_path):
     _check(path, tmp_path / "art", [[(1, 5, 64)], [(3, 16, 64)]])
 
 
+def test_external_data_files_load(tmp_path):
+    path = _matmul_nbits_model(tmp_path / "inline.onnx", zero_points=True)
+    ext = tmp_path / "ext" / "model.onnx"
+    ext.parent.mkdir()
+    onnx.save(onnx.load(str(path)), str(ext), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    assert (ext.parent / "weights.bin").is_file()
+    a, b = trace_onnx(str(path), 16).traced, trace_onnx(str(ext), 16).traced
+    assert a.weights.keys() == b.weights.keys()
+    assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+
+
 def _mixed_ops_model(path):
     """LayerNormalization, RMSNormalization, Attention (opset 23, GQA, causal), TopK, Where, Cast, Split, Concat,
     Expand, reductions, Range/Shape/Gather/ConstantOfShape shape arithmetic over symbolic batch and seq."""
