@@ -268,6 +268,10 @@ def _match(n: Node, constants) -> Node | None:
     if wd.shape[0] != E or not ids.dtype.startswith("int"):
         return None
     inter = int(a.shape[1])
+    gu = int(wgu.shape[1] if layout == "nk" else wgu.shape[2])
+    if not all(isinstance(d, int) for d in (*wgu.shape, *wd.shape, H)) or \
+            not _kernels.supports(int(H), gu, inter, wgu.dtype, wd.dtype):
+        return None
     ins = [x, ids, topw, wgu] + ([bgu] if bgu is not None else []) + [wd] + ([bd] if bd is not None else [])
     attrs = {"layout": layout, "act": act, "inter": inter, "gate_up_bias": bgu is not None,
              "down_bias": bd is not None}

@@ -30,11 +30,13 @@ bound to blocks (one thread each): compiles for sm_90, not tuned.
 
 from __future__ import annotations
 
+import json
+
 import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
-from dayzero.codegen import lower
+from dayzero.codegen import lower, schedule
 
 MB, NB, L = 4, 4, 16
 
@@ -89,6 +91,9 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     def par(n):
         return T.thread_binding(n, thread="blockIdx.x") if cuda else T.parallel(n)
 
+    def vec(n):
+        return T.serial(n) if cuda else T.vectorized(n)
+
     def one():
         return T.thread_binding(1, thread="blockIdx.x") if cuda else T.serial(1)
 
@@ -137,12 +142,12 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
             for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
                 for m, n in T.grid(MB, NB):
-                    for l in T.vectorized(L):
+                    for l in vec(L):
                         acc[m, n, l] = T.float32(0)
                 for ho in range(H // L):
                     for m in T.unroll(MB):
                         for n in T.unroll(NB):
-                            for l in T.vectorized(L):
+                            for l in vec(L):
                                 acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[T.min(
                                     offs[job % E] + mt * MB + m, offs[job % E + 1] - 1)] // k, ho * L + l]) * \
                                     T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
@@ -161,12 +166,12 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
             for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
                 for m, n in T.grid(MB, NB):
-                    for l in T.vectorized(L):
+                    for l in vec(L):
                         acc2[m, n, l] = T.float32(0)
                 for io in range(I // L):
                     for m in T.unroll(MB):
                         for n in T.unroll(NB):
-                            for l in T.vectorized(L):
+                            for l in vec(L):
                                 acc2[m, n, l] = acc2[m, n, l] + A[T.min(
                                     offs[job % E] + mt * MB + m, offs[job % E + 1] - 1), io * L + l] * \
                                     T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
@@ -187,7 +192,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     @T.prim_func
     def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
                   wd_h: T.handle, bd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
@@ -202,7 +207,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     @T.prim_func
     def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
                 wd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
@@ -216,7 +221,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     @T.prim_func
     def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
                bd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
@@ -230,7 +235,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     @T.prim_func
     def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
                 y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
@@ -244,21 +249,48 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             (False, False): without}[(gate_up_bias, down_bias)]
 
 
-def _prim_func_for(node, target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
-    """The node's PrimFunc; missing optional biases become unused [E, *] parameters dropped below."""
+def supports(H: int, GU: int, I: int, wgu_dtype: str, wd_dtype: str) -> bool:
+    """What the kernel takes; the moe pass leaves other blocks as generic ops (slow, correct)."""
+    return wgu_dtype == wd_dtype and not (H % NB or GU % NB or H % L or I % L) and \
+        wgu_dtype in ("float32", "bfloat16", "float16")
+
+
+def _params(node) -> dict:
     a = node.attr
     x, ids, w, wgu = node.inputs[:4]
-    E, H = int(wgu.shape[0]), int(x.shape[1])
-    I = int(a["inter"])
-    GU = int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2])
-    k = int(ids.shape[1])
     wd = node.inputs[5 if a["gate_up_bias"] else 4]
-    if wd.dtype != wgu.dtype:
+    return dict(E=int(wgu.shape[0]), H=int(x.shape[1]), GU=int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]),
+                I=int(a["inter"]), k=int(ids.shape[1]), layout=a["layout"], act=a["act"],
+                gate_up_bias=a["gate_up_bias"], down_bias=a["down_bias"], x_dtype=x.dtype, ids_dtype=ids.dtype,
+                w_dtype=w.dtype, wt_dtype=wgu.dtype, out_dtype=node.dtype, wd_dtype=wd.dtype)
+
+
+def _build(p: dict, target_kind: str) -> tvm.tirx.PrimFunc:
+    p = dict(p)
+    p.pop("wd_dtype")
+    E, H, GU, I, k = (p.pop(n) for n in ("E", "H", "GU", "I", "k"))
+    return moe_experts_func(E, H, GU, I, k, target_kind=target_kind, **p)
+
+
+def _prim_func_for(node) -> tvm.tirx.PrimFunc | None:
+    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters so the schedule rule can rebuild it for
+    the actual target (PRIMFUNCS does not see the target)."""
+    p = _params(node)
+    if not supports(p["H"], p["GU"], p["I"], p["wt_dtype"], p["wd_dtype"]):
+        raise InternalError(f"moe_experts kernel cannot take {p} (the moe pass checks supports() first)")
+    return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
+
+
+def _schedule_rule(kernel, target: tvm.target.Target):
+    """schedule.HAND_SCHEDULED entry: the same kernel written for the target (CPU: parallel + AVX-512 lanes; CUDA:
+    phases bound to blocks)."""
+    attrs = kernel.func.attrs
+    if attrs is None or "dayzero.moe_params" not in attrs:
         return None
-    f = moe_experts_func(E, H, GU, I, k, layout=a["layout"], act=a["act"], gate_up_bias=a["gate_up_bias"],
-                         down_bias=a["down_bias"], x_dtype=x.dtype, ids_dtype=ids.dtype, w_dtype=w.dtype,
-                         wt_dtype=wgu.dtype, out_dtype=node.dtype, target_kind=target_kind)
-    return f
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    f = _build(json.loads(str(attrs["dayzero.moe_params"])), kind)
+    f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
+    return tvm.IRModule({"main": f})
 
 
 def weight_bytes_read(node_or_shapes, ids) -> int:
@@ -271,3 +303,4 @@ def weight_bytes_read(node_or_shapes, ids) -> int:
 
 
 lower.PRIMFUNCS["moe_experts"] = _prim_func_for
+schedule.HAND_SCHEDULED["moe_experts"] = _schedule_rule
