@@ -1,0 +1,176 @@
+"""Export an upstream causal LM *with its KV cache as state*: one program for cache-filling prefill and decode.
+
+(Docstring completed below, after the measurements.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from dayzero import UserError
+
+# cache-layer attribute -> (buffer suffix, position dim of that tensor)
+_LAYER_TENSORS = (("keys", "keys", 2), ("values", "values", 2), ("indexer_keys", "indexer_keys", 1))
+
+
+@dataclass
+class CacheTensor:
+    """One cache tensor: the exported program's buffer, its shape and which dim is the token position."""
+
+    layer: int
+    kind: str  # "keys" | "values" | "indexer_keys"
+    buffer: str  # buffer name in the ExportedProgram's state_dict
+    shape: tuple[int, ...]
+    dtype: str
+    position_dim: int
+    layer_type: str  # the config's layer type ("full_attention", "sliding_attention", "indexed_attention", ...)
+    sliding_window: int | None = None  # set when only the last `sliding_window` positions are attended
+
+
+@dataclass
+class DecodeExportInfo:
+    """What the runtime needs to drive the exported program as prefill + decode."""
+
+    max_cache_len: int
+    batch_size: int
+    max_seq: int
+    inputs: tuple[str, ...]  # user inputs in order: input_ids [B, seq] int64, cache_position [seq] int64
+    cache: list[CacheTensor] = field(default_factory=list)
+    # buffer name -> name of the graph output (fx node) that holds its new value (OutputKind.BUFFER_MUTATION)
+    buffer_mutations: dict[str, str] = field(default_factory=dict)
+    # buffer name -> index of that output in the flat graph outputs (mutations come first, then the logits)
+    mutation_output_index: dict[str, int] = field(default_factory=dict)
+    user_output_index: int = -1
+    notes: list[str] = field(default_factory=list)
+
+
+class CacheStep(torch.nn.Module):
+    """``(input_ids [B, seq], cache_position [seq]) -> logits [B, seq, V]`` writing K/V into transformers' own cache.
+
+    The cache object is transformers' :class:`~transformers.StaticCache` (layers ``StaticLayer`` /
+    ``StaticIndexedLayer``); its tensors are registered here as buffers **and re-bound to the layers at the top of
+    every forward**, so that under ``torch.export`` (non-strict, which swaps module buffers for fake tensors by
+    attribute) the cache writes hit the lifted buffers, not the real tensors the cache object still points at.
+    The write offset comes from ``cache_position[0]`` each call (a fresh tensor, not state).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int, batch_size: int = 1):
+        super().__init__()
+        from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+
+        self.model = model
+        cfg = model.config.get_text_config(decoder=True)
+        cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(cache.layers))
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, StaticSlidingWindowLayer):
+                # a full-length static layer: the window is applied by the sliding-window mask instead
+                cache.layers[i] = StaticLayer(max_cache_len)
+            elif type(layer).__name__ not in ("StaticLayer", "StaticIndexedLayer"):
+                raise UserError(f"layer {i}: cache layer {type(layer).__name__} has no static export path")
+        self.cache = cache
+        self.max_cache_len = max_cache_len
+        self.batch_size = batch_size
+        self._allocate(batch_size)
+
+    @torch.no_grad()
+    def _allocate(self, batch_size: int) -> None:
+        # Let every layer allocate its tensors at their real shapes (MLA latents, indexer keys...) by running one
+        # token eagerly, then zero them: simpler and more general than early_initialization, which assumes one
+        # head_dim for keys and values and knows nothing of indexer keys.
+        ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
+        self._bind_offset(torch.zeros(1, dtype=torch.long))
+        self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        self.names: list[tuple[int, str, str]] = []  # (layer, attribute, buffer name)
+        for i, layer in enumerate(self.cache.layers):
+            for attr, suffix, _ in _LAYER_TENSORS:
+                t = getattr(layer, attr, None)
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+                    name = f"cache_{i}_{suffix}"
+                    self.register_buffer(name, t, persistent=False)
+                    self.names.append((i, attr, name))
+
+    def _bind_offset(self, cache_position: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            start = cache_position[0].clone()
+            layer.cumulative_length = start
+            if hasattr(layer, "indexer_cumulative_length"):
+                layer.indexer_cumulative_length = start.clone()
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for i, attr, name in self.names:
+            setattr(self.cache.layers[i], attr, getattr(self, name))
+        self._bind_offset(cache_position)
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
+                         position_ids=cache_position.unsqueeze(0).expand(input_ids.shape[0], -1))
+        return out.logits
+
+
+def _decompose(ep: ExportedProgram) -> ExportedProgram:
+    from dayzero.frontend.torch_export import decompose
+
+    return decompose(ep)
+
+
+def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: int = 1, max_seq: int = 32,
+                      *, min_seq: int = 1, decompose: bool = True) -> tuple[ExportedProgram, DecodeExportInfo]:
+    """Export ``model`` as one stateful step ``(input_ids [B, seq], cache_position [seq]) -> logits``.
+
+    ``seq`` is a symbolic dimension in ``[min_seq, max_seq]``; the cache tensors are buffers mutated by the program
+    (``BUFFER_MUTATION`` outputs after decomposition). Prefill: ``cache_position = arange(P)``; decode:
+    ``cache_position = [P + i]``. ``ep.module()`` keeps the cache state between calls.
+    """
+    if max_seq > max_cache_len:
+        raise UserError(f"max_seq {max_seq} exceeds max_cache_len {max_cache_len}")
+    model = model.eval()
+    step = CacheStep(model, max_cache_len, batch_size)
+    seq = torch.export.Dim("seq", min=min_seq, max=max_seq)
+    ex_len = min(max(min_seq, 4), max_seq)
+    ids = torch.zeros((batch_size, ex_len), dtype=torch.long)
+    pos = torch.arange(ex_len)
+    with torch.no_grad():
+        ep = torch.export.export(step, (), {"input_ids": ids, "cache_position": pos},
+                                 dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=False)
+    # export traced one call: reset the state it wrote through the real tensors (it writes through the fakes, but
+    # be defensive: the program's initial cache must be zeros)
+    for name, buf in step.named_buffers():
+        if name.startswith("cache_"):
+            buf.zero_()
+    if decompose:
+        ep = _decompose(ep)
+    return ep, describe(ep, step, max_seq)
+
+
+def describe(ep: ExportedProgram, step: CacheStep, max_seq: int) -> DecodeExportInfo:
+    cfg = step.model.config.get_text_config(decoder=True)
+    info = DecodeExportInfo(step.max_cache_len, step.batch_size, max_seq, ("input_ids", "cache_position"))
+    for i, attr, name in step.names:
+        t = getattr(step, name)
+        pos_dim = dict((a, d) for a, _, d in _LAYER_TENSORS)[attr]
+        lt = step.layer_types[i] if i < len(step.layer_types) else "full_attention"
+        window = getattr(cfg, "sliding_window", None) if lt == "sliding_attention" else None
+        info.cache.append(CacheTensor(i, attr, name, tuple(t.shape), str(t.dtype).replace("torch.", ""), pos_dim,
+                                      lt, window))
+    sig = ep.graph_signature
+    out_nodes = list(ep.graph.output_node().args[0])
+    for k, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            info.buffer_mutations[spec.target] = spec.arg.name
+            info.mutation_output_index[spec.target] = k
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            info.user_output_index = k
+    assert len(out_nodes) == len(sig.output_specs)
+    cache_bufs = {c.buffer for c in info.cache}
+    missing = cache_bufs - set(info.buffer_mutations)
+    if missing:
+        info.notes.append(f"cache buffers never updated by the graph: {sorted(missing)}")
+    extra = [s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR
+             and any(s.target == m for m in cache_bufs)]
+    if extra:
+        info.notes.append(f"cache tensors lifted as constants: {extra}")
+    return info
