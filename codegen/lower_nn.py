@@ -1,4 +1,4 @@
-"""Lowerings for the network ops vision and ONNX exports bring: convolution, pooling, padding, layer norm, and the
+"""Lowerings for the network ops vision and ONNX exports bring: convolution, pooling, padding, and the
 bit ops of 4-bit weight unpacking. Registered into ``lower.LOWERINGS`` like every other lowering.
 
 Shapes (N batch, C channels, spatial dims last; every value contiguous row-major):
@@ -10,7 +10,6 @@ Shapes (N batch, C channels, spatial dims last; every value contiguous row-major
     avg_pool2d      same windows; sum / count, count = the window clipped to the padded input
                     (count_include_pad) or to the input itself
     constant_pad_nd pad = (before_last, after_last, before_prev, ...); out[i] = x[i - before] or value
-    layer_norm      normalise over the trailing len(normalized_shape) dims, float32 statistics
 
 Accumulation is in float32 for floating inputs (as the ATen CPU kernels do for these sizes).
 """
@@ -146,45 +145,6 @@ def _constant_pad_nd(ctx, ins, attrs, outs):
         return tvm.tirx.if_then_else(_inside([src[d] for d in padded], [x.shape[d] for d in padded]),
                                      x[tuple(src)], fill)
     return te.compute(ctx.shape(out.shape), body, name="T")
-
-
-@lowering("layer_norm")
-def _layer_norm(ctx, ins, attrs, outs):
-    x = ins[0]
-    rest = list(ins[1:])
-    w = rest.pop(0) if attrs.get("weight") else None
-    b = rest.pop(0) if attrs.get("bias") else None
-    nd = len(x.shape)
-    m = len(attrs["normalized_shape"])
-    lead = nd - m
-    eps = attrs.get("eps", 1e-5)
-    red = [te.reduce_axis((0, x.shape[lead + j]), name=f"r{j}") for j in range(m)]
-    count = _cast(_prod([x.shape[lead + j] for j in range(m)]), "float32")
-    total = te.compute(x.shape[:lead], lambda *i: te.sum(_cast(x[(*i, *red)], "float32"), axis=red), name="sum")
-    mean = te.compute(x.shape[:lead], lambda *i: total[i] / count, name="mean")
-    red2 = [te.reduce_axis((0, x.shape[lead + j]), name=f"q{j}") for j in range(m)]
-
-    def sq(*i):
-        dv = _cast(x[(*i, *red2)], "float32") - mean[i]
-        return te.sum(dv * dv, axis=red2)
-    ssq = te.compute(x.shape[:lead], sq, name="ssq")
-    var = te.compute(x.shape[:lead], lambda *i: ssq[i] / count, name="var")
-
-    def body(*i):
-        y = (_cast(x[i], "float32") - mean[i[:lead]]) * tvm.tirx.rsqrt(var[i[:lead]] + _const(eps, "float32"))
-        if w is not None:
-            y = y * _cast(w[i[lead:]], "float32")
-        if b is not None:
-            y = y + _cast(b[i[lead:]], "float32")
-        return _cast(y, outs[0].dtype)
-    return te.compute(x.shape, body, name="T")
-
-
-def _prod(xs):
-    out = xs[0]
-    for v in xs[1:]:
-        out = out * v
-    return out
 
 
 @lowering("bitwise_right_shift.Tensor")

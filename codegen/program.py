@@ -23,7 +23,7 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.text import _value
 from . import lower
-from . import lower_nn  # noqa: F401 - registers convolution, pooling, padding, layer_norm into lower.LOWERINGS
+from . import lower_nn  # noqa: F401 - registers convolution, pooling, padding into lower.LOWERINGS
 
 
 @dataclass

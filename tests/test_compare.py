@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
@@ -78,18 +79,36 @@ class TieRouter(torch.nn.Module):
         return self.proj(x).gather(-1, idx) * vals
 
 
-def test_topk_tie_detected_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def tie_artifact(tmp_path_factory):
     from dayzero.tools.driver import compile_model
 
     torch.manual_seed(0)
     model = (TieRouter().eval(), (torch.randn(1, 5, 4),))
-    compile_model(model, tmp_path / "art", max_seq=16)
-    res = compare(model, tmp_path / "art", seq_len=9, per_node=True)
+    out = tmp_path_factory.mktemp("tie") / "art"
+    compile_model(model, out, max_seq=16)
+    return model, out
+
+
+def test_topk_tie_detected_end_to_end(tie_artifact):
+    model, art = tie_artifact
+    res = compare(model, art, seq_len=9, per_node=True)
     assert res["ok"] and res["trace_ok"] and res["first_divergence"] is None
     if not res["logits_ok"]:  # the kernel broke the tie another way than torch: it must be named as a tie
         assert len(res["ties"]) == 1 and res["ties"][0].startswith("tie at %")
         assert "k-th and (k+1)-th scores equal" in res["ties"][0]
         assert [n["op"] for n in res["nodes"] if n.get("tie")] == ["topk"]
+
+
+def test_a_wrong_trace_is_reported_as_such(tie_artifact, monkeypatch):
+    from dayzero.passes.ir import interp
+
+    model, art = tie_artifact
+    real = interp.run_graph
+    monkeypatch.setattr(interp, "run_graph", lambda *a, **k: [o + 1.0 for o in real(*a, **k)])
+    res = compare(model, art, seq_len=3)
+    assert not res["ok"] and not res["trace_ok"] and res["stage"] == "trace"
+    assert res["first_divergence"]["source"] == "trace" and "tracing" in res["first_divergence"]["message"]
 
 
 def test_topk_tie_rules():

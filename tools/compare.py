@@ -47,6 +47,8 @@ from dayzero import InternalError, UserError
 ATOL = 1e-4
 TIE_EPS = 1e-6
 DEFAULT_SEQ = 16
+MAX_OUTSIDE_GROUPS = 12
+OUTSIDE = "(outside decoder layers)"
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)(?:\.|$)")
 
 
@@ -97,14 +99,19 @@ def topk_tie(scores: torch.Tensor, ref_idx: torch.Tensor, out_idx: torch.Tensor,
 
 def fixed_inputs(pj: dict, seq_len: int, seed: int = 0) -> list[torch.Tensor]:
     """One tensor per program input, from a fixed seed: token ids uniform over the embedding's rows, floats
-    standard normal; every symbolic dimension at ``seq_len``."""
+    standard normal; ``seq`` at ``seq_len`` and every other symbol (a batch) at its lower bound."""
+    import sympy
+
     from dayzero.passes.ir.ops import torch_dtype
 
+    env = {s: (seq_len if s == "seq" else lo) for s, lo, hi in pj["symbols"]}
+    if "seq" not in env:  # a model whose only symbol has another name: that one is the length
+        env.update({s: seq_len for s, lo, hi in pj["symbols"][:1]})
     gen = torch.Generator().manual_seed(seed)
     out = []
     for bid in pj["inputs"]:
         b = pj["buffers"][bid]
-        shape = [d if isinstance(d, int) else seq_len for d in b["shape"]]
+        shape = [d if isinstance(d, int) else int(sympy.sympify(d).subs(env)) for d in b["shape"]]
         dt = torch_dtype(b["dtype"])
         if dt.is_floating_point:
             out.append(torch.randn(shape, generator=gen).to(dt))
@@ -138,7 +145,8 @@ def upstream(model, max_seq: int):
         names = [n.attr["name"] for n in fe.traced.graph.inputs]
 
         def run_onnx(inputs):
-            return torch.as_tensor(_logits(reference_outputs(str(model), dict(zip(names, inputs)))))
+            outs = reference_outputs(str(model), {k: v.numpy() for k, v in zip(names, inputs)})
+            return torch.as_tensor(outs[0])
         return run_onnx, {}, fe
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         from dayzero.frontend.hf import load_upstream
@@ -195,7 +203,7 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     pname, prog = next(iter(rt.programs.items()))
     pj = rt.program_json["programs"][pname]
     bounds = {s: hi for s, lo, hi in pj["symbols"]}
-    max_seq = max(bounds.values(), default=DEFAULT_SEQ)
+    max_seq = bounds.get("seq", max(bounds.values(), default=DEFAULT_SEQ))
     seq = min(seq_len or DEFAULT_SEQ, max_seq)
     if seq_len is not None and not 1 <= seq_len <= max_seq:
         raise UserError(f"--seq-len {seq_len} is outside the artifact's range [1, {max_seq}]")
@@ -303,9 +311,12 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
         res["first_divergence"] = None
     # explained by ties: every step agrees once the reference follows the compiled tie-break
     res["ok"] = res["trace_ok"] and (head["bad"] == 0 or (bool(ties) and first is None))
+    # groups: decoder layers, and the modules outside them (embedding, final norm, head); a graph whose spans name
+    # no small set of modules (an ONNX graph names every node) keeps those in one group: --per-node shows them
+    outside = {r["module"] for r in rows if not r["layer"]}
     layers: dict[str, dict] = {}
     for r in rows:
-        key = r["layer"] or r["module"] or "-"
+        key = r["layer"] or (r["module"] if len(outside) <= MAX_OUTSIDE_GROUPS and r["module"] else OUTSIDE)
         e = layers.setdefault(key, {"layer": key, "steps": 0, "max_abs_diff": 0.0, "first_divergence": None})
         e["steps"] += 1
         e["max_abs_diff"] = max(e["max_abs_diff"], r["abs_diff"])
