@@ -192,6 +192,12 @@ def _register_optional():
         bench_group.add_command(dequant_cmd)
     except ImportError:
         pass
+    try:
+        from dayzero.tools.bench_moe import moe_command as moe_cmd
+
+        bench_group.add_command(moe_cmd)
+    except ImportError:
+        pass
 
 
 _register_optional()
