@@ -20,7 +20,7 @@ def build_library(programs: list[Program], target: dict, db=None) -> tuple[tvm.r
         for name, k in prog.kernels.items():
             if name in funcs:
                 continue
-            mod = schedule_kernel(k, t, db)
+            mod = schedule_kernel(k, t, db, {s: (lo, hi) for s, lo, hi in prog.symbols})
             funcs[name] = mod["main"].with_attr("global_symbol", name)
     t1 = time.perf_counter()
     try:

@@ -728,7 +728,7 @@ def _sdpa(ctx, ins, attrs, outs):
     """out[b, h, i, :] = softmax_j(q[b,h,i]·k[b,g(h),j] * scale + mask[b,h,i,j]) @ v[b,g(h),j,:]
 
     q [B, H, L, D], k [B, Hk, S, D], v [B, Hk, S, Dv], mask broadcastable to [B, H, L, S] (bool: keep where
-    true; float: added), g(h) = h // (H / Hk) (GQA), is_causal keeps j <= i + S - L.
+    true; float: added), g(h) = h // (H / Hk) (GQA), is_causal keeps j <= i (ATen's top-left alignment).
     """
     it = iter(ins)
     q, k, v = next(it), next(it), next(it)
@@ -755,7 +755,7 @@ def _sdpa(ctx, ins, attrs, outs):
             m = _bcast_load(mask, [b, h, i, j], 4)
             val = tvm.tirx.Select(m.astype("bool"), val, neg_inf) if _dt(mask) == "bool" else val + _cast(m, cd)
         if causal:
-            val = tvm.tirx.Select(j <= i + S - L, val, neg_inf)
+            val = tvm.tirx.Select(j <= i, val, neg_inf)  # ATen aligns is_causal top-left (tril of [L, S])
         return val
     sm = te.compute(s.shape, masked, name="masked")
     j1 = te.reduce_axis((0, S), name="j1")
@@ -779,7 +779,7 @@ def _rms_norm(ctx, ins, attrs, outs):
     nd = len(x.shape)
     eps = attrs.get("eps") or float(torch.finfo(ops.torch_dtype(_dt(x))).eps)
     k = te.reduce_axis((0, x.shape[nd - 1]), name="k")
-    ss = te.compute(x.shape[:-1], lambda *i: te.sum(_cast(x[i + (k,)], "float32") ** 2, axis=k), name="ss")
+    ss = te.compute(x.shape[:-1], lambda *i: te.sum(_cast(x[i + (k,)], "float32") * _cast(x[i + (k,)], "float32"), axis=k), name="ss")
     n = _cast(x.shape[nd - 1], "float32")
 
     def body(*i):

@@ -52,6 +52,7 @@ class Kernel:
     span: str = ""
     route: str = "default"  # hand-scheduled | tuned | default | generic (set by codegen/schedule.py)
     node: Node | None = None  # the first node that uses it (to re-lower it specialised)
+    tuned: dict | None = None  # where tuned: {"default_s", "tuned_s", "trials"} from the tuning record
 
 
 @dataclass

@@ -74,17 +74,28 @@ def main(debug: bool) -> None:
 @click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
 @click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
 @click.option("--verify", is_flag=True, help="run the IR verifier after every pass")
+@click.option("--tune", type=int, default=None, metavar="TRIALS",
+              help="tune kernels without a hand-scheduled rule or a record, TRIALS MetaSchedule trials each")
+@click.option("--tune-minutes", type=float, default=None, help="wall-clock budget for all tuning")
+@click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
+              help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, verify, as_json):
-    """Compile MODEL (checkpoint dir or module.path:factory) into the artifact directory OUT."""
+def compile_cmd(model, out, target, max_seq, verify, tune, tune_minutes, tuning_dir, as_json):
+    """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
+
+    Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
     from dayzero.tools.driver import compile_model
 
     if max_seq < 1:
         raise UserError("--max-seq must be at least 1")
-    rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify)
+    if tune_minutes is not None and tune_minutes <= 0:
+        raise UserError("--tune-minutes must be positive")
+    rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
+                        tune_minutes=tune_minutes, tuning_dir=tuning_dir)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
-               "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"]}
+               "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
+               "routes": dict(__import__("collections").Counter(rep["routes"].values()))}
     _emit(summary, as_json)
 
 
