@@ -49,6 +49,7 @@ TIE_EPS = 1e-6
 DEFAULT_SEQ = 16
 MAX_OUTSIDE_GROUPS = 12
 OUTSIDE = "(outside decoder layers)"
+_PLAIN = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)(?:\.|$)")
 
 
@@ -151,7 +152,10 @@ def upstream(model, max_seq: int):
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         from dayzero.frontend.hf import load_upstream
 
-        module = load_upstream(model)
+        try:
+            module = load_upstream(model)
+        except ImportError as e:  # e.g. transformers' FP8 loader wants accelerate
+            raise UserError(f"{model}: transformers cannot load the upstream reference: {e}") from None
         fe = trace_model(model, max_seq)
 
         def run_hf(inputs):
@@ -229,9 +233,12 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     def weight(name: str) -> torch.Tensor:
         n = wnode[name]
         t = tensors.get(name)
-        if t is not None and t.numel() == _numel(n.shape):
+        # upstream's tensor only where it holds the same numbers: a loader that dequantised an FP8/MXFP4 weight
+        # has the same name and shape but not the stored values the IR dequantises itself
+        want = torch_dtype(n.dtype)
+        if t is not None and t.numel() == _numel(n.shape) and (t.dtype == want or {t.dtype, want} <= _PLAIN):
             source["upstream"] += 1
-            return t.detach().to(torch_dtype(n.dtype)).reshape(n.shape)
+            return t.detach().to(want).reshape(n.shape)
         if name not in wbid:
             raise InternalError(f"weight {name} is neither upstream's nor bound in the artifact")
         source["artifact"] += 1
