@@ -64,7 +64,11 @@ class CacheStep(torch.nn.Module):
 
         self.model = model
         cfg = model.config.get_text_config(decoder=True)
-        cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+        try:
+            cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+        except KeyError as e:
+            raise UserError(f"{cfg.model_type}: no static cache layer for layer type {e}: its cache is dynamic "
+                            f"(see frontend/decode_export.py)") from None
         self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(cache.layers))
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, StaticSlidingWindowLayer):
@@ -129,13 +133,18 @@ def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: in
         raise UserError(f"max_seq {max_seq} exceeds max_cache_len {max_cache_len}")
     model = model.eval()
     step = CacheStep(model, max_cache_len, batch_size)
-    seq = torch.export.Dim("seq", min=min_seq, max=max_seq)
-    ex_len = min(max(min_seq, 4), max_seq)
+    if max_seq == min_seq:  # a fixed-length step (max_seq=1: the decode program); no symbol
+        dynamic = None
+        ex_len = max_seq
+    else:
+        seq = torch.export.Dim("seq", min=min_seq, max=max_seq)
+        dynamic = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+        ex_len = min(max(min_seq, 4), max_seq)
     ids = torch.zeros((batch_size, ex_len), dtype=torch.long)
     pos = torch.arange(ex_len)
     with torch.no_grad():
-        ep = torch.export.export(step, (), {"input_ids": ids, "cache_position": pos},
-                                 dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=False)
+        ep = torch.export.export(step, (), {"input_ids": ids, "cache_position": pos}, dynamic_shapes=dynamic,
+                                 strict=False)
     # export traced one call: reset the state it wrote through the real tensors (it writes through the fakes, but
     # be defensive: the program's initial cache must be zeros)
     for name, buf in step.named_buffers():
