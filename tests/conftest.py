@@ -6,6 +6,20 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_tuning_database(tmp_path_factory):
+    """Tests never read or write the user's tuning database (~/.cache/dayzero/tuning)."""
+    import os
+
+    old = os.environ.get("DAYZERO_TUNING_DIR")
+    os.environ["DAYZERO_TUNING_DIR"] = str(tmp_path_factory.mktemp("tuning"))
+    yield
+    if old is None:
+        os.environ.pop("DAYZERO_TUNING_DIR", None)
+    else:
+        os.environ["DAYZERO_TUNING_DIR"] = old
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

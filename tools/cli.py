@@ -184,31 +184,18 @@ def _bench_human(r):
 
 def _register_optional():
     """Commands that live in their own modules."""
+    from dayzero.tools.bench_dequant import dequant_command
+    from dayzero.tools.bench_moe import moe_command
+    from dayzero.tools.bench_tuning import tuning_command
+    from dayzero.tools.compare import compare_cmd
     from dayzero.tools.make_tiny import make_tiny_cmd
     from dayzero.tools.plan_cmd import plan
     from dayzero.tools.report import report_cmd
 
-    main.add_command(make_tiny_cmd)
-    main.add_command(plan)
-    main.add_command(report_cmd)
-    try:
-        from dayzero.tools.compare import compare_cmd
-
-        main.add_command(compare_cmd)
-    except ImportError:
-        pass
-    try:
-        from dayzero.tools.bench_dequant import dequant_command as dequant_cmd
-
-        bench_group.add_command(dequant_cmd)
-    except ImportError:
-        pass
-    try:
-        from dayzero.tools.bench_moe import moe_command as moe_cmd
-
-        bench_group.add_command(moe_cmd)
-    except ImportError:
-        pass
+    for cmd in (make_tiny_cmd, plan, report_cmd, compare_cmd):
+        main.add_command(cmd)
+    for cmd in (dequant_command, moe_command, tuning_command):
+        bench_group.add_command(cmd)
 
 
 _register_optional()

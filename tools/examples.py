@@ -50,3 +50,18 @@ class _Unsupported(torch.nn.Module):
 
 def unsupported():
     return _Unsupported(), (torch.randn(2, 8),)
+
+
+class _Projection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.proj(x))
+
+
+def tiny_projection():
+    """One linear layer and an activation: the smallest model with a kernel worth tuning."""
+    return _Projection().eval(), (torch.randn(1, 8, 64),)
