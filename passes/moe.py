@@ -197,10 +197,10 @@ def _act_expr(n: Node, g: Node, constants, S):
         return ("col", int(n.attr.get("start") or 0), int(n.attr.get("step") or 1), int(n.shape[1]))
     if n is g:
         return ("col", 0, 1, int(g.shape[1]))
+    if len(n.types) == 1 and n.shape == ():
+        return ("const", _scalar_const(n, constants))
     if len(n.types) != 1 or not n.dtype.startswith("float"):
         raise _NoMatch
-    if n.shape == ():
-        return ("const", _scalar_const(n, constants))
     if tuple(n.shape[:1]) != (S,):
         raise _NoMatch
     if n.op in _UNARY and len(n.inputs) == 1:

@@ -293,13 +293,27 @@ def _schedule_rule(kernel, target: tvm.target.Target):
     return tvm.IRModule({"main": f})
 
 
-def weight_bytes_read(node_or_shapes, ids) -> int:
-    """Expert-weight bytes one call reads: every expert with a non-empty range, its full matrices (and biases),
-    once -- the kernel's access pattern (phase 2/4 jobs of an empty expert do zero iterations)."""
+def bytes_read(ids, *, E: int, H: int, GU: int, I: int, wt_bytes: int = 4, act_bytes: int = 4) -> dict:
+    """Bytes one call reads from memory, counted from the kernel's loop structure (phases 2 and 4).
+
+    A job (expert e, n-block) runs ceil(cnt_e / MB) token tiles; each tile sweeps the job's [NB, K] weight block,
+    the first from memory and the rest from L1 (NB * K * 4 = 16 KiB at K = 1024), so memory traffic per job is
+    one block when cnt_e > 0 and nothing when cnt_e == 0; activations: x rows, G, A, D written and read once, y
+    written, ids/weights read. Returns {"weights", "activations", "total", "routed_expert_bytes"}."""
     import torch
 
-    per_expert = node_or_shapes  # bytes of one expert's matrices + biases
-    return int(torch.unique(torch.as_tensor(ids).reshape(-1)).numel()) * per_expert
+    ids = torch.as_tensor(ids)
+    S = ids.numel()
+    cnt = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    weights = 0
+    for e in range(E):
+        if cnt[e] > 0:
+            weights += (GU // NB) * NB * H * wt_bytes  # phase 2 jobs of expert e
+            weights += (H // NB) * NB * I * wt_bytes  # phase 4 jobs
+    T = ids.shape[0]
+    acts = (S * H + 2 * S * GU + 2 * S * I + 2 * S * H + T * H) * act_bytes + S * 16
+    routed = int((cnt > 0).sum()) * (GU * H + H * I) * wt_bytes
+    return {"weights": weights, "activations": acts, "total": weights + acts, "routed_expert_bytes": routed}
 
 
 lower.PRIMFUNCS["moe_experts"] = _prim_func_for
