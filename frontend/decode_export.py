@@ -155,6 +155,14 @@ def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: in
     return ep, describe(ep, step, max_seq)
 
 
+def reset_cache(ep: ExportedProgram, info: DecodeExportInfo) -> None:
+    """Zero the cache state. The cache tensors are non-persistent buffers: they live in ``ep.constants`` and every
+    ``ep.module()`` shares them (a second ``ep.module()`` continues the first one's cache)."""
+    with torch.no_grad():
+        for c in info.cache:
+            ep.constants[c.buffer].zero_()
+
+
 def describe(ep: ExportedProgram, step: CacheStep, max_seq: int) -> DecodeExportInfo:
     cfg = step.model.config.get_text_config(decoder=True)
     info = DecodeExportInfo(step.max_cache_len, step.batch_size, max_seq, ("input_ids", "cache_position"))

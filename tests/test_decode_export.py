@@ -55,7 +55,7 @@ def _greedy_upstream(model, ids: torch.Tensor, new: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v32"])
 def test_prefill_then_decode_matches_generate(tiny, model_type):
-    from dayzero.frontend.decode_export import export_with_cache
+    from dayzero.frontend.decode_export import export_with_cache, reset_cache
 
     torch.manual_seed(0)
     model = _upstream(tiny(model_type))
@@ -81,6 +81,18 @@ def test_prefill_then_decode_matches_generate(tiny, model_type):
 
     ids = torch.randint(2, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     assert _greedy_exported(ep, ids, NEW) == _greedy_upstream(model, ids, NEW)
+
+    # logits too: prefill 12 then 18 single-token steps == upstream's cache-less forward over all 30 positions
+    # (past the sliding window: a full-length cache with the window in the mask is the same computation)
+    reset_cache(ep, info)
+    assert all(not ep.constants[c.buffer].any() for c in info.cache)
+    ids = torch.randint(2, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(3))
+    mod = ep.module()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        got = [mod(input_ids=ids[:, :PROMPT], cache_position=torch.arange(PROMPT))]
+        got += [mod(input_ids=ids[:, p:p + 1], cache_position=torch.tensor([p])) for p in range(PROMPT, 30)]
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_batch_of_two_same_length(tiny):
