@@ -1,6 +1,76 @@
 """Export an upstream causal LM *with its KV cache as state*: one program for cache-filling prefill and decode.
 
-(Docstring completed below, after the measurements.)
+``export_with_cache(model, max_cache_len, batch_size=1, max_seq=32)`` returns ``(ep, info)``: ``ep`` is a
+decomposed (``frontend.torch_export.decompose``) ExportedProgram of
+``(input_ids [B, seq] int64, cache_position [seq] int64) -> logits [B, seq, V]`` whose KV cache tensors are buffers
+``cache_{layer}_{keys|values|indexer_keys}``; after decomposition every cache write is an out-of-place
+``aten.index_put`` whose result is a ``BUFFER_MUTATION`` graph output (``info.buffer_mutations``: buffer -> output
+node; ``info.mutation_output_index``: buffer -> flat output index; mutations come first, the logits last).
+``info.cache`` gives per layer the buffer name, shape, dtype, position dim and layer type (+ sliding window).
+Prefill: ``cache_position = arange(P)``; decode step i: ``cache_position = [P + i]``. ``seq`` is a symbolic dim in
+``[min_seq, max_seq]``; ``max_seq=1`` gives the fixed-shape decode program. The buffers are non-persistent: they
+live in ``ep.constants`` and are shared by every ``ep.module()`` (``reset_cache`` zeroes them). ``to_graph``
+translates these programs (the cache tensors arrive as ``weight`` nodes; the IR has no state kind yet).
+
+Root cause of the upstream failure (``TorchExportableModuleWithStaticCache`` + ``run_decompositions`` ->
+``AssertionError: expected compiled_fn to be GraphModule, got <class 'function'>``, torch 2.13):
+non-strict ``torch.export`` swaps a module's registered parameters/buffers for fake tensors *by attribute*
+(``torch.nn.utils.stateless._reparametrize_module`` in ``export/_trace.py``). The wrapper registers the cache
+tensors as buffers, but ``StaticCache.layers[i].keys / .values / .cumulative_length`` still point at the *real*
+tensors, so the traced ``index_copy_`` / ``add_`` / ``copy_`` hit real tensors, which export lifts as
+``CONSTANT_TENSOR`` inputs (``...self_attn.lifted_tensor_N``), and the output signature has only USER_OUTPUT. At
+``run_decompositions`` those constants and the registered buffers are *the same tensor objects*, passed twice as
+flat inputs and mutated: aot_autograd's ``AOTDedupeWrapper`` (duplicate mutated args; measured keep_arg_mask drops
+the six lifted constants as dupes of the six cache buffers) wraps the graph in a Python function, which
+``aot_stage2_export`` rejects. Not the masking utils, not sdpa vs eager, not grad mode (``torch.no_grad()`` fails
+the same way).
+
+The strategy that works (``CacheStep``): a dayzero wrapper holding transformers' own ``StaticCache`` whose layer
+tensors are registered as buffers *and re-bound onto the cache layers at the top of every forward*
+(``layer.keys = self.cache_0_keys``): under export that attribute read returns the fake buffer, so writes are
+functionalised into BUFFER_MUTATIONs. ``cumulative_length`` (and ``indexer_cumulative_length``) are not state: each
+call sets them to a fresh ``cache_position[0].clone()``, so the write offset and the mask/rope positions come from
+the input (as upstream's executorch wrapper intends with its ``copy_``), and nothing else is mutated.
+Layer tensors are allocated by one eager 1-token forward and zeroed (``early_initialization`` assumes one head_dim
+for keys and values and knows nothing of MLA latents or indexer keys).
+
+Per architecture (tiny checkpoints, transformers 5.24, fp32; tests/test_decode_export.py):
+* qwen3_moe: works. Greedy tokens == ``generate()``; logits over prefill 12 + 18 steps match the cache-less
+  forward to ~1e-6. Decode graph (max_seq=1, max_cache_len=48, 2 layers): 260 call_function nodes; per layer 2
+  ``index_put`` [1,2,48,16] <- [1,2,1,16] at cache_position; ``scaled_dot_product_attention`` q [1,4,1,16],
+  k/v [1,4,48,16] (GQA by expand+clone of the whole cache), bool mask [1,1,1,48] from ``le(arange, pos)``.
+* gpt_oss: works. The upstream ``StaticSlidingWindowLayer`` is replaced by a full-length ``StaticLayer``: the
+  sliding layer keeps a Python-int ``cumulative_length_int`` and branches on it (not full / becoming full / full:
+  roll + copy_) and sizes the mask from it (``get_mask_sizes``), so an exported graph would bake in the cache phase
+  seen at trace time. With a full-length cache the window is applied by the sliding-window mask only (same keys,
+  same sinks: logits match to ~1e-6 past the window; disabling the window changes logits by 2.9). Cost: the
+  sliding layers' cache holds max_cache_len positions, not the window (a later ring-buffer pass can fix that).
+  Decode graph: 333 nodes; eager attention with sinks: ``bmm`` [4,1,16]x[4,16,48] -> scores, ``cat`` sink ->
+  ``softmax`` [1,4,1,49], ``bmm`` [4,1,48]x[4,48,16]; sliding mask from ``le``/``sub``/``bitwise_and``.
+* deepseek_v32: works (``StaticIndexedLayer``: MLA latent keys [1,1,48,32] = ``k_pass``, values [1,1,48,8] =
+  ``k_rot``, indexer keys [1,48,16] with position dim 1). Decode graph: 443 nodes; per layer 3 ``index_put``;
+  ``expand_kv`` rebuilds full K [1,4,48,24] / V [1,4,48,16] from the whole latent cache every step
+  (``slice_scatter``); the indexer scores all 48 positions (``bmm`` [1,8,16]x[1,16,48], relu, weighted head sum
+  [1,1,48]), ``topk`` 4, ``scatter`` into a bool mask, then dense ``scaled_dot_product_attention`` q [1,4,1,24] over
+  k [1,4,48,24] with mask [1,1,1,48] = causal & selected.
+* deepseek_v4: not exportable this way. Its cache layers (``DeepseekV4HCACache`` / ``DeepseekV4CSACache``) subclass
+  ``DynamicSlidingWindowLayer``; ``StaticCache(config)`` raises ``KeyError: 'heavily_compressed_attention'`` (upstream
+  sets ``_can_compile_fullgraph = False`` for this reason). Their state is cat-grown (sliding K=V, ``compressed_kv``),
+  the pending-window buffers hold ``position mod compress_rate`` tokens, ``entry_count`` is a Python int, and the
+  compressors branch on those lengths (``chunk_kv.shape[1] > 0``, ``seq_len == 1`` returns no block bias,
+  ``prior_kv is None``), so one traced graph is valid only for the compressor phase (and compressed length) seen at
+  trace time. ``export_with_cache`` raises a UserError naming the layer type. A V4 path needs dayzero-owned static
+  state (fixed-size compressed caches + valid-length masks, pending-window ring, overlap state) and a rewrite of the
+  compressor's length branches, or per-phase decode programs with the compressed length symbolic.
+
+Decode attention is dense: at seq=1 every architecture above attends over all ``max_cache_len`` cache positions,
+with invalid (and, for V3.2, unselected; for gpt-oss, out-of-window) positions masked, and the GQA / MLA expansion
+materialises the whole cache each step. Later passes should turn these into reads of only the valid / selected
+positions (mask = ``kv_idx <= cache_position`` [and window, and top-k scatter]).
+
+Limits: all rows of a batch share ``cache_position`` (same-length prompts; different lengths need per-row
+positions and a padding mask). ``cache_position`` must be contiguous ``arange(start, start+seq)`` (the write uses
+``cache_position[0] + arange(seq)``), and ``start + seq <= max_cache_len`` (past the end, ``index_put`` raises IndexError).
 """
 
 from __future__ import annotations
