@@ -122,15 +122,47 @@ def learn_recipes(ckpt: Checkpoint, load_model) -> tuple[dict[str, list[Run]], s
     """Recipes for every module tensor transformers fills from the checkpoint.
 
     ``load_model(dir, dtype)`` must load the upstream model from a checkpoint dir (it is called on a stand-in
-    checkpoint of element ids). Returns (recipes by state-dict name, names the checkpoint does not provide)."""
+    checkpoint of element ids). Returns (recipes by state-dict name, names the checkpoint does not provide).
+
+    Modules transformers keeps in float32 whatever the load dtype (``_keep_in_fp32_modules``: MoE routers,
+    DeepSeek-V4's hyper-connections) receive the ids cast to float32, which cannot hold ``ID_BASE + i`` exactly:
+    those tensors are learned again from a second stand-in whose ids start at 2**20 (exact in float32 while the
+    checkpoint has under 15M elements), else matched by name and shape."""
+    recipes, missing, lowp = _learn(ckpt, load_model, ID_BASE, None)
+    if lowp:
+        total = sum(_numel(i.shape) for i in ckpt.tensors.values())
+        if FP32_ID_BASE + total < 2 ** 24:
+            r2, _, _ = _learn(ckpt, load_model, FP32_ID_BASE, lowp)
+            for name in list(lowp):
+                if name in r2:
+                    recipes[name] = r2[name]
+                    lowp.discard(name)
+        for name in lowp:
+            info = ckpt.tensors.get(name)
+            if info is not None:
+                recipes[name] = [(0, name, 0, _numel(info.shape))]
+            else:
+                missing.add(name)
+    return recipes, missing
+
+
+FP32_ID_BASE = 2 ** 20
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None):
     keys = sorted(ckpt.tensors)
     base, ids, sizes = {}, {}, {}
-    offset = ID_BASE
+    offset = id_base
     for k in keys:
         info = ckpt.tensors[k]
-        numel = 1
-        for d in info.shape:
-            numel *= d
+        numel = _numel(info.shape)
         base[k], sizes[k] = offset, numel
         is_int = info.dtype.startswith(("int", "uint")) or info.dtype == "bool"
         ids[k] = (torch.arange(numel, dtype=torch.int64) + offset).to(
@@ -145,28 +177,23 @@ def learn_recipes(ckpt: Checkpoint, load_model) -> tuple[dict[str, list[Run]], s
         save_file(ids, str(Path(tmp, "model.safetensors")))
         del ids
         model = load_model(tmp, torch.float64)
-    recipes, missing = {}, set()
+    recipes, missing, lowp = {}, set(), set()
     for name, t in model.state_dict().items():
+        if only is not None and name not in only:
+            continue
         flat = t.detach().reshape(-1)
         if flat.numel() == 0:
             missing.add(name)
             continue
-        if flat.dtype.is_floating_point and flat.dtype != torch.float64:
-            # a module transformers keeps in another dtype (``_keep_in_fp32_modules``, e.g. a MoE router): the
-            # element ids lost their precision on the cast, so they cannot say which element went where; such
-            # tensors are loaded by name, as-is (a whole-tensor run), when the checkpoint holds them
-            info = ckpt.tensors.get(name)
-            if info is not None and list(info.shape) == list(t.shape):
-                recipes[name] = [(0, name, 0, flat.numel())]
-            else:
-                missing.add(name)
+        if only is None and flat.dtype.is_floating_point and flat.dtype != torch.float64:
+            lowp.add(name)  # kept in another dtype: ids lost precision (see learn_recipes)
             continue
         if flat.dtype.is_floating_point:
-            if not torch.all((flat >= ID_BASE) & (flat == flat.round())):
+            if not torch.all((flat >= id_base) & (flat == flat.round())):
                 missing.add(name)
                 continue
             flat = flat.to(torch.int64)
-        elif not torch.all(flat >= ID_BASE):
+        elif not torch.all(flat >= id_base):
             missing.add(name)
             continue
         flat = flat.tolist()
@@ -181,4 +208,4 @@ def learn_recipes(ckpt: Checkpoint, load_model) -> tuple[dict[str, list[Run]], s
             runs.append((i, key, flat[i] - b, j - i))
             i = j
         recipes[name] = runs
-    return recipes, missing
+    return recipes, missing, lowp

@@ -99,6 +99,8 @@ class _Translator:
         self.sym_map: dict[sympy.Symbol, sympy.Symbol] = {}
         self.symbols: list[tuple[str, int, int]] = []
         for sym, vr in ep.range_constraints.items():
+            if not getattr(sym, "is_Symbol", False):
+                continue  # a derived dimension's range (8*s11 for seq = 8*_seq): implied by its symbol's
             name = symbol_names.get(str(sym), str(sym))
             hi = int(vr.upper) if vr.upper.is_finite else None
             if hi is None:

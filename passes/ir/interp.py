@@ -23,6 +23,11 @@ def infer_env(g: Graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
         for d, v in zip(n.shape, t.shape):
             if not isinstance(d, int) and d.is_Symbol:
                 env[d.name] = int(v)
+            elif not isinstance(d, int) and len(d.free_symbols) == 1:  # 8*seq_blocks: solve the linear dim
+                (sym,) = d.free_symbols
+                a, b = d.as_poly(sym).all_coeffs() if d.as_poly(sym).degree() == 1 else (0, 0)
+                if a and (int(v) - int(b)) % int(a) == 0:
+                    env.setdefault(sym.name, (int(v) - int(b)) // int(a))
     for s, lo, hi in g.symbols:
         if s in env and not lo <= env[s] <= hi:
             raise UserError(f"{s}={env[s]} is outside its declared range [{lo}, {hi}]")
