@@ -34,6 +34,7 @@ class BufferInfo:
     zone: str  # weights | io | activations
     alias_of: int | None = None  # views share the bytes of another buffer
     weight: str | None = None  # weights: the manifest name
+    state: str | None = None  # persistent state (KV cache, cross-layer state): its name
     name: str | None = None  # io: input name / output index
 
     def max_bytes(self, bounds: dict[str, int]) -> int:
@@ -81,7 +82,7 @@ def check_supported(g: Graph) -> None:
     bad = []
     seen = set()
     for n in g.nodes():
-        if n.op in ("input", "weight") or ops.get(n.op).view:
+        if n.op in ("input", "weight", "state") or ops.get(n.op).view:
             continue
         if not lower.can_lower(n.op) and (n.op, str(n.span)) not in seen:
             seen.add((n.op, str(n.span)))
@@ -149,15 +150,24 @@ def build_program(g: Graph, name: str = "prefill") -> Program:
         if n.op == "weight":
             buf_of[id(n)] = [new_buffer(n.type, "weights", weight=n.attr["name"])]
             continue
+        if n.op == "state":
+            buf_of[id(n)] = [new_buffer(n.type, n.attr.get("zone") or "kv_cache", state=n.attr["name"])]
+            continue
         od = ops.get(n.op)
         if od.view:
             src = buf_of[id(n.inputs[0])][n.attr["index"] if n.op == "getitem" else 0]
             root = prog.buffers[src].alias_of if prog.buffers[src].alias_of is not None else src
             buf_of[id(n)] = [new_buffer(n.type, prog.buffers[root].zone, alias_of=root)]
             continue
-        zone = "io" if id(n) in out_nodes else "activations"
-        outs = [new_buffer(t, zone) for t in n.types]
-        buf_of[id(n)] = outs
+        if od.inplace:  # the kernel writes input 0's bytes; the output is a view of them
+            src = buf_of[id(n.inputs[0])][0]
+            root = prog.buffers[src].alias_of if prog.buffers[src].alias_of is not None else src
+            outs = []
+            buf_of[id(n)] = [new_buffer(n.type, prog.buffers[root].zone, alias_of=root)]
+        else:
+            zone = "io" if id(n) in out_nodes else "activations"
+            outs = [new_buffer(t, zone) for t in n.types]
+            buf_of[id(n)] = outs
         key = _kernel_key(n)
         kname = by_key.get(key)
         if kname is None:
@@ -194,7 +204,8 @@ def program_json(prog: Program) -> dict:
         "input_ranges": prog.input_ranges,
         "outputs": prog.outputs,
         "buffers": [{"id": b.id, "dtype": b.dtype, "shape": [dim_json(d) for d in b.shape], "zone": b.zone,
-                     "alias_of": b.alias_of, "weight": b.weight, "name": b.name} for b in prog.buffers],
+                     "alias_of": b.alias_of, "weight": b.weight, "state": b.state, "name": b.name}
+                    for b in prog.buffers],
         "steps": [{"kernel": s.kernel, "args": s.args, "node": s.node, "symbols": s.symbols,
                    "outputs": s.outputs} for s in prog.steps],
         "kernels": {k.name: {"op": k.op, "route": k.route, "span": k.span} for k in prog.kernels.values()},

@@ -21,6 +21,7 @@ import torch
 from dayzero import UserError
 from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library
+from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.schedule import tune_kernels
 from dayzero.frontend import hf
@@ -28,7 +29,6 @@ from dayzero.frontend.checkpoint import Checkpoint, learn_recipes
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
-from dayzero.passes.memory_plan import Buffer, plan_zones
 from dayzero.passes.pipeline import PassContext, run_pipeline
 from dayzero.targets.host import host_target_dict
 
@@ -178,52 +178,8 @@ def optimize(fe: Frontend, verify: bool = False, dump_dir=None) -> tuple[Graph, 
 
 
 def plan_memory(prog: Program) -> dict:
-    """Lifetimes over program steps -> zoned arena offsets, sized at the symbols' upper bounds.
-
-    ``buffers`` keeps every planned buffer as ``[offset, bytes, first_step, last_step, zone]`` (lifetimes
-    inclusive; weights and program I/O span [0, steps]) so ``dayzero report --plot`` can draw the arena
-    from report.json alone."""
-    bounds = {s: hi for s, lo, hi in prog.symbols}
-    n = len(prog.steps)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-
-    def root(b: int) -> int:
-        a = prog.buffers[b].alias_of
-        return b if a is None else a
-
-    for i, st in enumerate(prog.steps):
-        for b in st.args:
-            r = root(b)
-            first.setdefault(r, i)
-            last[r] = i
-    for b in prog.inputs + prog.outputs:
-        r = root(b)
-        first[r], last[r] = 0, n
-    bufs = []
-    for b in prog.buffers:
-        if b.alias_of is not None:
-            continue
-        if b.zone == "weights":
-            start, end = 0, n
-        else:
-            start, end = first.get(b.id, 0), last.get(b.id, 0)
-        zone = b.zone if b.zone != "io" or b.id in prog.inputs or root(b.id) in map(root, prog.outputs) \
-            else "activations"
-        bufs.append(Buffer(b.id, b.max_bytes(bounds), start, end, zone))
-    zp = plan_zones(bufs)
-    offsets = {b.id: zp.offsets[root(b.id)] for b in prog.buffers}
-    return {
-        "arena_bytes": zp.total_bytes,
-        "offsets": offsets,
-        "zones": zp.summary(),
-        "peak_live_bytes": {z: p.peak_live_bytes for z, p in zp.plans.items()},
-        "planned_bytes": {z: p.arena_bytes for z, p in zp.plans.items()},
-        "algorithm": {z: p.algorithm for z, p in zp.plans.items()},
-        "bounds": bounds,
-        "steps": n,
-        "buffers": [[zp.offsets[b.id], b.size, b.start, b.end, b.zone] for b in sorted(bufs, key=lambda b: b.id)],
-    }
+    """The memory plan of a single program (see ``codegen/memory.py`` for the layout of several)."""
+    return plan_programs([prog])["programs"][prog.name]
 
 
 def weights_manifest(fe: Frontend, g: Graph, ctx: PassContext) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -286,6 +242,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     t0 = time.perf_counter()
     g, ctx = optimize(fe, verify=verify)
     prog = build_program(g, "prefill")  # raises UnsupportedOpsError before anything is written
+    progs = [prog]
     times["passes_s"] = time.perf_counter() - t0
     tgt = resolve_target(target)
     db = tuning.TuningDatabase(tuning_dir)
@@ -294,29 +251,33 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         times["tuned_kernels"] = tune_program(prog, tgt, db, tune, tune_minutes)
         times["tune_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lib, build_stats = build_library([prog], tgt, db)
+    lib, build_stats = build_library(progs, tgt, db)
     times["codegen_s"] = time.perf_counter() - t0
-    memory = plan_memory(prog)
+    layout = plan_programs(progs)
     manifest, own = weights_manifest(fe, g, ctx)
     report = {
         "format": artifact.FORMAT,
         "model_type": fe.model_type,
         "target": tgt,
-        "programs": {"prefill": {"steps": len(prog.steps), "kernels": len(prog.kernels),
-                                 "memory": {k: v for k, v in memory.items() if k != "offsets"}}},
-        "routes": {k.name: k.route for k in prog.kernels.values()},
-        "tuned": {k.name: k.tuned for k in prog.kernels.values() if k.tuned},
-        "kernel_ops": {k.name: k.op for k in prog.kernels.values()},
+        "programs": {p.name: {"steps": len(p.steps), "kernels": len(p.kernels),
+                              "memory": {k: v for k, v in layout["programs"][p.name].items() if k != "offsets"}}
+                     for p in progs},
+        "routes": {k.name: k.route for p in progs for k in p.kernels.values()},
+        "tuned": {k.name: k.tuned for p in progs for k in p.kernels.values() if k.tuned},
+        "kernel_ops": {k.name: k.op for p in progs for k in p.kernels.values()},
         "patterns": dict(ctx.patterns),
         "unsupported": [],
         "build": build_stats,
     }
-    pj = program_json(prog)
-    pj["memory"] = {"arena_bytes": memory["arena_bytes"], "offsets": {str(k): v for k, v in memory["offsets"].items()},
-                    "zones": memory["zones"]}
+    pjs = {}
+    for p in progs:
+        mem = layout["programs"][p.name]
+        pjs[p.name] = program_json(p)
+        pjs[p.name]["memory"] = {"arena_bytes": layout["arena_bytes"], "zones": mem["zones"],
+                                 "offsets": {str(k): v for k, v in mem["offsets"].items()}}
     with artifact.ArtifactWriter(out) as d:
         lib.export_library(str(d / "kernels.so"))
-        artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": {"prefill": pj}})
+        artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs})
         artifact.write_json(d / "weights.json", manifest)
         artifact.save_tensors(d / "weights.safetensors", own)
         (d / "final.ir").write_text(print_graph(g))

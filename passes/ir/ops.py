@@ -36,6 +36,7 @@ class OpDef:
     reference: Callable[..., Any] | None = None  # (inputs: list[Tensor], attrs: dict) -> Tensor | tuple
     doc: str = ""
     meta_ok: bool = True  # the reference runs on meta tensors (shape rule)
+    inplace: bool = False  # writes into input 0's buffer; the output aliases it (the kernel takes inputs only)
 
     def call(self, inputs: list[torch.Tensor], attrs: dict[str, Any], env: dict[str, int] | None = None):
         """Run the reference implementation; symbolic attrs take their values from ``env``."""
@@ -167,5 +168,8 @@ register(OpDef("input", args=(("name", ATTR),), reference=_no_ref("input"), meta
                doc="a program input; attr name"))
 register(OpDef("weight", args=(("name", ATTR),), reference=_no_ref("weight"), meta_ok=False,
                doc="a parameter, buffer or constant, bound at load time; attr name (key in the weights manifest)"))
+register(OpDef("state", args=(("name", ATTR), ("zone", ATTR)), reference=_no_ref("state"), meta_ok=False,
+               doc="a persistent mutable buffer shared by the programs of an artifact (KV cache, cross-layer state);"
+                   " attrs name, zone (kv_cache | cross_layer_state); zero when a request starts"))
 register(OpDef("getitem", args=(("index", ATTR),), view=True,
                reference=lambda ins, a: ins[0][a["index"]], doc="output #index of a multi-output node"))

@@ -1,0 +1,106 @@
+"""Memory layout of an artifact: one arena shared by all its programs (prefill, decode).
+
+    [ weights | kv_cache / cross-layer state ]  persistent, named: every program sees the same bytes
+    [ activations + io of prefill ]             \\  programs never run at the same time, so their
+    [ activations + io of decode  ]             /   regions start at the same base and overlap
+
+Persistent buffers are placed once by name (a weight or a state is the same tensor in every program). Each
+program's activations and I/O are planned on their own by ``passes/memory_plan.py`` (lifetimes over its steps,
+sizes at the symbols' upper bounds, several algorithms, the smallest verified arena). Views share their root's
+bytes: a root lives from its first to its last use through any of its views; program inputs and outputs live
+for the whole program.
+"""
+
+from __future__ import annotations
+
+from dayzero.passes.memory_plan import Buffer, align_up, plan_zones
+
+from .program import Program
+
+ALIGN = 64
+PERSISTENT = ("weights", "kv_cache", "cross_layer_state")
+
+
+def _root(prog: Program, b: int) -> int:
+    a = prog.buffers[b].alias_of
+    return b if a is None else a
+
+
+def _lifetimes(prog: Program) -> tuple[dict[int, int], dict[int, int]]:
+    n = len(prog.steps)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, st in enumerate(prog.steps):
+        for b in st.args:
+            r = _root(prog, b)
+            first.setdefault(r, i)
+            last[r] = i
+    for b in prog.inputs + prog.outputs:
+        r = _root(prog, b)
+        first[r], last[r] = 0, n
+    return first, last
+
+
+def persistent_key(b) -> str | None:
+    if b.weight is not None:
+        return "w:" + b.weight
+    if b.state is not None:
+        return "s:" + b.state
+    return None
+
+
+def plan_programs(progs: list[Program]) -> dict:
+    """-> {"arena_bytes", "persistent": {key: offset}, "programs": {name: {offsets, zones, ...}}}."""
+    # 1. persistent buffers, by name, once
+    sizes: dict[str, tuple[int, str]] = {}
+    for prog in progs:
+        bounds = {s: hi for s, lo, hi in prog.symbols}
+        for b in prog.buffers:
+            key = persistent_key(b)
+            if key is not None and b.alias_of is None:
+                sizes[key] = (max(sizes.get(key, (0, ""))[0], b.max_bytes(bounds)), b.zone)
+    keys = sorted(sizes)
+    pz = plan_zones([Buffer(k, sizes[k][0], 0, 0, sizes[k][1]) for k in keys], ALIGN) if keys else None
+    persistent = dict(pz.offsets) if pz else {}
+    base = align_up(pz.total_bytes, ALIGN) if pz else 0
+    # 2. each program's own region, all starting at `base`
+    out, top = {}, base
+    for prog in progs:
+        bounds = {s: hi for s, lo, hi in prog.symbols}
+        first, last = _lifetimes(prog)
+        n = len(prog.steps)
+        bufs = []
+        for b in prog.buffers:
+            if b.alias_of is not None or persistent_key(b) is not None:
+                continue
+            bufs.append(Buffer(b.id, b.max_bytes(bounds), first.get(b.id, 0), last.get(b.id, 0), b.zone))
+        zp = plan_zones(bufs, ALIGN) if bufs else None
+        local = {k: base + v for k, v in zp.offsets.items()} if zp else {}
+        offsets = {}
+        for b in prog.buffers:
+            r = prog.buffers[_root(prog, b.id)]
+            key = persistent_key(r)
+            offsets[b.id] = persistent[key] if key is not None else local[r.id]
+        zones = dict(pz.summary()) if pz else {}
+        zones.update(zp.summary() if zp else {})
+        peak = {z: p.peak_live_bytes for z, p in (pz.plans.items() if pz else [])}
+        peak.update({z: p.peak_live_bytes for z, p in (zp.plans.items() if zp else [])})
+        planned = {z: p.arena_bytes for z, p in (pz.plans.items() if pz else [])}
+        planned.update({z: p.arena_bytes for z, p in (zp.plans.items() if zp else [])})
+        seen = {}  # one rectangle per persistent name (two nodes may read the same weight)
+        for b in prog.buffers:
+            key = persistent_key(b)
+            if b.alias_of is None and key is not None:
+                seen[key] = [persistent[key], b.max_bytes(bounds), 0, n, b.zone]
+        drawn = list(seen.values())
+        drawn += [[local[b.id], b.size, b.start, b.end, b.zone] for b in bufs]
+        region = base + (zp.total_bytes if zp else 0)
+        top = max(top, region)
+        out[prog.name] = {
+            "offsets": offsets, "zones": zones, "peak_live_bytes": peak, "planned_bytes": planned,
+            "algorithm": {z: p.algorithm for z, p in (zp.plans.items() if zp else [])},
+            "bounds": bounds, "steps": n, "buffers": sorted(drawn), "region_bytes": region,
+        }
+    for rep in out.values():
+        rep["arena_bytes"] = top
+    return {"arena_bytes": top, "persistent": persistent, "programs": out}
