@@ -11,3 +11,4 @@ from .dequant import (  # noqa: F401
     mxfp4_gemm,
     mxfp4_gemv,
 )
+from . import moe  # noqa: F401,E402  (moe_experts: grouped expert GEMM kernel, registers lower.PRIMFUNCS)
