@@ -23,7 +23,8 @@ expert's matrix, all token tiles of that expert reuse it from cache), so a decod
 experts' bytes plus O(T*k*(H + GU)) activations: that is the bound by construction (``weight_bytes_read``).
 
 GEMM micro-kernel (``nk``): MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of partial sums each, reduced at the
-end; a token tile past the expert's range clamps its loads and masks its stores. ``kn`` uses the same loop nest
+end; an expert's last cnt % MB tokens run one row at a time (a decode expert with 1 token does 1 row of work, not
+MB). ``kn`` uses the same loop nest
 reading the transposed weight (strided loads: correct, not tuned). CUDA: the same phases with the parallel loops
 bound to blocks (one thread each): compiles for sm_90, not tuned.
 """
@@ -140,7 +141,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # 2. gate/up grouped GEMM over the routed experts
         for job in par(E * (GU // NB)):
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
+            for mt in range((offs[job % E + 1] - offs[job % E]) // MB):  # full MB-token tiles
                 for m, n in T.grid(MB, NB):
                     for l in vec(L):
                         acc[m, n, l] = T.float32(0)
@@ -148,15 +149,29 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                     for m in T.unroll(MB):
                         for n in T.unroll(NB):
                             for l in vec(L):
-                                acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[T.min(
-                                    offs[job % E] + mt * MB + m, offs[job % E + 1] - 1)] // k, ho * L + l]) * \
+                                acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[
+                                    offs[job % E] + mt * MB + m] // k, ho * L + l]) * \
                                     T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
                 for m, n in T.grid(MB, NB):
-                    if offs[job % E] + mt * MB + m < offs[job % E + 1]:
-                        G[offs[job % E] + mt * MB + m, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
-                        for l in range(L):
-                            G[offs[job % E] + mt * MB + m, job // E * NB + n] = \
-                                G[offs[job % E] + mt * MB + m, job // E * NB + n] + acc[m, n, l]
+                    G[offs[job % E] + mt * MB + m, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
+                    for l in range(L):
+                        G[offs[job % E] + mt * MB + m, job // E * NB + n] = \
+                            G[offs[job % E] + mt * MB + m, job // E * NB + n] + acc[m, n, l]
+            for r in range((offs[job % E + 1] - offs[job % E]) % MB):  # the last tokens one at a time (decode)
+                for n in T.grid(NB):
+                    for l in vec(L):
+                        acc[0, n, l] = T.float32(0)
+                for ho in range(H // L):
+                    for n in T.unroll(NB):
+                        for l in vec(L):
+                            acc[0, n, l] = acc[0, n, l] + T.Cast(f32, X[order[
+                                offs[job % E + 1] - 1 - r] // k, ho * L + l]) * \
+                                T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
+                for n in T.grid(NB):
+                    G[offs[job % E + 1] - 1 - r, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
+                    for l in range(L):
+                        G[offs[job % E + 1] - 1 - r, job // E * NB + n] = \
+                            G[offs[job % E + 1] - 1 - r, job // E * NB + n] + acc[0, n, l]
         # 3. activation
         for p in par(n_tok * k):
             for i in range(I):
@@ -164,7 +179,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # 4. down grouped GEMM
         for job in par(E * (H // NB)):
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            for mt in range((offs[job % E + 1] - offs[job % E] + MB - 1) // MB):
+            for mt in range((offs[job % E + 1] - offs[job % E]) // MB):
                 for m, n in T.grid(MB, NB):
                     for l in vec(L):
                         acc2[m, n, l] = T.float32(0)
@@ -172,15 +187,27 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                     for m in T.unroll(MB):
                         for n in T.unroll(NB):
                             for l in vec(L):
-                                acc2[m, n, l] = acc2[m, n, l] + A[T.min(
-                                    offs[job % E] + mt * MB + m, offs[job % E + 1] - 1), io * L + l] * \
+                                acc2[m, n, l] = acc2[m, n, l] + A[offs[job % E] + mt * MB + m, io * L + l] * \
                                     T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
                 for m, n in T.grid(MB, NB):
-                    if offs[job % E] + mt * MB + m < offs[job % E + 1]:
-                        D[offs[job % E] + mt * MB + m, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
-                        for l in range(L):
-                            D[offs[job % E] + mt * MB + m, job // E * NB + n] = \
-                                D[offs[job % E] + mt * MB + m, job // E * NB + n] + acc2[m, n, l]
+                    D[offs[job % E] + mt * MB + m, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
+                    for l in range(L):
+                        D[offs[job % E] + mt * MB + m, job // E * NB + n] = \
+                            D[offs[job % E] + mt * MB + m, job // E * NB + n] + acc2[m, n, l]
+            for r in range((offs[job % E + 1] - offs[job % E]) % MB):
+                for n in T.grid(NB):
+                    for l in vec(L):
+                        acc2[0, n, l] = T.float32(0)
+                for io in range(I // L):
+                    for n in T.unroll(NB):
+                        for l in vec(L):
+                            acc2[0, n, l] = acc2[0, n, l] + A[offs[job % E + 1] - 1 - r, io * L + l] * \
+                                T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
+                for n in T.grid(NB):
+                    D[offs[job % E + 1] - 1 - r, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
+                    for l in range(L):
+                        D[offs[job % E + 1] - 1 - r, job // E * NB + n] = \
+                            D[offs[job % E + 1] - 1 - r, job // E * NB + n] + acc2[0, n, l]
         # 5. weighted combine in token order
         for t in par(n_tok):
             for h in range(H):
