@@ -129,11 +129,12 @@ def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tv
     return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", [v.name for v in extra])
 
 
-def build_program(g: Graph, name: str = "prefill") -> Program:
+def build_program(g: Graph, name: str = "prefill", kernels: dict[str, Kernel] | None = None) -> Program:
+    """``kernels`` (key -> Kernel) is shared between the programs of one artifact, so they share kernels."""
     check_supported(g)
     prog = Program(name, [tuple(s) for s in g.symbols])
     buf_of: dict[int, list[int]] = {}  # node id -> buffer id per output
-    by_key: dict[str, str] = {}
+    by_key: dict[str, Kernel] = kernels if kernels is not None else {}
 
     def new_buffer(t: TensorType, zone: str, **kw) -> int:
         b = BufferInfo(len(prog.buffers), t.dtype, t.shape, zone, **kw)
@@ -169,12 +170,13 @@ def build_program(g: Graph, name: str = "prefill") -> Program:
             outs = [new_buffer(t, zone) for t in n.types]
             buf_of[id(n)] = outs
         key = _kernel_key(n)
-        kname = by_key.get(key)
-        if kname is None:
+        kernel = by_key.get(key)
+        if kernel is None:
             kname = f"k{len(by_key):03d}_{_safe(n.op)}"
-            by_key[key] = kname
-            prog.kernels[kname] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span), node=n)
-        syms = [str(x) for x in prog.kernels[kname].func.attrs["dayzero.scalar_symbols"]]
+            kernel = by_key[key] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span), node=n)
+        kname = kernel.name
+        prog.kernels[kname] = kernel
+        syms = [str(x) for x in kernel.func.attrs["dayzero.scalar_symbols"]]
         args = [buf_of[id(i)][0] if len(i.types) == 1 else None for i in n.inputs]
         if None in args:
             raise InternalError(f"{n.op} reads a multi-output node directly")
@@ -214,3 +216,7 @@ def program_json(prog: Program) -> dict:
 
 def dumps(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True)
+
+
+# hand-written kernels register into lower.PRIMFUNCS / schedule.HAND_SCHEDULED (last: they import this module)
+from . import kernels  # noqa: E402,F401

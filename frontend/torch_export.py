@@ -27,7 +27,7 @@ from typing import Any
 import sympy
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from dayzero import InternalError, UserError
 from dayzero.passes.ir import ops
@@ -177,7 +177,8 @@ class _Translator:
     def run(self) -> Graph:
         sig = self.ep.graph_signature
         kinds = {s.arg.name: s for s in sig.input_specs}
-        inputs, outputs = [], []
+        mutated = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+        inputs, outputs, updates = [], [], []
         for n in self.ep.graph.nodes:
             if n.op == "placeholder":
                 spec = kinds[n.name]
@@ -189,16 +190,29 @@ class _Translator:
                     name = spec.target
                     if self.strip and name.startswith(self.strip):
                         name = name[len(self.strip):]
-                    node = Node.make("weight", (), {"name": name}, [ty])
+                    if spec.target in mutated:  # a buffer the program writes: persistent state (a KV cache)
+                        node = Node.make("state", (), {"name": name, "zone": "kv_cache"}, [ty])
+                    else:
+                        node = Node.make("weight", (), {"name": name}, [ty])
                 self.env[n.name] = node
             elif n.op == "call_function":
                 self.call(n)
             elif n.op == "output":
-                for o in n.args[0]:
-                    outputs.append(self.tensor(o, Span()))
+                for o, spec in zip(n.args[0], sig.output_specs):
+                    if spec.kind == OutputKind.BUFFER_MUTATION:
+                        name = spec.target[len(self.strip):] if self.strip and spec.target.startswith(self.strip) \
+                            else spec.target
+                        updates.append((name, self.tensor(o, Span())))
+                    else:
+                        outputs.append(self.tensor(o, Span()))
         if self.unsupported:
             from dayzero import UnsupportedOpsError
             raise UnsupportedOpsError(self.unsupported)
+        # state updates follow the user outputs, as `assign(state, new value)`: the new value becomes the state's
+        # contents when the program ends (passes/inplace_state.py turns most into in-place writes)
+        states = {n.attr["name"]: n for n in self.env.values() if isinstance(n, Node) and n.op == "state"}
+        for name, value in updates:
+            outputs.append(Node.make("assign", (states[name], value), {}, [states[name].type], value.span))
         return Graph("main", tuple(inputs), tuple(outputs), tuple(self.symbols))
 
     def call(self, n) -> None:

@@ -25,7 +25,7 @@ def fold_constants(g: Graph, constants: dict[str, torch.Tensor]) -> Graph:
     values: dict[int, torch.Tensor] = {}
 
     def fn(n: Node):
-        if n.op in ("input", "weight") or len(n.types) != 1:
+        if n.op in ("input", "weight", "state") or len(n.types) != 1 or ops.get(n.op).inplace:
             return None
         if not all(id(i) in values for i in n.inputs):
             return None

@@ -17,6 +17,7 @@ from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
 from .fold_constants import fold_constants
+from .inplace_state import inplace_state
 from .moe import moe
 
 
@@ -28,11 +29,20 @@ class PassContext:
 
 Pass = Callable[[Graph, PassContext], Graph]
 
+def _inplace_state(g: Graph, ctx: PassContext) -> Graph:
+    g, n = inplace_state(g)
+    if n:
+        ctx.patterns["inplace_kv_write"] = ctx.patterns.get("inplace_kv_write", 0) + n
+    return g
+
+
 PIPELINE: list[tuple[str, Pass]] = [
     # -- canonicalize ----------------------------------------------------------------------------------------
     ("fold_constants", lambda g, ctx: fold_constants(g, ctx.constants)),
     # -- identify patterns (dequant, moe, sparse attention, cross-layer state) plug in here ------------------
     ("moe", moe),
+    # -- state -------------------------------------------------------------------------------------------------
+    ("inplace_state", _inplace_state),
 ]
 
 

@@ -36,6 +36,13 @@ class _Program:
         self.input_ranges = pj.get("input_ranges", {})
         self.outputs = pj["outputs"]
         self.arena = arena
+
+        def root(b):
+            a = self.buffers[b]["alias_of"]
+            return b if a is None else a
+        # outputs that are the new contents of a state (a KV cache written in place) are not returned
+        self.user_outputs = [o for o in self.outputs if self.buffers[root(o)].get("state") is None]
+        self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None}
         syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
         order = list(syms)
         self._shape_fns = []
@@ -79,7 +86,7 @@ class _Program:
             return views[bid]
         values = dict(zip(self._order, env))
         calls = [(f, [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, _ in self.steps]
-        return calls, [v(i) for i in self.inputs], [v(o) for o in self.outputs]
+        return calls, [v(i) for i in self.inputs], [v(o) for o in self.user_outputs]
 
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
         for bid, t in zip(self.inputs, inputs):
@@ -162,7 +169,7 @@ class _Program:
         outs = self._run(inputs, observe)
         if orig:
             res = []
-            for bid, o in zip(self.outputs, outs):
+            for bid, o in zip(self.user_outputs, outs):
                 for axis, d in enumerate(self.buffers[bid]["shape"]):
                     if isinstance(d, str) and d in orig:
                         o = o.narrow(axis, 0, orig[d])
@@ -207,6 +214,7 @@ class Runtime:
         self.arena = self.arena[shift:shift + arena_bytes]
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
         self._bind_weights()
+        self.reset()
 
     def _bind_weights(self) -> None:
         prog = next(iter(self.programs.values()))
@@ -244,14 +252,90 @@ class Runtime:
         finally:
             handles.clear()
 
-    def prefill(self, input_ids) -> torch.Tensor:
+    # -- serving ------------------------------------------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        """True when the artifact has a decode program sharing a KV cache with prefill."""
+        return "decode" in self.programs
+
+    @property
+    def max_length(self) -> int:
+        """Tokens a request may hold in total (prompt + generated): the compiled cache length."""
+        prog = self.programs["prefill"]
+        return max(hi for lo, hi in prog.symbols.values()) if prog.symbols else 0
+
+    def reset(self) -> None:
+        """Forget the request in the cache (states are zero when a request starts)."""
+        for prog in self.programs.values():
+            for bid in prog.states.values():
+                prog.view(bid, ()).zero_()
+        self.length = 0
+
+    @staticmethod
+    def _ids(input_ids) -> torch.Tensor:
         ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
+        if ids.dim() == 0:
+            ids = ids[None]
         if ids.dim() == 1:
             ids = ids[None]
         ids = ids.to(torch.int64)
         if ids.numel() == 0:
             raise UserError("empty prompt: give at least one token id")
-        return self.programs["prefill"].run([ids])[0]
+        return ids
+
+    def prefill(self, input_ids) -> torch.Tensor:
+        """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request (fills the cache)."""
+        ids = self._ids(input_ids)
+        prog = self.programs["prefill"]
+        if not self.stateful:
+            return prog.run([ids])[0]
+        n = ids.shape[1]
+        if n > self.max_length:
+            raise UserError(f"prompt of {n} tokens is longer than the compiled maximum {self.max_length}")
+        (padded, _), _ = prog.pad([ids, torch.zeros(n, dtype=torch.int64)])
+        # padding tokens sit at positions n.. (written to the cache, never attended: decode overwrites them)
+        width = padded.shape[-1]
+        padded_ids = torch.nn.functional.pad(ids, [0, width - n])
+        self.reset()
+        logits = prog.run([padded_ids, torch.arange(width)])[0][:, :n]
+        self.length = n
+        return logits.contiguous()
+
+    def decode(self, token_id) -> torch.Tensor:
+        """Logits [1, 1, V] after appending one token to the current request; reads and extends the cache."""
+        if not self.stateful:
+            raise UserError("this artifact has no decode program (its model's cache has no static form): "
+                            "generation is not available for it")
+        if getattr(self, "length", 0) == 0:
+            raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
+        if self.length >= self.max_length:
+            raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
+        ids = self._ids(token_id).reshape(1, 1)
+        out = self.programs["decode"].run([ids, torch.tensor([self.length])])[0]
+        self.length += 1
+        return out
+
+    def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """Prefill the prompt, then decode up to ``max_new_tokens`` tokens (greedy when temperature is 0, else
+        temperature + nucleus sampling with a seeded generator); stops after a token in ``stop_ids``."""
+        if max_new_tokens < 0:
+            raise UserError("max_new_tokens must be >= 0")
+        ids = self._ids(prompt_ids)
+        if ids.shape[1] + max_new_tokens > self.max_length:
+            raise UserError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the compiled "
+                            f"maximum of {self.max_length} tokens")
+        gen = torch.Generator().manual_seed(seed)
+        logits = self.prefill(ids)[0, -1]
+        out: list[int] = []
+        stops = set(int(s) for s in stop_ids)
+        for k in range(max_new_tokens):
+            tok = _pick(logits, temperature, top_p, gen)
+            out.append(tok)
+            if tok in stops or k == max_new_tokens - 1:
+                break
+            logits = self.decode(tok)[0, -1]
+        return out
 
     def run(self, *inputs) -> list[torch.Tensor]:
         """Run the prefill program on generic inputs (ONNX models: any names, dtypes, ranks), given in the
@@ -261,6 +345,17 @@ class Runtime:
             raise UserError(f"the program takes {len(prog.inputs)} inputs, got {len(inputs)}")
         ts = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)) for x in inputs]
         return prog.run(ts)
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
 
 def load(path: str | Path) -> Runtime:
     return Runtime(path)

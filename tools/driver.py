@@ -41,6 +41,7 @@ class Frontend:
     checkpoint: Checkpoint | None = None
     recipes: dict[str, list] = field(default_factory=dict)
     model_type: str = ""
+    decode: Traced | None = None  # the decode step (seq = 1), when the model has a KV cache dayzero can own
 
 
 def resolve_target(target: str | dict) -> dict:
@@ -62,16 +63,21 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
         return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         ckpt = Checkpoint(model)
-        module, _ = hf.meta_model(ckpt)
-        wrapper = hf.CausalLMPrefill(module)
-        ep = export_seq_dynamic(wrapper, "input_ids", max_seq)
-        traced = to_graph(ep, symbol_names_from(ep, {"input_ids": {1: "seq"}}), strip_prefix="upstream.")
         recipes, _ = learn_recipes(ckpt, hf.load_for_recipes)
+        traced, decode = _trace_with_cache(ckpt, max_seq)
+        if traced is None:  # no static cache for this architecture: a stateless prefill only
+            module, _ = hf.meta_model(ckpt)
+            ep = export_seq_dynamic(hf.CausalLMPrefill(module), "input_ids", max_seq)
+            traced = to_graph(ep, symbol_names_from(ep, {"input_ids": {1: "seq"}}), strip_prefix="upstream.")
         # tensors the checkpoint does not hold (non-persistent buffers such as rotary inverse frequencies) come
         # from a CPU model built from the config: only those are kept
-        names = {n.attr["name"] for n in traced.graph.nodes() if n.op == "weight"}
-        traced.weights = _buffers_from_config(ckpt, names - set(recipes)) if names - set(recipes) else {}
-        return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")))
+        names = {n.attr["name"] for t in (traced, decode) if t is not None for n in t.graph.nodes()
+                 if n.op == "weight"}
+        own = _buffers_from_config(ckpt, names - set(recipes)) if names - set(recipes) else {}
+        traced.weights = own
+        if decode is not None:
+            decode.weights = own
+        return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode)
     if isinstance(model, str):
         if ":" not in model:
             raise UserError(f"{model}: neither a checkpoint directory nor module.path:factory")
@@ -98,8 +104,11 @@ _SUGGEST_DIM = re.compile(r"^\s*(\w+)\s*=\s*Dim\('\w+'(.*?)\)\s*$", re.M)
 _GUARD = re.compile(r"satisfy the generated guard (.*?)\.?$", re.M)
 
 
-def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, attempts: int = 5):
+def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, attempts: int = 5,
+                       with_positions: bool = False):
     """Export ``module(input_ids [1, seq])`` with the widest symbolic ``seq`` torch.export accepts.
+
+    ``with_positions``: the module takes ``(input_ids [1, seq], cache_position [seq])`` (a stateful step).
 
     Some graphs constrain the sequence length: a ``min(topk, seq)`` guard (it holds, but only once seq >= topk
     torch can prove it), or block-compressed attention that needs seq a multiple of its block sizes. What the
@@ -125,9 +134,14 @@ def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, a
                 raise UserError(f"--max-seq {max_seq} is below the shortest sequence this model exports at ({lo})")
             seq = torch.export.Dim("seq", min=lo, max=max_seq)
             n = min(max(lo, 32), max_seq)  # well inside the range: short examples take special paths
-        example = (torch.zeros(1, n, dtype=torch.int64, device="meta"),)
+        if with_positions:
+            example = (torch.zeros(1, n, dtype=torch.int64), torch.arange(n))
+            dynamic = {input_name: {1: seq}, "cache_position": {0: seq}}
+        else:
+            example = (torch.zeros(1, n, dtype=torch.int64, device="meta"),)
+            dynamic = {input_name: {1: seq}}
         try:
-            return export_module(module, example, {input_name: {1: seq}})
+            return export_module(module, example, dynamic)
         except UserError as e:
             cause = e.__cause__
             msg = str(cause) if cause is not None else str(e)
@@ -156,6 +170,40 @@ def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, a
     raise last if last is not None else UserError("torch.export failed")
 
 
+def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Traced | None]:
+    """Prefill and decode as two traces of one stateful step that writes transformers' own static KV cache.
+
+    The cache tensors become ``state`` nodes (zone kv_cache) shared by both programs. Architectures whose cache
+    has no static form (DeepSeek-V4's compressed caches) get (None, None): prefill only, see README."""
+    from transformers import AutoModelForCausalLM
+
+    from dayzero.frontend.decode_export import CacheStep
+
+    cfg = hf._config(ckpt)
+    with hf._quiet():
+        cpu = AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.EXPORT_EXPERTS).eval()
+    try:
+        step = CacheStep(cpu, max_cache_len=max_seq)
+    except UserError:
+        return None, None
+    ep = export_seq_dynamic(step, "input_ids", max_seq, with_positions=True)
+    names = symbol_names_from(ep, {"input_ids": {1: "seq"}, "cache_position": {0: "seq"}})
+    prefill = to_graph(ep, names, strip_prefix="model.")
+    with torch.no_grad():
+        ep1 = export_module(step, (torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), None)
+    decode = to_graph(ep1, {}, strip_prefix="model.")
+    for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
+        t.graph = _rename_states(t.graph)
+    return prefill, decode
+
+
+def _rename_states(g: Graph) -> Graph:
+    from dayzero.passes.ir.node import rewrite
+
+    return rewrite(g, lambda n: n.replace(attrs=dict(n.attr, name=n.attr["name"].removeprefix("model.")))
+                   if n.op == "state" else None)
+
+
 def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
@@ -182,10 +230,10 @@ def plan_memory(prog: Program) -> dict:
     return plan_programs([prog])["programs"][prog.name]
 
 
-def weights_manifest(fe: Frontend, g: Graph, ctx: PassContext) -> tuple[dict, dict[str, torch.Tensor]]:
+def weights_manifest(fe: Frontend, graphs: list[Graph], ctx: PassContext) -> tuple[dict, dict[str, torch.Tensor]]:
     """name -> where its bytes come from; plus the tensors the artifact must carry itself."""
     entries, own = {}, {}
-    for n in g.nodes():
+    for n in (n for g in graphs for n in g.nodes()):
         if n.op != "weight":
             continue
         name = n.attr["name"]
@@ -241,8 +289,14 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     times["trace_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     g, ctx = optimize(fe, verify=verify)
-    prog = build_program(g, "prefill")  # raises UnsupportedOpsError before anything is written
+    shared: dict = {}
+    prog = build_program(g, "prefill", shared)  # raises UnsupportedOpsError before anything is written
     progs = [prog]
+    graphs = [g]
+    if fe.decode is not None:
+        gd = run_pipeline(fe.decode.graph, PassContext(constants=ctx.constants), verify=verify)
+        progs.append(build_program(gd, "decode", shared))
+        graphs.append(gd)
     times["passes_s"] = time.perf_counter() - t0
     tgt = resolve_target(target)
     db = tuning.TuningDatabase(tuning_dir)
@@ -254,7 +308,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     lib, build_stats = build_library(progs, tgt, db)
     times["codegen_s"] = time.perf_counter() - t0
     layout = plan_programs(progs)
-    manifest, own = weights_manifest(fe, g, ctx)
+    manifest, own = weights_manifest(fe, graphs, ctx)
     report = {
         "format": artifact.FORMAT,
         "model_type": fe.model_type,

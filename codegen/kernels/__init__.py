@@ -12,3 +12,4 @@ from .dequant import (  # noqa: F401
     mxfp4_gemv,
 )
 from . import moe  # noqa: F401,E402  (moe_experts: grouped expert GEMM kernel, registers lower.PRIMFUNCS)
+from . import state  # noqa: F401,E402  (state_index_put / assign: in-place KV-cache writes)

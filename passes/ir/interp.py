@@ -41,7 +41,7 @@ def run_graph(g: Graph, inputs: dict[str, torch.Tensor], weights: Callable[[str]
     for n in g.nodes():
         if n.op == "input":
             v = inputs[n.attr["name"]]
-        elif n.op == "weight":
+        elif n.op in ("weight", "state"):  # states: the caller's tensors, updated in place by the program
             v = weights(n.attr["name"])
         else:
             v = ops.get(n.op).call([vals[id(i)] for i in n.inputs], n.attr, env)

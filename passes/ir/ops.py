@@ -171,5 +171,13 @@ register(OpDef("weight", args=(("name", ATTR),), reference=_no_ref("weight"), me
 register(OpDef("state", args=(("name", ATTR), ("zone", ATTR)), reference=_no_ref("state"), meta_ok=False,
                doc="a persistent mutable buffer shared by the programs of an artifact (KV cache, cross-layer state);"
                    " attrs name, zone (kv_cache | cross_layer_state); zero when a request starts"))
+register(OpDef("assign", reference=lambda ins, a: ins[0].copy_(ins[1]), inplace=True, meta_ok=False,
+               doc="state := value (whole tensor), at the end of the program; output aliases the state"))
+register(OpDef("state_index_put", args=(("indices", ATTR),), inplace=True, meta_ok=False,
+               reference=lambda ins, a: ins[0].index_put_(
+                   [ins[1 + a["indices"][:k + 1].count(True) - 1] if p else None
+                    for k, p in enumerate(a["indices"])], ins[-1]),
+               doc="state[..., idx, ...] = values in place (index_put into a state buffer); attr indices: which "
+                   "dims are indexed; inputs: state, index tensors, values; output aliases the state"))
 register(OpDef("getitem", args=(("index", ATTR),), view=True,
                reference=lambda ins, a: ins[0][a["index"]], doc="output #index of a multi-output node"))
