@@ -49,8 +49,14 @@ def persistent_key(b) -> str | None:
     return None
 
 
-def plan_programs(progs: list[Program]) -> dict:
-    """-> {"arena_bytes", "persistent": {key: offset}, "programs": {name: {offsets, zones, ...}}}."""
+STATE_ZONES = ("kv_cache", "cross_layer_state")
+
+
+def plan_programs(progs: list[Program], slots: int = 1) -> dict:
+    """-> {"arena_bytes", "persistent": {key: offset}, "state_slots", "state_stride", "programs": {...}}.
+
+    ``slots`` requests can be in flight at once: the state zones (KV cache, cross-layer state) are laid out
+    ``slots`` times, ``state_stride`` bytes apart; request k's state lives at its slot-0 offset + k * stride."""
     # 1. persistent buffers, by name, once
     sizes: dict[str, tuple[int, str]] = {}
     for prog in progs:
@@ -63,6 +69,14 @@ def plan_programs(progs: list[Program]) -> dict:
     pz = plan_zones([Buffer(k, sizes[k][0], 0, 0, sizes[k][1]) for k in keys], ALIGN) if keys else None
     persistent = dict(pz.offsets) if pz else {}
     base = align_up(pz.total_bytes, ALIGN) if pz else 0
+    state = [pz.zones[z] for z in STATE_ZONES if pz and z in pz.zones]
+    stride = 0
+    if state:  # zones are contiguous in ZONES order: the state zones form one span, replicated per slot
+        lo, hi = min(b for b, _ in state), max(b + n for b, n in state)
+        stride = align_up(hi - lo, ALIGN)
+        if hi != base:  # a zone after the state zones would sit inside the replicas
+            raise ValueError("state zones must be the last persistent zones")
+        base += stride * (max(slots, 1) - 1)
     # 2. each program's own region, all starting at `base`
     out, top = {}, base
     for prog in progs:
@@ -82,6 +96,9 @@ def plan_programs(progs: list[Program]) -> dict:
             key = persistent_key(r)
             offsets[b.id] = persistent[key] if key is not None else local[r.id]
         zones = dict(pz.summary()) if pz else {}
+        for z in STATE_ZONES:
+            if z in zones:
+                zones[z] *= max(slots, 1)
         zones.update(zp.summary() if zp else {})
         peak = {z: p.peak_live_bytes for z, p in (pz.plans.items() if pz else [])}
         peak.update({z: p.peak_live_bytes for z, p in (zp.plans.items() if zp else [])})
@@ -103,4 +120,5 @@ def plan_programs(progs: list[Program]) -> dict:
         }
     for rep in out.values():
         rep["arena_bytes"] = top
-    return {"arena_bytes": top, "persistent": persistent, "programs": out}
+    return {"arena_bytes": top, "persistent": persistent, "programs": out, "state_slots": max(slots, 1),
+            "state_stride": stride}

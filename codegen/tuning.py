@@ -359,8 +359,12 @@ def default_schedule(prim_func, target) -> tvm.IRModule:
 
     t = _as_target(target)
     mod = normalize(prim_func)
-    with t:
-        out = dl.ApplyDefaultSchedule(*_dlight_rules(t))(mod)
+    try:
+        with t:
+            out = dl.ApplyDefaultSchedule(*_dlight_rules(t))(mod)
+    except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
+        logger.debug("dlight rules failed on %s: %s", _kernel_name(prim_func), err)
+        out = normalize(prim_func)
     func = out["main"]
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
         return out

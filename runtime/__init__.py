@@ -1,5 +1,5 @@
 """The dayzero runtime: ``load(path)`` -> a Runtime with ``prefill``."""
 
-from .executor import Runtime, load
+from .executor import Runtime, generate_batch, load
 
-__all__ = ["Runtime", "load"]
+__all__ = ["Runtime", "generate_batch", "load"]

@@ -32,6 +32,8 @@ class _Program:
         self.symbols = {s: (lo, hi) for s, lo, hi in pj["symbols"]}
         self.buffers = pj["buffers"]
         self.offsets = {int(k): v for k, v in pj["memory"]["offsets"].items()}
+        self.state_slots = pj["memory"].get("state_slots", 1)
+        self.state_stride = pj["memory"].get("state_stride", 0)
         self.inputs = pj["inputs"]
         self.input_ranges = pj.get("input_ranges", {})
         self.outputs = pj["outputs"]
@@ -43,6 +45,7 @@ class _Program:
         # outputs that are the new contents of a state (a KV cache written in place) are not returned
         self.user_outputs = [o for o in self.outputs if self.buffers[root(o)].get("state") is None]
         self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None}
+        self._in_state = {b["id"] for b in self.buffers if self.buffers[root(b["id"])].get("state")}
         syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
         order = list(syms)
         self._shape_fns = []
@@ -67,22 +70,23 @@ class _Program:
     def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else int(d(*env)) for d in self._shape_fns[bid])
 
-    def view(self, bid: int, env: tuple) -> torch.Tensor:
+    def view(self, bid: int, env: tuple, slot: int = 0) -> torch.Tensor:
+        """A buffer as a tensor view of the arena; state buffers (and their views) of request slot ``slot``."""
         b = self.buffers[bid]
         shape = self.shape(bid, env)
         n = int(np.prod(shape)) if shape else 1
-        off = self.offsets[bid]
+        off = self.offsets[bid] + (slot * self.state_stride if bid in self._in_state else 0)
         nbytes = n * DTYPE_BYTES[b["dtype"]]
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
         return self.arena[off:off + nbytes].view(torch_dtype(b["dtype"])).view(shape)
 
-    def _prepare(self, env: tuple):
+    def _prepare(self, env: tuple, slot: int = 0):
         views = {}
 
         def v(bid):
             if bid not in views:
-                views[bid] = self.view(bid, env)
+                views[bid] = self.view(bid, env, slot)
             return views[bid]
         values = dict(zip(self._order, env))
         calls = [(f, [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, _ in self.steps]
@@ -161,12 +165,12 @@ class _Program:
             padded[k] = t
         return padded, orig
 
-    def run(self, inputs: list[torch.Tensor], observe=None) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
         """Run the steps; ``observe(step_index, node, output_views)`` (debugging, compare) sees each step's
         outputs right after it ran, before the arena reuses their bytes. Inputs shorter than (or not aligned to)
         what the program accepts are padded on the right and the outputs sliced back (see ``pad``)."""
         inputs, orig = self.pad(inputs)
-        outs = self._run(inputs, observe)
+        outs = self._run(inputs, observe, slot)
         if orig:
             res = []
             for bid, o in zip(self.user_outputs, outs):
@@ -177,9 +181,11 @@ class _Program:
             outs = res
         return outs
 
-    def _run(self, inputs: list[torch.Tensor], observe=None) -> list[torch.Tensor]:
+    def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
+        if not 0 <= slot < self.state_slots:
+            raise InternalError(f"request slot {slot} outside [0, {self.state_slots})")
         env = self.bind(inputs)
-        calls, in_views, out_views = self._cache(env)
+        calls, in_views, out_views = self._cache(env, slot)
         for view, t in zip(in_views, inputs):
             if tuple(view.shape) != tuple(t.shape):
                 raise UserError(f"input shape {tuple(t.shape)} does not match the program's {tuple(view.shape)}")
@@ -214,7 +220,9 @@ class Runtime:
         self.arena = self.arena[shift:shift + arena_bytes]
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
         self._bind_weights()
-        self.reset()
+        self.lengths: dict[int, int] = {}
+        if self.stateful:
+            self.reset()
 
     def _bind_weights(self) -> None:
         prog = next(iter(self.programs.values()))
@@ -264,12 +272,23 @@ class Runtime:
         prog = self.programs["prefill"]
         return max(hi for lo, hi in prog.symbols.values()) if prog.symbols else 0
 
-    def reset(self) -> None:
-        """Forget the request in the cache (states are zero when a request starts)."""
-        for prog in self.programs.values():
+    @property
+    def max_batch(self) -> int:
+        """Requests that can be in flight at once (each has its own KV-cache slot)."""
+        return self.programs["prefill"].state_slots
+
+    def reset(self, slot: int | None = None) -> None:
+        """Forget the request in a cache slot (all slots when None): states are zero when a request starts."""
+        slots = range(self.max_batch) if slot is None else [slot]
+        prog = self.programs["prefill"]
+        for k in slots:
             for bid in prog.states.values():
-                prog.view(bid, ()).zero_()
-        self.length = 0
+                prog.view(bid, (), k).zero_()
+            self.lengths[k] = 0
+
+    @property
+    def length(self) -> int:
+        return self.lengths.get(0, 0)
 
     @staticmethod
     def _ids(input_ids) -> torch.Tensor:
@@ -283,8 +302,9 @@ class Runtime:
             raise UserError("empty prompt: give at least one token id")
         return ids
 
-    def prefill(self, input_ids) -> torch.Tensor:
-        """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request (fills the cache)."""
+    def prefill(self, input_ids, slot: int = 0) -> torch.Tensor:
+        """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request in cache slot
+        ``slot`` (fills its cache)."""
         ids = self._ids(input_ids)
         prog = self.programs["prefill"]
         if not self.stateful:
@@ -296,23 +316,24 @@ class Runtime:
         # padding tokens sit at positions n.. (written to the cache, never attended: decode overwrites them)
         width = padded.shape[-1]
         padded_ids = torch.nn.functional.pad(ids, [0, width - n])
-        self.reset()
-        logits = prog.run([padded_ids, torch.arange(width)])[0][:, :n]
-        self.length = n
+        self.reset(slot)
+        logits = prog.run([padded_ids, torch.arange(width)], slot=slot)[0][:, :n]
+        self.lengths[slot] = n
         return logits.contiguous()
 
-    def decode(self, token_id) -> torch.Tensor:
-        """Logits [1, 1, V] after appending one token to the current request; reads and extends the cache."""
+    def decode(self, token_id, slot: int = 0) -> torch.Tensor:
+        """Logits [1, 1, V] after appending one token to the request in ``slot``; reads and extends its cache."""
         if not self.stateful:
             raise UserError("this artifact has no decode program (its model's cache has no static form): "
                             "generation is not available for it")
-        if getattr(self, "length", 0) == 0:
+        length = self.lengths.get(slot, 0)
+        if length == 0:
             raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
-        if self.length >= self.max_length:
+        if length >= self.max_length:
             raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
         ids = self._ids(token_id).reshape(1, 1)
-        out = self.programs["decode"].run([ids, torch.tensor([self.length])])[0]
-        self.length += 1
+        out = self.programs["decode"].run([ids, torch.tensor([length])], slot=slot)[0]
+        self.lengths[slot] = length + 1
         return out
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
@@ -345,6 +366,46 @@ class Runtime:
             raise UserError(f"the program takes {len(prog.inputs)} inputs, got {len(inputs)}")
         ts = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)) for x in inputs]
         return prog.run(ts)
+
+def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0) -> list[dict]:
+    """Serve several requests at once, each in its own KV-cache slot, decode steps interleaved.
+
+    A request that fails (empty prompt, a token outside the vocabulary, a prompt longer than the compiled maximum,
+    a request beyond the cache budget) gets its error; the others keep going. Returns per request
+    ``{"tokens": [...], "error": str | None}``."""
+    if len(prompts) > rt.max_batch:
+        raise UserError(f"{len(prompts)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
+    results = [{"tokens": [], "error": None} for _ in prompts]
+    logits: dict[int, torch.Tensor] = {}
+    gens = {}
+    for k, prompt in enumerate(prompts):
+        try:
+            ids = rt._ids(prompt)
+            if ids.shape[1] + max_new_tokens > rt.max_length:
+                raise UserError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                f"cache budget of {rt.max_length} tokens")
+            logits[k] = rt.prefill(ids, slot=k)[0, -1]
+            gens[k] = torch.Generator().manual_seed(seed + k)
+        except UserError as e:
+            results[k]["error"] = str(e)
+    stops = set(int(s) for s in stop_ids)
+    active = sorted(logits)
+    while active:
+        still = []
+        for k in active:
+            tok = _pick(logits[k], temperature, top_p, gens[k])
+            results[k]["tokens"].append(tok)
+            if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
+                continue
+            try:
+                logits[k] = rt.decode(tok, slot=k)[0, -1]
+                still.append(k)
+            except UserError as e:
+                results[k]["error"] = str(e)
+        active = still
+    return results
+
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
     if temperature <= 0:

@@ -112,17 +112,27 @@ def _parse_ids(text: str) -> list[int]:
 @main.command("run")
 @click.argument("artifact", type=click.Path())
 @click.option("--input-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+@click.option("--max-new-tokens", type=int, default=None, help="generate this many tokens (prefill + decode)")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--stop-ids", default="", help="comma-separated token ids that end generation")
 @click.option("--json", "as_json", is_flag=True)
-def run_cmd(artifact, input_ids, as_json):
-    """Run the compiled prefill program on INPUT_IDS and print the logits' shape and argmax."""
+def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, as_json):
+    """Run the compiled model on INPUT_IDS: the prefill logits' shape and argmax, or generated tokens."""
     from dayzero.runtime import load
 
     ids = _parse_ids(input_ids)
     rt = load(artifact)
     t0 = time.perf_counter()
-    logits = rt.prefill(ids)
-    dt = time.perf_counter() - t0
-    res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist(), "seconds": dt}
+    if max_new_tokens is None:
+        logits = rt.prefill(ids)
+        res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist()}
+    else:
+        stops = _parse_ids(stop_ids) if stop_ids else []
+        toks = rt.generate(ids, max_new_tokens, stop_ids=stops, temperature=temperature, top_p=top_p, seed=seed)
+        res = {"tokens": toks}
+    res["seconds"] = time.perf_counter() - t0
     _emit(res, as_json)
 
 

@@ -281,7 +281,7 @@ def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | 
 
 def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAULT_MAX_SEQ,
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
-                  tuning_dir: str | None = None) -> dict:
+                  tuning_dir: str | None = None, max_batch: int = 4) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report."""
     times = {}
     t0 = time.perf_counter()
@@ -307,7 +307,9 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     t0 = time.perf_counter()
     lib, build_stats = build_library(progs, tgt, db)
     times["codegen_s"] = time.perf_counter() - t0
-    layout = plan_programs(progs)
+    if max_batch < 1:
+        raise UserError("--max-batch must be at least 1")
+    layout = plan_programs(progs, slots=max_batch if fe.decode is not None else 1)
     manifest, own = weights_manifest(fe, graphs, ctx)
     report = {
         "format": artifact.FORMAT,
@@ -328,7 +330,8 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         mem = layout["programs"][p.name]
         pjs[p.name] = program_json(p)
         pjs[p.name]["memory"] = {"arena_bytes": layout["arena_bytes"], "zones": mem["zones"],
-                                 "offsets": {str(k): v for k, v in mem["offsets"].items()}}
+                                 "offsets": {str(k): v for k, v in mem["offsets"].items()},
+                                 "state_slots": layout["state_slots"], "state_stride": layout["state_stride"]}
     with artifact.ArtifactWriter(out) as d:
         lib.export_library(str(d / "kernels.so"))
         artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs})

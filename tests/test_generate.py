@@ -1,0 +1,90 @@
+"""Prefill + decode from one artifact: generation equals upstream's own cached greedy generation, token for token.
+
+Each architecture is compiled once (module fixture) from a make-tiny checkpoint; the reference is transformers'
+``generate(do_sample=False)`` with its own KV cache on the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero import UserError
+from dayzero.frontend.hf import load_upstream
+from dayzero.runtime import generate_batch, load
+from dayzero.tools.driver import compile_model
+from dayzero.tools.make_tiny import make_tiny
+
+MAX_SEQ = 64
+NEW = 32
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32"])
+def served(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    ckpt = make_tiny(request.param, d / "ckpt", seed=0)
+    compile_model(str(ckpt), d / "art", max_seq=MAX_SEQ, max_batch=3)
+    return load(d / "art"), load_upstream(ckpt)
+
+
+def _upstream(ref, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.slow
+def test_greedy_generation_matches_upstream(served):
+    rt, ref = served
+    assert rt.stateful and set(rt.programs) == {"prefill", "decode"}
+    prompt = _prompt(9, 1)
+    assert rt.generate(prompt, NEW) == _upstream(ref, prompt, NEW)
+
+
+@pytest.mark.slow
+def test_batch_of_three_different_lengths(served):
+    rt, ref = served
+    prompts = [_prompt(n, n) for n in (3, 12, 21)]
+    res = generate_batch(rt, prompts, max_new_tokens=NEW)
+    for p, r in zip(prompts, res):
+        assert r["error"] is None
+        assert r["tokens"] == _upstream(ref, p, NEW)
+
+
+@pytest.mark.slow
+def test_decode_reads_the_cache_not_the_prefix(served):
+    """The decode program takes one token and its position: it cannot recompute the prefix."""
+    rt, _ = served
+    dec = rt.programs["decode"]
+    names = [dec.buffers[b]["name"] for b in dec.inputs]
+    shapes = [tuple(dec.shape(b, ())) for b in dec.inputs]
+    assert names == ["input_ids", "cache_position"] and shapes == [(1, 1), (1,)]
+    assert dec.states  # the KV cache is state shared with prefill
+    assert set(dec.states) == set(rt.programs["prefill"].states)
+
+
+@pytest.mark.slow
+def test_bad_requests_fail_alone(served):
+    rt, ref = served
+    good = _prompt(5, 5)
+    res = generate_batch(rt, [[], [1, 2, 999], _prompt(MAX_SEQ + 1, 0)], max_new_tokens=4)
+    assert "empty" in res[0]["error"] and "outside" in res[1]["error"] and "exceeds" in res[2]["error"]
+    res = generate_batch(rt, [good, _prompt(MAX_SEQ - 2, 7)], max_new_tokens=8)
+    assert res[0]["error"] is None and res[0]["tokens"] == _upstream(ref, good, 8)
+    assert "budget" in res[1]["error"]
+    with pytest.raises(UserError, match="budget|exceeds"):
+        rt.generate(_prompt(MAX_SEQ, 3), 4)
+
+
+@pytest.mark.slow
+def test_sampling_is_seeded(served):
+    rt, _ = served
+    p = _prompt(6, 6)
+    a = rt.generate(p, 8, temperature=0.8, top_p=0.9, seed=3)
+    b = rt.generate(p, 8, temperature=0.8, top_p=0.9, seed=3)
+    assert a == b and len(a) == 8
