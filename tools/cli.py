@@ -73,6 +73,7 @@ def main(debug: bool) -> None:
 @click.option("-o", "--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
 @click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
+@click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)")
 @click.option("--verify", is_flag=True, help="run the IR verifier after every pass")
 @click.option("--tune", type=int, default=None, metavar="TRIALS",
               help="tune kernels without a hand-scheduled rule or a record, TRIALS MetaSchedule trials each")
@@ -80,7 +81,7 @@ def main(debug: bool) -> None:
 @click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
               help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, verify, tune, tune_minutes, tuning_dir, as_json):
+def compile_cmd(model, out, target, max_seq, max_batch, verify, tune, tune_minutes, tuning_dir, as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -91,7 +92,7 @@ def compile_cmd(model, out, target, max_seq, verify, tune, tune_minutes, tuning_
     if tune_minutes is not None and tune_minutes <= 0:
         raise UserError("--tune-minutes must be positive")
     rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
-                        tune_minutes=tune_minutes, tuning_dir=tuning_dir)
+                        tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
