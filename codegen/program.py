@@ -149,7 +149,7 @@ def build_program(g: Graph, name: str = "prefill", kernels: dict[str, Kernel] | 
             buf_of[id(n)] = [bid]
             continue
         if n.op == "weight":
-            buf_of[id(n)] = [new_buffer(n.type, "weights", weight=n.attr["name"])]
+            buf_of[id(n)] = [new_buffer(n.type, n.attr.get("zone") or "weights", weight=n.attr["name"])]
             continue
         if n.op == "state":
             buf_of[id(n)] = [new_buffer(n.type, n.attr.get("zone") or "kv_cache", state=n.attr["name"])]

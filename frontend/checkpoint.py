@@ -209,3 +209,207 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None):
             i = j
         recipes[name] = runs
     return recipes, missing, lowp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Low-precision checkpoints (MXFP4 gpt-oss layout, FP8-block DeepSeek layout), bound in their stored form.
+#
+# transformers only reads these dequantised (or, without `accelerate`, not at all), so the recipes are learned on
+# the checkpoint *as if dequantised*: every low-precision group (NAME_blocks + NAME_scales, or an fp8 NAME +
+# NAME_scale_inv) stands in as one fp32 key NAME of its dequantised shape, exactly what
+# ``tools/make_tiny.dequantize_checkpoint`` and transformers' ``Mxfp4Config(dequantize=True)`` produce. A
+# parameter whose runs all come from such keys is then re-expressed over the stored tensors: the blocks / scales
+# get copy runs of their own (rows of [.., out, in] map to rows of [.., out, G, 16] and [.., out, G]), and the
+# frontend rebuilds the fp32 parameter in the graph with an explicit dequant subgraph (``lowprec``).
+
+LOWP_METHODS = ("mxfp4", "fp8")
+IN_MAJOR_META = "dayzero.mxfp4_in_major"  # safetensors metadata (make-tiny): fused NAMEs stored input-major
+
+
+@dataclass(frozen=True)
+class LowPrecGroup:
+    """One low-precision checkpoint tensor as published: NAME (the dequantised key) -> its stored pieces."""
+
+    name: str
+    fmt: str  # "mxfp4" | "fp8"
+    data_key: str  # NAME_blocks (uint8 [.., out, G, 16]) | NAME (float8_e4m3fn [.., out, in])
+    scale_key: str  # NAME_scales (uint8 [.., out, G]) | NAME_scale_inv (fp32 [.., ceil(out/128), ceil(in/128)])
+    stored: tuple[int, ...]  # dequantised shape in storage order [.., out, in]
+    in_major: bool  # the dequantised key is [.., in, out] (transformers transposes fused gpt-oss experts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.stored
+        return (*s[:-2], s[-1], s[-2]) if self.in_major else s
+
+
+@dataclass(frozen=True)
+class LowPrecParam:
+    """A module parameter bound from low-precision storage: IR weights ``data_name`` / ``scale_name`` bound by
+    their own copy runs (element offsets into the stored tensors), dequantised in the graph."""
+
+    param: str
+    fmt: str  # "mxfp4" | "fp8"
+    in_major: bool  # parameter = transpose(-1, -2) of the dequantised [.., out, in]
+    data_runs: tuple
+    scale_runs: tuple
+
+    @property
+    def data_name(self) -> str:
+        return f"{self.param}.{'blocks' if self.fmt == 'mxfp4' else 'fp8'}"
+
+    @property
+    def scale_name(self) -> str:
+        return f"{self.param}.{'scales' if self.fmt == 'mxfp4' else 'scale_inv'}"
+
+    def stored_shape(self, param_shape) -> tuple[int, ...]:
+        """[.., out, in] of the dequantised values, in storage order."""
+        s = tuple(int(d) for d in param_shape)
+        return (*s[:-2], s[-1], s[-2]) if self.in_major else s
+
+    def types(self, param_shape) -> tuple[tuple[str, tuple], tuple[str, tuple]]:
+        """((data dtype, shape), (scale dtype, shape)) of the two IR weights."""
+        st = self.stored_shape(param_shape)
+        if self.fmt == "mxfp4":
+            G = st[-1] // 32
+            return ("uint8", (*st[:-1], G, 16)), ("uint8", (*st[:-1], G))
+        rows = _numel(st[:-1])
+        return ("float8_e4m3fn", st), ("float32", (-(-rows // 128), -(-st[-1] // 128)))
+
+
+def quant_method(ckpt: Checkpoint) -> str | None:
+    q = ckpt.config.get("quantization_config") or {}
+    m = str(q.get("quant_method", "")).lower()
+    return m if m in LOWP_METHODS else None
+
+
+def low_precision_groups(ckpt: Checkpoint, check_values: bool = True) -> dict[str, LowPrecGroup]:
+    """The checkpoint's low-precision tensors, by dequantised name; validated (shapes from the headers, and the
+    scale values: NaN E8M0 codes, NaN/Inf scale_inv), each error a UserError naming the tensor."""
+    from . import lowprec
+
+    if quant_method(ckpt) is None:
+        return {}
+    t = ckpt.tensors
+    in_major: dict[str, set | None] = {}
+    for f in ckpt.files:
+        meta = _metadata(f) or {}
+        in_major[f] = set(json.loads(meta[IN_MAJOR_META])) if IN_MAJOR_META in meta else None
+    out = {}
+    for k, info in sorted(t.items()):
+        if k.endswith("_blocks"):
+            base = k[: -len("_blocks")]
+            sk = base + "_scales"
+            if sk not in t:
+                raise UserError(f"{k}: MXFP4 blocks without their scales tensor {sk}")
+            b, s = info, t[sk]
+            if b.dtype not in ("uint8", "int8") or s.dtype not in ("uint8", "int8"):
+                raise UserError(f"{base}: MXFP4 blocks/scales must be uint8, got {b.dtype}/{s.dtype}")
+            if len(b.shape) < 3 or b.shape[-1] != lowprec.MXFP4_BYTES_PER_BLOCK:
+                raise UserError(f"{k}: MXFP4 blocks must be [..., out, G, 16] uint8, got shape {list(b.shape)}")
+            if tuple(b.shape[:-1]) != tuple(s.shape):
+                raise UserError(f"{base}: blocks shape {list(b.shape)} does not match scales shape {list(s.shape)} "
+                                f"(expected scales {list(b.shape[:-1])})")
+            stored = (*b.shape[:-2], b.shape[-2] * lowprec.MXFP4_BLOCK)
+            listed = in_major.get(info.file)
+            # transformers' own rule (convert_moe_packed_tensors) transposes every fused [E, out, G, 16] tensor
+            flip = (base in listed) if listed is not None else len(b.shape) == 4
+            if check_values:
+                _check_e8m0(ckpt.get(sk), base)
+            out[base] = LowPrecGroup(base, "mxfp4", k, sk, stored, flip)
+        elif info.dtype == "float8_e4m3fn":
+            sk = (k[: -len("weight")] + "weight_scale_inv") if k.endswith(".weight") else k + "_scale_inv"
+            if sk not in t:
+                raise UserError(f"{k}: FP8 weight without its block scales {sk}")
+            want = (*info.shape[:-2], -(-info.shape[-2] // lowprec.FP8_BLOCK[0]),
+                    -(-info.shape[-1] // lowprec.FP8_BLOCK[1]))
+            if tuple(t[sk].shape) != want or t[sk].dtype != "float32":
+                raise UserError(f"{k}: weight shape {list(info.shape)} needs float32 {sk} of shape {list(want)}, "
+                                f"got {t[sk].dtype} {list(t[sk].shape)}")
+            if check_values:
+                s = ckpt.get(sk)
+                bad = ~torch.isfinite(s)
+                if bad.any():
+                    raise UserError(f"{sk}: {int(bad.sum())} NaN/Inf scale value(s), first at index "
+                                    f"{[int(i) for i in bad.nonzero()[0]]}")
+            out[k] = LowPrecGroup(k, "fp8", k, sk, tuple(info.shape), False)
+    return out
+
+
+def _check_e8m0(scales: torch.Tensor, name: str) -> None:
+    bad = scales.view(torch.uint8) == 0xFF
+    if bad.any():
+        raise UserError(f"{name}_scales: {int(bad.sum())} NaN E8M0 scale code(s) 0xFF, first at index "
+                        f"{[int(i) for i in bad.nonzero()[0]]}")
+
+
+def _metadata(path: str) -> dict | None:
+    with safe_open(path, framework="pt") as f:
+        return f.metadata()
+
+
+class _Dequantised:
+    """The checkpoint as transformers' loader would see it dequantised (only ``tensors`` and ``config``)."""
+
+    def __init__(self, ckpt: Checkpoint, groups: dict[str, LowPrecGroup]):
+        self.config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+        hidden = {g.scale_key for g in groups.values()} | {g.data_key for g in groups.values()}
+        self.tensors = {k: v for k, v in ckpt.tensors.items() if k not in hidden}
+        for g in groups.values():
+            self.tensors[g.name] = TensorInfo(g.name, "", "float32", g.shape)
+
+
+def learn_recipes_low_precision(ckpt: Checkpoint, load_model):
+    """``learn_recipes`` for a checkpoint with low-precision tensors.
+
+    Returns (recipes of the parameters stored in full precision, {param: LowPrecParam}, missing). A parameter
+    built from low-precision keys whose runs cannot be re-expressed over the stored rows (a run splitting a
+    row, an input-major parameter assembled from several keys, FP8 rows regrouped across a 128-row scale block)
+    is a UserError naming it: dayzero never falls back to a silent full-precision copy."""
+    groups = low_precision_groups(ckpt)
+    if not groups:
+        recipes, missing = learn_recipes(ckpt, load_model)
+        return recipes, {}, missing
+    recipes, missing = learn_recipes(_Dequantised(ckpt, groups), load_model)
+    dense, lowp = {}, {}
+    for param, runs in recipes.items():
+        used = {key for _, key, _, _ in runs}
+        if not used & set(groups):
+            dense[param] = runs
+            continue
+        if not used <= set(groups) or len({groups[k].fmt for k in used}) != 1 or \
+                len({groups[k].in_major for k in used}) != 1:
+            raise UserError(f"{param}: built from low-precision and other checkpoint tensors at once "
+                            f"({', '.join(sorted(used))}); not supported")
+        lowp[param] = _lowp_param(param, runs, groups)
+    return dense, lowp, missing
+
+
+def _lowp_param(param: str, runs, groups) -> LowPrecParam:
+    g0 = groups[runs[0][1]]
+    fmt, flip, inner = g0.fmt, g0.in_major, g0.stored[-1]
+    if flip:  # transpose(dequant(stored)) of one whole key
+        if len(runs) != 1 or runs[0][0] != 0 or runs[0][2] != 0 or runs[0][3] != _numel(g0.shape):
+            raise UserError(f"{param}: an input-major low-precision parameter must be one whole checkpoint tensor")
+        runs = [(0, runs[0][1], 0, _numel(g0.stored))]
+    for d0, k, s0, n in runs:
+        if groups[k].stored[-1] != inner:
+            raise UserError(f"{param}: low-precision pieces of different row lengths")
+        if d0 % inner or s0 % inner or n % inner:
+            raise UserError(f"{param}: a copy run splits a row of {k}; cannot bind it in low precision")
+    if fmt == "mxfp4":  # a row of `inner` values = inner/2 block bytes = inner/32 scales
+        def per(r, k):
+            return tuple((d0 // inner * k, getattr(groups[key], r), s0 // inner * k, n // inner * k)
+                         for d0, key, s0, n in runs)
+        return LowPrecParam(param, fmt, flip, per("data_key", inner // 2), per("scale_key", inner // 32))
+    # fp8: the weight binds element for element; 128-row scale blocks must stay whole (full-size DeepSeek
+    # experts are multiples of 128 rows; a tiny model's 32-row experts are not: see the report)
+    br, nb = 128, -(-inner // 128)
+    scale_runs = []
+    for d0, k, s0, n in runs:
+        r0, rows, rr = s0 // inner, n // inner, groups[k].stored[-2]
+        if (d0 // inner) % br or r0 % br or (rows % br and r0 + rows != rr):
+            raise UserError(f"{param}: FP8 rows regrouped across a {br}-row scale block ({k}); cannot bind it in "
+                            "low precision")
+        scale_runs.append((d0 // inner // br * nb, groups[k].scale_key, r0 // br * nb, -(-rows // br) * nb))
+    return LowPrecParam(param, fmt, False, tuple(runs), tuple(scale_runs))

@@ -210,3 +210,101 @@ def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
     full = np.repeat(np.repeat(scale_inv, br, axis=-2), bc, axis=-1)[..., :r, :c]
     q = np.clip(a / full, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     return _like(w, q), _like(w, scale_inv)
+
+
+# ----------------------------------------------------------------------------------------------- graph binding
+# A checkpoint parameter stored in low precision enters the IR as its stored tensors (``weight`` nodes of the
+# stored dtype/shape, zone low_precision_weights) followed by the dequantisation written as plain ATen ops, traced
+# by torch.export from the functions below: the graph computes exactly the fp32 tensor transformers would have
+# loaded, and passes/dequant.py recognises the chain by its shape and fuses it into the consumer's kernel.
+
+LOW_PRECISION_ZONE = "low_precision_weights"
+
+
+def _mxfp4_module(in_major: bool):
+    import torch
+
+    class MxDequant(torch.nn.Module):
+        def forward(self, blocks, scales):  # the steps of transformers' convert_moe_packed_tensors
+            # the E2M1 table from its definition (sign, 2 exponent bits, 1 mantissa bit): static, so
+            # fold_constants turns it into a constant the dequant pass can check by value
+            c = torch.arange(16, device=blocks.device)
+            e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
+            mag = torch.where(e == 0, m * 0.5, torch.exp2(e.to(torch.float32) - 1.0) * (1.0 + m * 0.5))
+            lut = torch.where(c >= 8, -mag, mag)
+            lo = (blocks & 0x0F).to(torch.int64)
+            hi = (blocks >> 4).to(torch.int64)
+            codes = torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+            vals = lut[codes]
+            scale = torch.exp2(scales.to(torch.float32) - 127.0)
+            w = (vals * scale.unsqueeze(-1)).reshape(*blocks.shape[:-2], blocks.shape[-2] * 2 * blocks.shape[-1])
+            return w.transpose(-1, -2) if in_major else w
+    return MxDequant()
+
+
+def _fp8_module(rows_cols):
+    import torch
+
+    class Fp8Dequant(torch.nn.Module):
+        def forward(self, weight, scale_inv):  # DeepSeek-V3's weight_dequant, 128x128 blocks
+            r, c = weight.shape[-2:]
+            s = scale_inv.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)[..., :r, :c]
+            return weight.to(torch.float32) * s
+    return Fp8Dequant()
+
+
+def _dequant_graph(fmt: str, in_major: bool, data_t, scale_t):
+    """The dequant chain as an IR graph over inputs (data, scale) and the weight ``lut`` (MXFP4), cached by
+    shape."""
+    key = (fmt, in_major, data_t, scale_t)
+    if key not in _GRAPHS:
+        import torch
+
+        from .torch_export import export_module, to_graph
+
+        (dd, ds), (sd, ss) = data_t, scale_t
+        mod = _mxfp4_module(in_major) if fmt == "mxfp4" else _fp8_module(ds)
+        ex = (torch.zeros(ds, dtype=getattr(torch, dd), device="meta"),
+              torch.zeros(ss, dtype=getattr(torch, sd), device="meta"))
+        _GRAPHS[key] = to_graph(export_module(mod, ex, None)).graph
+    return _GRAPHS[key]
+
+
+_GRAPHS: dict = {}
+
+
+def bind_low_precision(traced, params: dict) -> int:
+    """Replace every ``weight`` node named by ``params`` ({name: checkpoint.LowPrecParam}) with its stored tensors
+    plus the dequant chain. Returns how many were replaced."""
+    from dayzero.passes.ir.node import Node, Span, TensorType, rewrite
+
+    done = 0
+
+    def fn(n):
+        nonlocal done
+        if n.op != "weight" or n.attr["name"] not in params:
+            return None
+        p = params[n.attr["name"]]
+        if n.dtype != "float32":
+            raise UserError(f"{p.param}: low-precision storage for a {n.dtype} parameter is not supported")
+        data_t, scale_t = p.types(n.shape)
+        sub = _dequant_graph(p.fmt, p.in_major, data_t, scale_t)
+        span = Span(n.attr["name"].rsplit(".", 1)[0], "dayzero.frontend.lowprec")
+        data = Node.make("weight", (), {"name": p.data_name, "zone": LOW_PRECISION_ZONE},
+                         [TensorType(*data_t)], span)
+        scale = Node.make("weight", (), {"name": p.scale_name, "zone": LOW_PRECISION_ZONE},
+                          [TensorType(*scale_t)], span)
+        bind = {"blocks": data, "weight": data, "scales": scale, "scale_inv": scale}
+
+        def sub_fn(m):
+            if m.op == "input":
+                return bind[m.attr["name"]]
+            return m.replace(span=span)
+        out = rewrite(sub, sub_fn).outputs[0]
+        if out.type != n.type:
+            raise UserError(f"{p.param}: dequantised {out.type} does not match the parameter's {n.type}")
+        done += 1
+        return out
+
+    traced.graph = rewrite(traced.graph, fn)
+    return done

@@ -41,6 +41,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fold_constants", lambda g, ctx: fold_constants(g, ctx.constants)),
     # -- identify patterns (dequant, moe, sparse attention, cross-layer state) plug in here ------------------
     ("moe", moe),
+    ("dequant", __import__("dayzero.passes.dequant", fromlist=["dequant"]).dequant),  # MXFP4 chain -> fused kernel
     # -- state -------------------------------------------------------------------------------------------------
     ("inplace_state", _inplace_state),
 ]

@@ -25,7 +25,8 @@ from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.schedule import tune_kernels
 from dayzero.frontend import hf
-from dayzero.frontend.checkpoint import Checkpoint, learn_recipes
+from dayzero.frontend.checkpoint import Checkpoint, learn_recipes, learn_recipes_low_precision
+from dayzero.frontend.lowprec import bind_low_precision
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
@@ -63,7 +64,8 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
         return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         ckpt = Checkpoint(model)
-        recipes, _ = learn_recipes(ckpt, hf.load_for_recipes)
+        # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
+        recipes, lowp, _ = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
         traced, decode = _trace_with_cache(ckpt, max_seq)
         if traced is None:  # no static cache for this architecture: a stateless prefill only
             module, _ = hf.meta_model(ckpt)
@@ -73,7 +75,14 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
         # from a CPU model built from the config: only those are kept
         names = {n.attr["name"] for t in (traced, decode) if t is not None for n in t.graph.nodes()
                  if n.op == "weight"}
+        names -= set(lowp)
         own = _buffers_from_config(ckpt, names - set(recipes)) if names - set(recipes) else {}
+        for t in (traced, decode):
+            if t is not None and lowp:
+                t.weights = own
+                bind_low_precision(t, lowp)
+        for p in lowp.values():
+            recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
         traced.weights = own
         if decode is not None:
             decode.weights = own

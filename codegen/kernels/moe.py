@@ -38,6 +38,7 @@ from tvm.script import tirx as T
 
 from dayzero import InternalError
 from dayzero.codegen import lower, schedule
+from dayzero.codegen.kernels import dequant
 
 MB, NB, L = 4, 4, 16
 
@@ -82,7 +83,14 @@ def _act_builder(expr, G, p):
 
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
-                     out_dtype="float32", target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
+                     out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense") -> tvm.tirx.PrimFunc:
+    """``wfmt="mxfp4"``: the expert matrices arrive as published, blocks uint8 [E, out, in/32, 16] + scales uint8
+    [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly
+    (``dequant.e2m1_value`` x ``dequant.e8m0_value``): no full-precision copy of any expert exists, the jobs read
+    4.25 bits per weight."""
+    mx = wfmt == "mxfp4"
+    if mx and (layout != "nk" or H % 32 or I % 32):
+        raise InternalError(f"moe_experts mxfp4 kernel needs layout nk and H, I multiples of 32 (H={H}, I={I})")
     if GU % NB or H % NB or H % L or I % L:
         raise InternalError(f"moe_experts kernel needs H, GU multiples of {NB} and H, I multiples of {L} "
                             f"(H={H}, GU={GU}, I={I})")
@@ -98,10 +106,19 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     def one():
         return T.thread_binding(1, thread="blockIdx.x") if cuda else T.serial(1)
 
-    def wgu_at(W, e, n, h):
+    def mx_at(B, S, e, n, h):  # MXFP4 element [e, n, h] decoded from blocks/scales
+        byte = T.Cast("int32", B[e, n, h // 32, (h % 32) // 2])
+        code = T.shift_right(byte, (h % 2) * 4) & 15
+        return dequant.e2m1_value(code) * dequant.e8m0_value(S[e, n, h // 32])
+
+    def wgu_at(W, S, e, n, h):
+        if S is not None:
+            return mx_at(W, S, e, n, h)
         return W[e, n, h] if nk else W[e, h, n]
 
-    def wd_at(W, e, n, i):
+    def wd_at(W, S, e, n, i):
+        if S is not None:
+            return mx_at(W, S, e, n, i)
         return W[e, n, i] if nk else W[e, i, n]
 
     f32 = "float32"
@@ -117,7 +134,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
 
     @T.macro(hygienic=True)
-    def body(X, IDS, WR, WGU, BGU, WD, BD, Y, n_tok):
+    def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok):
         offs = T.alloc_buffer((E + 1,), "int32")
         fill = T.alloc_buffer((E,), "int32")
         order = T.alloc_buffer((n_tok * k,), "int32")
@@ -151,7 +168,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                             for l in vec(L):
                                 acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[
                                     offs[job % E] + mt * MB + m] // k, ho * L + l]) * \
-                                    T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
+                                    T.Cast(f32, wgu_at(WGU, WGUS, job % E, job // E * NB + n, ho * L + l))
                 for m, n in T.grid(MB, NB):
                     G[offs[job % E] + mt * MB + m, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
                     for l in range(L):
@@ -166,7 +183,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                         for l in vec(L):
                             acc[0, n, l] = acc[0, n, l] + T.Cast(f32, X[order[
                                 offs[job % E + 1] - 1 - r] // k, ho * L + l]) * \
-                                T.Cast(f32, wgu_at(WGU, job % E, job // E * NB + n, ho * L + l))
+                                T.Cast(f32, wgu_at(WGU, WGUS, job % E, job // E * NB + n, ho * L + l))
                 for n in T.grid(NB):
                     G[offs[job % E + 1] - 1 - r, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
                     for l in range(L):
@@ -188,7 +205,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                         for n in T.unroll(NB):
                             for l in vec(L):
                                 acc2[m, n, l] = acc2[m, n, l] + A[offs[job % E] + mt * MB + m, io * L + l] * \
-                                    T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
+                                    T.Cast(f32, wd_at(WD, WDS, job % E, job // E * NB + n, io * L + l))
                 for m, n in T.grid(MB, NB):
                     D[offs[job % E] + mt * MB + m, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
                     for l in range(L):
@@ -202,7 +219,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                     for n in T.unroll(NB):
                         for l in vec(L):
                             acc2[0, n, l] = acc2[0, n, l] + A[offs[job % E + 1] - 1 - r, io * L + l] * \
-                                T.Cast(f32, wd_at(WD, job % E, job // E * NB + n, io * L + l))
+                                T.Cast(f32, wd_at(WD, WDS, job % E, job // E * NB + n, io * L + l))
                 for n in T.grid(NB):
                     D[offs[job % E + 1] - 1 - r, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
                     for l in range(L):
@@ -229,7 +246,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         BD = T.match_buffer(bd_h, (E, H), wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, BGU, WD, BD, Y, n_tok)
+        body(X, IDS, WR, WGU, None, BGU, WD, None, BD, Y, n_tok)
 
     @T.prim_func
     def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
@@ -243,7 +260,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         BGU = T.match_buffer(bgu_h, (E, GU), wt_dtype)
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, BGU, WD, None, Y, n_tok)
+        body(X, IDS, WR, WGU, None, BGU, WD, None, None, Y, n_tok)
 
     @T.prim_func
     def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
@@ -257,7 +274,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         BD = T.match_buffer(bd_h, (E, H), wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, WD, BD, Y, n_tok)
+        body(X, IDS, WR, WGU, None, None, WD, None, BD, Y, n_tok)
 
     @T.prim_func
     def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
@@ -270,10 +287,84 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, WD, None, Y, n_tok)
+        body(X, IDS, WR, WGU, None, None, WD, None, None, Y, n_tok)
 
+    if mx:
+        return _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
+            (gate_up_bias, down_bias)]
     return {(True, True): with_both, (True, False): with_gu, (False, True): with_d,
             (False, False): without}[(gate_up_bias, down_bias)]
+
+
+def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype) -> dict:
+    """The four bias variants with MXFP4 expert matrices: (blocks, scales) in place of each weight."""
+    gub, gus, db, ds = (E, GU, H // 32, 16), (E, GU, H // 32), (E, H, I // 32, 16), (E, H, I // 32)
+
+    @T.prim_func
+    def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
+                  bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        GB = T.match_buffer(gub_h, gub, "uint8")
+        GS = T.match_buffer(gus_h, gus, "uint8")
+        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
+        DB = T.match_buffer(db_h, db, "uint8")
+        DS = T.match_buffer(ds_h, ds, "uint8")
+        BD = T.match_buffer(bd_h, (E, H), b_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, GB, GS, BGU, DB, DS, BD, Y, n_tok)
+
+    @T.prim_func
+    def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
+                bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        GB = T.match_buffer(gub_h, gub, "uint8")
+        GS = T.match_buffer(gus_h, gus, "uint8")
+        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
+        DB = T.match_buffer(db_h, db, "uint8")
+        DS = T.match_buffer(ds_h, ds, "uint8")
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, GB, GS, BGU, DB, DS, None, Y, n_tok)
+
+    @T.prim_func
+    def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
+               db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        GB = T.match_buffer(gub_h, gub, "uint8")
+        GS = T.match_buffer(gus_h, gus, "uint8")
+        DB = T.match_buffer(db_h, db, "uint8")
+        DS = T.match_buffer(ds_h, ds, "uint8")
+        BD = T.match_buffer(bd_h, (E, H), b_dtype)
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, GB, GS, None, DB, DS, BD, Y, n_tok)
+
+    @T.prim_func
+    def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
+                db_h: T.handle, ds_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int64()
+        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
+        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
+        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
+        GB = T.match_buffer(gub_h, gub, "uint8")
+        GS = T.match_buffer(gus_h, gus, "uint8")
+        DB = T.match_buffer(db_h, db, "uint8")
+        DS = T.match_buffer(ds_h, ds, "uint8")
+        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
+        body(X, IDS, WR, GB, GS, None, DB, DS, None, Y, n_tok)
+
+    return {(True, True): with_both, (True, False): with_gu, (False, True): with_d, (False, False): without}
 
 
 def supports(H: int, GU: int, I: int, wgu_dtype: str, wd_dtype: str) -> bool:
@@ -343,5 +434,30 @@ def bytes_read(ids, *, E: int, H: int, GU: int, I: int, wt_bytes: int = 4, act_b
     return {"weights": weights, "activations": acts, "total": weights + acts, "routed_expert_bytes": routed}
 
 
+def _params_mxfp4(node) -> dict:
+    """moe_experts_mxfp4(x, ids, w, gu_blocks, gu_scales, [b_gu], d_blocks, d_scales, [b_d]) (passes/dequant.py)."""
+    a = node.attr
+    x, ids, w, gub = node.inputs[:4]
+    bias = node.inputs[5] if a["gate_up_bias"] else (node.inputs[-1] if a["down_bias"] else None)
+    return dict(E=int(gub.shape[0]), H=int(x.shape[1]), GU=int(gub.shape[1]), I=int(a["inter"]), k=int(ids.shape[1]),
+                layout="nk", act=a["act"], gate_up_bias=a["gate_up_bias"], down_bias=a["down_bias"],
+                x_dtype=x.dtype, ids_dtype=ids.dtype, w_dtype=w.dtype,
+                wt_dtype=bias.dtype if bias is not None else "float32", out_dtype=node.dtype, wd_dtype="uint8",
+                wfmt="mxfp4")
+
+
+def supports_mxfp4(H: int, GU: int, I: int) -> bool:
+    return not (H % 32 or I % 32 or GU % NB or H % NB)
+
+
+def _prim_func_for_mxfp4(node) -> tvm.tirx.PrimFunc:
+    p = _params_mxfp4(node)
+    if not supports_mxfp4(p["H"], p["GU"], p["I"]):
+        raise InternalError(f"moe_experts_mxfp4 kernel cannot take {p} (the dequant pass checks first)")
+    return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
+
+
 lower.PRIMFUNCS["moe_experts"] = _prim_func_for
+lower.PRIMFUNCS["moe_experts_mxfp4"] = _prim_func_for_mxfp4
+schedule.HAND_SCHEDULED["moe_experts_mxfp4"] = _schedule_rule
 schedule.HAND_SCHEDULED["moe_experts"] = _schedule_rule
