@@ -74,6 +74,9 @@ def main(debug: bool) -> None:
 @click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
 @click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
 @click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)")
+@click.option("--image-grid", "image_grids", multiple=True, metavar="TxHxW",
+              help="multimodal checkpoints: an image grid (in patches) to compile a vision program for; repeat "
+                   "for several sizes (default 1x4x4)")
 @click.option("--verify", is_flag=True, help="run the IR verifier after every pass")
 @click.option("--tune", type=int, default=None, metavar="TRIALS",
               help="tune kernels without a hand-scheduled rule or a record, TRIALS MetaSchedule trials each")
@@ -81,7 +84,8 @@ def main(debug: bool) -> None:
 @click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
               help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, max_batch, verify, tune, tune_minutes, tuning_dir, as_json):
+def compile_cmd(model, out, target, max_seq, max_batch, image_grids, verify, tune, tune_minutes, tuning_dir,
+                as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -92,7 +96,8 @@ def compile_cmd(model, out, target, max_seq, max_batch, verify, tune, tune_minut
     if tune_minutes is not None and tune_minutes <= 0:
         raise UserError("--tune-minutes must be positive")
     rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
-                        tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch)
+                        tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
+                        image_grids=list(image_grids) or None)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
@@ -118,20 +123,28 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--stop-ids", default="", help="comma-separated token ids that end generation")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="an image file joining the prompt at its next image token (repeat for several)")
 @click.option("--json", "as_json", is_flag=True)
-def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, as_json):
+def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images, as_json):
     """Run the compiled model on INPUT_IDS: the prefill logits' shape and argmax, or generated tokens."""
     from dayzero.runtime import load
 
     ids = _parse_ids(input_ids)
     rt = load(artifact)
     t0 = time.perf_counter()
-    if max_new_tokens is None:
+    if images and getattr(rt, "multimodal", None) is None:
+        raise UserError(f"{artifact}: no vision program (compile a multimodal checkpoint to pass --image)")
+    if max_new_tokens is None and images:
+        logits = rt.multimodal.prefill(ids, list(images))
+        res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist()}
+    elif max_new_tokens is None:
         logits = rt.prefill(ids)
         res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist()}
     else:
         stops = _parse_ids(stop_ids) if stop_ids else []
-        toks = rt.generate(ids, max_new_tokens, stop_ids=stops, temperature=temperature, top_p=top_p, seed=seed)
+        toks = rt.generate(ids, max_new_tokens, stop_ids=stops, temperature=temperature, top_p=top_p, seed=seed,
+                           **({"images": list(images)} if images else {}))
         res = {"tokens": toks}
     res["seconds"] = time.perf_counter() - t0
     _emit(res, as_json)
@@ -165,7 +178,10 @@ def demo_cmd(out, seq_len, as_json):
         click.echo(f"model: {r['model']} (tiny, seed 0) -> {r['artifact']}")
         for k, v in r["seconds"].items():
             click.echo(f"  {k:<12} {v:7.2f} s")
-        click.echo(f"max |logits - upstream eager| = {r['max_abs_diff']:.3g}  ({'ok' if r['ok'] else 'MISMATCH'})")
+        click.echo(f"max |logits - upstream eager| = {r['max_abs_diff']:.3g}")
+        click.echo(f"generated {r['tokens']} ({'same as' if r['tokens_match_upstream'] else 'DIFFERENT from'} "
+                   f"upstream generate())")
+        click.echo("ok" if r["ok"] else "MISMATCH")
     _emit(res, as_json, human)
     if not res["ok"]:
         sys.exit(1)
