@@ -50,7 +50,9 @@ def build_report(artifact: str) -> dict:
     progs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
     routes = rep.get("routes", {})
     kops = rep.get("kernel_ops", {})
-    kernels = {k: {"op": kops.get(k, "?"), "route": r} for k, r in sorted(routes.items())}
+    tuned = rep.get("tuned", {})
+    kernels = {k: {"op": kops.get(k, "?"), "route": r, **({"tuned": tuned[k]} if k in tuned else {})}
+               for k, r in sorted(routes.items())}
     op_counts: Counter = Counter()
     for pj in progs.values():
         op_counts.update(_step_op(s["node"]) for s in pj.get("steps", []))
@@ -147,7 +149,9 @@ def _human(r: dict) -> None:
     click.echo("routes: " + ", ".join(f"{k} {v}" for k, v in r["routes"].items()))
     width = max((len(k) for k in r["kernels"]), default=0)
     for k, v in r["kernels"].items():
-        click.echo(f"  {k:<{width}}  {v['route']:<14} {v['op']}")
+        t = v.get("tuned")
+        extra = f"  default {t['default_s'] * 1e6:.1f} us -> tuned {t['tuned_s'] * 1e6:.1f} us" if t else ""
+        click.echo(f"  {k:<{width}}  {v['route']:<14} {v['op']}{extra}")
     click.echo("op counts (steps): " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()))
     click.echo("patterns: " + (", ".join(f"{k} x{v}" for k, v in r["patterns"].items()) or "none"))
     click.echo(f"unsupported: {len(r['unsupported'])}" + "".join(f"\n  {u}" for u in r["unsupported"]))
