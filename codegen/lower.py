@@ -388,9 +388,19 @@ def _transpose(ctx, ins, attrs, outs):
     return te.compute(ctx.shape(outs[0].shape), lambda *i: x[tuple(i[perm[k]] for k in range(nd))], name="T")
 
 
+# Python slices with an open end reach ATen as end=INT64_MAX (``x[:, 1:]``). No tensor dimension comes near
+# 2**31, so any index attribute at least that large means "to the end" (or "from the start" when negative) and
+# is replaced by the size itself: a constant like INT64_MAX must never reach TIR, where the simplifier rewrites
+# an index test through a fused loop (``fused // 32 < C`` into ``fused < 32*C``) and the product wraps around,
+# turning the test false for every element (slice_scatter then copied nothing).
+_OPEN = 1 << 31
+
+
 def _normalize_start(ctx, start, size):
-    if start is None:
+    if start is None or (isinstance(start, int) and start <= -_OPEN):
         return tvm.tirx.const(0, IDX)
+    if isinstance(start, int) and start >= _OPEN:
+        return size
     if isinstance(start, int):
         if start >= 0:
             return tvm.tirx.min(tvm.tirx.const(start, IDX), size)
@@ -815,8 +825,10 @@ def _slice_bounds(ctx, attrs, size):
     zero = tvm.tirx.const(0, IDX)
 
     def norm(v, default):
-        if v is None:
-            return default
+        if v is None or (isinstance(v, int) and v >= _OPEN):
+            return default if v is None else size
+        if isinstance(v, int) and v <= -_OPEN:
+            return zero
         e = ctx.dim(v) if isinstance(v, sympy.Basic) else tvm.tirx.const(int(v), IDX)
         if isinstance(v, int) and v < 0:
             e = size + e
