@@ -1,0 +1,179 @@
+"""Attention over a KV cache that reads only the rows a query sees (ops from passes/sparse_attention.py).
+
+    cache_attention(q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos [S], [sinks [Hq]]) -> o [B,Hq,S,Dv]
+        query (b, h, s) reads rows j in [max(0, qpos[s]-W+1), min(qpos[s], L-1)] (W = window, 0: from row 0)
+        of kv head g = h // (Hq/Hkv); o = sum_j softmax_j(scale * q·k_j [, sink_h]) v_j
+    sparse_attention(q, k, v, qpos [S], idx [B,S,K]) -> o [B,Hq,S,Dv]
+        query (b, h, s) reads rows j = idx[b, s, t], t < K, kept where 0 <= j <= qpos[s] (and j < L); the
+        indices of one query are distinct (they come from a top-k), so each row is counted once
+
+Both are one pass of online softmax per query (running max m, denominator l, fp32 accumulator acc[Dv]), so a
+decode step costs O(rows read), never O(L). Variants, chosen from the shapes and the target:
+
+* host CPU, decode (S == 1): parallel over (b, h); one query x its rows.
+* host CPU, prefill (S symbolic or > 1): parallel over (b, h, block of QB queries). cache_attention walks the
+  union of the block's row ranges once and updates every query of the block that sees the row, so a K/V row
+  is read once per block (blocked over queries); sparse_attention reads each query's own K rows.
+* CUDA: one thread per (b, h, s) query, 64 threads per block (compiles for sm_90; not tuned).
+
+Written as TVMScript text (like ``state.py``): data-dependent loop bounds (qpos, idx) are plain TIR here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import tvm
+
+from dayzero.codegen import lower, schedule
+from dayzero.passes.ir.node import Node
+
+QB = 16  # queries per block (prefill, host CPU)
+CUDA_THREADS = 64
+NEG = "T.float32(-3.0e38)"
+
+
+def params(n: Node) -> dict:
+    q, k, v, qpos = n.inputs[:4]
+    B, Hq, S, D = q.shape
+    _, Hkv, L, _ = k.shape
+    p = {"op": n.op, "B": int(B), "Hq": int(Hq), "Hkv": int(Hkv), "S": S if isinstance(S, int) else None,
+         "L": int(L), "D": int(D), "Dv": int(v.shape[-1]), "dtype": q.dtype, "out_dtype": n.dtype,
+         "pos_dtype": qpos.dtype, "scale": float(n.attr["scale"])}
+    if n.op == "cache_attention":
+        p.update(window=int(n.attr["window"]), sinks=bool(n.attr["sinks"]),
+                 sink_dtype=n.inputs[4].dtype if n.attr["sinks"] else None)
+    else:
+        idx = n.inputs[4]
+        p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype, window=0, sinks=False)
+    return p
+
+
+def _i(x) -> str:
+    return f"T.int64({x})"
+
+
+def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
+    sparse = p["op"] == "sparse_attention"
+    B, Hq, Hkv, L, D, Dv = p["B"], p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
+    rep = Hq // Hkv
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    decode = p["S"] == 1
+    qb = 1 if (decode or sparse or kind == "cuda") else QB
+    f32 = "T.float32"
+    params_ = ["q_", "k_", "v_", "p_"] + (["x_"] if sparse else []) + (["sk_"] if p["sinks"] else []) + ["o_"]
+    lines = ['    T.func_attr({"tirx.noalias": True})']
+    if p["S"] is None:
+        lines.append("    S = T.int64()")
+    lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(Hq)}, {S}, {_i(D)}), "{p["dtype"]}")',
+              f'    k = T.match_buffer(k_, ({_i(B)}, {_i(Hkv)}, {_i(L)}, {_i(D)}), "{p["dtype"]}")',
+              f'    v = T.match_buffer(v_, ({_i(B)}, {_i(Hkv)}, {_i(L)}, {_i(Dv)}), "{p["dtype"]}")',
+              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")']
+    if sparse:
+        lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
+    if p["sinks"]:
+        lines.append(f'    sk = T.match_buffer(sk_, ({_i(Hq)},), "{p["sink_dtype"]}")')
+    lines.append(f'    o = T.match_buffer(o_, ({_i(B)}, {_i(Hq)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")')
+    nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}" if qb > 1 else S
+    total = f"{_i(B * Hq)} * ({nqb})"
+    scope = ', scope="local"' if kind == "cuda" else ""
+    if kind == "cuda":
+        lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
+                  f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
+                  f"    t = bx * {_i(CUDA_THREADS)} + tx",
+                  f"    if t < {total}:"]
+    else:
+        lines.append(f"    for t in T.parallel({total}):")
+    I = "        "
+    body = [f"b = t // {_i(Hq)} // ({nqb})", f"h = t // ({nqb}) % {_i(Hq)}", f"s0 = t % ({nqb}) * {_i(qb)}",
+            f"g = h // {_i(rep)}",
+            f'm = T.decl_buffer(({_i(qb)},), "float32"{scope})',
+            f'den = T.decl_buffer(({_i(qb)},), "float32"{scope})',
+            f'acc = T.decl_buffer(({_i(qb)}, {_i(Dv)}), "float32"{scope})',
+            f'qf = T.decl_buffer(({_i(qb)}, {_i(D)}), "float32"{scope})',
+            f'sc = T.decl_buffer(({_i(1)},), "float32"{scope})',
+            f'rng = T.decl_buffer(({_i(2)},), "int64"{scope})',
+            f"for i in range({_i(qb)}):",
+            f"    m[i] = {NEG}",
+            f"    den[i] = {f32}(0)",
+            f"    for d in range({_i(Dv)}):",
+            f"        acc[i, d] = {f32}(0)",
+            f"    for d in range({_i(D)}):",
+            f'        qf[i, d] = T.if_then_else(s0 + i < {S}, T.Cast("float32", q[b, h, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p["scale"]!r}), {f32}(0))']
+
+    def update(pos: str, i: str, ind: str) -> list[str]:
+        return [ind + f"sc[0] = {f32}(0)",
+                ind + f"for d in range({_i(D)}):",
+                ind + f'    sc[0] = sc[0] + qf[{i}, d] * T.Cast("float32", k[b, g, {pos}, d])',
+                ind + f"mn = T.max(m[{i}], sc[0])",
+                ind + f"corr = T.exp(m[{i}] - mn)",
+                ind + "e = T.exp(sc[0] - mn)",
+                ind + f"den[{i}] = den[{i}] * corr + e",
+                ind + f"for d in range({_i(Dv)}):",
+                ind + f'    acc[{i}, d] = acc[{i}, d] * corr + e * T.Cast("float32", v[b, g, {pos}, d])',
+                ind + f"m[{i}] = mn"]
+
+    if sparse:
+        body += [f"if s0 < {S}:",
+                 f"    for tk in range({_i(p['K'])}):",
+                 '        pos = T.Cast("int64", x[b, s0, tk])',
+                 f'        if pos >= {_i(0)} and pos <= T.Cast("int64", p[s0]) and pos < {_i(L)}:']
+        body += update("pos", "0", "            ")
+    else:
+        W = p["window"]
+        lo_q = (f'T.max(T.Cast("int64", p[T.min(s0 + i, {S} - {_i(1)})]) - {_i(W - 1)}, {_i(0)})' if W
+                else _i(0))
+        hi_q = f'T.min(T.Cast("int64", p[T.min(s0 + i, {S} - {_i(1)})]), {_i(L - 1)})'
+        body += [f"rng[0] = {_i(L)}", f"rng[1] = {_i(-1)}",
+                 f"for i in range({_i(qb)}):",
+                 f"    if s0 + i < {S}:",
+                 f"        rng[0] = T.min(rng[0], {lo_q})",
+                 f"        rng[1] = T.max(rng[1], {hi_q})",
+                 f"for j in range(T.max(rng[1] - rng[0] + {_i(1)}, {_i(0)})):",
+                 "    pos = rng[0] + j"]
+        if qb == 1:
+            cond = f'pos >= {lo_q} and pos <= {hi_q}'.replace("s0 + i", "s0")
+            body += [f"    if {cond}:"]
+            body += update("pos", "0", "        ")
+        else:
+            body += [f"    for i in range({_i(qb)}):",
+                     f"        if s0 + i < {S} and pos >= {lo_q} and pos <= {hi_q}:"]
+            body += update("pos", "i", "            ")
+    body += [f"for i in range({_i(qb)}):",
+             f"    if s0 + i < {S}:"]
+    if p["sinks"]:
+        body += ['        snk = T.Cast("float32", sk[h])',
+                 "        mn = T.max(m[i], snk)",
+                 "        corr = T.exp(m[i] - mn)",
+                 "        den[i] = den[i] * corr + T.exp(snk - mn)",
+                 f"        for d in range({_i(Dv)}):",
+                 "            acc[i, d] = acc[i, d] * corr"]
+    body += [f"        for d in range({_i(Dv)}):",
+             f'            o[b, h, s0 + i, d] = T.Cast("{p["out_dtype"]}", acc[i, d] / den[i])']
+    ind = I + ("    " if kind == "cuda" else "")
+    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
+           + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
+    return tvm.script.from_source(src)
+
+
+def _prim_func_for(node: Node) -> tvm.tirx.PrimFunc:
+    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters for the target rule."""
+    p = params(node)
+    return build(p, "llvm").with_attr("dayzero.attention_params", json.dumps(p, sort_keys=True))
+
+
+def _schedule_rule(kernel, target: tvm.target.Target):
+    """schedule.HAND_SCHEDULED entry: the kernel written for the target (CPU parallel loops / CUDA threads)."""
+    attrs = kernel.func.attrs
+    if attrs is None or "dayzero.attention_params" not in attrs:
+        return None
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    f = build(json.loads(str(attrs["dayzero.attention_params"])), kind)
+    f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
+    return tvm.IRModule({"main": f})
+
+
+for _op in ("cache_attention", "sparse_attention"):
+    lower.PRIMFUNCS[_op] = _prim_func_for
+    schedule.HAND_SCHEDULED[_op] = _schedule_rule

@@ -1,0 +1,336 @@
+"""sparse_attention: attention over a KV cache that reads only the positions a query may (or is chosen to) see.
+
+transformers writes every attention over its static cache densely: the scores of all ``max_len`` cache rows are
+computed and a mask built from positions throws most of them away. Two shapes are recognised, by op identity,
+attrs and shapes only (never names, never the model type):
+
+(a) dense causal attention (Qwen3-MoE, gpt-oss full and sliding layers, any GQA/MQA)::
+
+    arange(L) const [1,1,1,L] ─┬─ le ─────────────────────────────────┐
+    qpos [S] ─ unsqueeze* ─────┴─ sub(., W) ─ gt(arange, .)  (window) ─ and ─ mask [.,.,S,L]
+    q [B,Hq,S,D]                                                         │
+    K/V state [B,Hkv,L,D] ─ unsqueeze(2) ─ expand ─ clone ─ view [B,Hq,L,D] (repeat_kv)
+                 ─► scaled_dot_product_attention(q, K, V, mask)
+                 or the eager form with attention sinks (gpt-oss):
+                    bmm(q, Kᵀ)·scale + where(mask, 0, -big) ─ cat(sinks) ─ sub max ─ softmax ─ [..., :-1] ─ bmm(V)
+
+        ==>  cache_attention(q, k_state, v_state, qpos, [sinks]) {scale, window}
+             reads rows [max(0, qpos-W+1), qpos] of the cache for each query, GQA through h // (Hq/Hkv)
+
+(b) DeepSeek-V3.2 DSA: the indexer's top-k is scattered into a dense mask::
+
+    indexer scores [B,S,L] ─ where(future, -inf) ─ topk(k) ─ getitem 1 ─ to int ─ idx [B,S,k]
+    full(True) [B,S,L] ─ scatter(dim=-1, idx, False) ─ unsqueeze(1) ─ not ─ and(causal mask) ─ mask
+                 ─► scaled_dot_product_attention(q, K, V, mask)
+
+        ==>  sparse_attention(q, K, V, qpos, idx) {scale}
+             reads only the k rows idx[b, s, :] (those <= qpos[s]) for each query
+
+The indexer itself (scores over all L positions and the top-k) stays as generic ops: it is the linear part of a
+DSA step and is reported separately by ``dayzero bench attention``. Both ops have one kernel per target with a
+decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
+``codegen/kernels/attention.py``. Ordering: after fold_constants (the arange, the window, the scale and the
+fill values are read from ``ctx.constants``) and after inplace_state (the cache operands are then the in-place
+written states). Anything unrecognised stays dense and correct.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+
+DENSE = "cache_attention"
+SPARSE = "sparse_attention"
+
+
+# ---- the ops (torch references) ----------------------------------------------------------------------------
+
+def valid_positions(L: int, qpos: torch.Tensor, window: int) -> torch.Tensor:
+    """[S, L] bool: key j is visible from query s iff j <= qpos[s] (and j > qpos[s] - window when window > 0)."""
+    j = torch.arange(L, device=qpos.device)
+    m = j[None, :] <= qpos[:, None]
+    if window:
+        m &= j[None, :] > (qpos[:, None] - window)
+    return m
+
+
+def _expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    return x.repeat_interleave(hq // x.shape[1], dim=1) if x.shape[1] != hq else x
+
+
+def _attend(q, k, v, mask, scale, sinks=None):
+    """Softmax attention with a bool mask [.., S, L] (and per-head sink logits), fp32 inside."""
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale
+    w = w.masked_fill(~mask, float("-inf"))
+    s = sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1).to(w.dtype)
+    c = torch.cat([w, s], dim=-1)
+    p = torch.softmax(c - c.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def _out(q, v):
+    B, H, S, _ = q.shape
+    return torch.empty(B, H, S, v.shape[-1], dtype=q.dtype, device=q.device)
+
+
+def dense_reference(ins, attrs):
+    """out[b,h,s] = softmax_j(q[b,h,s]·k[b,h//r,j]·scale [, sink_h]) v[b,h//r,j] over visible j (valid_positions)."""
+    q, k, v, qpos = ins[:4]
+    if q.device.type == "meta":
+        return _out(q, v)
+    sinks = ins[4] if attrs["sinks"] else None
+    mask = valid_positions(k.shape[2], qpos.reshape(-1), attrs["window"])[None, None]
+    return _attend(q, k, v, mask, attrs["scale"], sinks).contiguous()
+
+
+def sparse_reference(ins, attrs):
+    """As dense_reference (window 0), over visible j that are also in idx[b, s, :]."""
+    q, k, v, qpos, idx = ins
+    if q.device.type == "meta":
+        return _out(q, v)
+    B, S, L = q.shape[0], q.shape[2], k.shape[2]
+    sel = torch.zeros(idx.shape[0], S, L, dtype=torch.bool).scatter_(-1, idx.long(), True)
+    mask = (sel & valid_positions(L, qpos.reshape(-1), 0)[None]).unsqueeze(1)
+    return _attend(q, k, v, mask, attrs["scale"]).contiguous()
+
+
+if ops.REGISTRY.get(DENSE) is None:
+    ops.register(ops.OpDef(
+        DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
+                     ("sinks", ops.OPT_TENSOR), ("scale", ops.ATTR), ("window", ops.ATTR)),
+        reference=dense_reference,
+        doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
+            "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool); reads rows "
+            "[max(0, qpos-window+1), qpos] only; out [B,Hq,S,Dv]"))
+    ops.register(ops.OpDef(
+        SPARSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
+                      ("idx", ops.TENSOR), ("scale", ops.ATTR)),
+        reference=sparse_reference,
+        doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S], "
+            "idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= qpos[s] "
+            "only; out [B,Hq,S,Dv]"))
+
+from dayzero.codegen.kernels import attention as _kernels  # noqa: E402,F401  (registers the PrimFuncs)
+
+
+# ---- the match -----------------------------------------------------------------------------------------------
+
+_RESHAPE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "alias"}
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _need(cond) -> None:
+    if not cond:
+        raise _NoMatch
+
+
+def _const(n: Node, constants) -> torch.Tensor:
+    _need(n.op == "weight" and n.attr["name"] in constants)
+    return constants[n.attr["name"]]
+
+
+def _skip(n: Node, also=()) -> Node:
+    """Through clones and expands/reshapes that keep the element count (no data movement in the math)."""
+    while n.op in ({"clone", "alias", "expand"} | set(also)) and n.inputs and len(n.inputs[0].types) == 1:
+        if n.op == "expand" and n.shape != n.inputs[0].shape:
+            break
+        n = n.inputs[0]
+    return n
+
+
+def _repeat_kv(n: Node) -> Node:
+    """view(clone(expand(unsqueeze(x [B,Hkv,L,D], 2), [B,Hkv,r,L,D])), [B,Hkv*r,L,D]) -> x (else n itself)."""
+    n = _skip(n)
+    if n.op not in ("view", "_unsafe_view", "reshape") or n.type.ndim != 4:
+        return n
+    e = _skip(n.inputs[0], ("clone",))
+    if e.op != "expand" or e.type.ndim != 5:
+        return n
+    u = e.inputs[0]
+    if u.op != "unsqueeze" or u.attr.get("dim") != 2 or u.inputs[0].type.ndim != 4:
+        return n
+    x = u.inputs[0]
+    B, Hkv, L, D = x.shape
+    if tuple(e.shape) != (B, Hkv, e.shape[2], L, D) or tuple(n.shape) != (B, Hkv * e.shape[2], L, D):
+        return n
+    return x
+
+
+def _qpos(n: Node, S) -> Node:
+    """[..., S, 1] int positions -> the 1-D [S] node they are unsqueezed from."""
+    while n.op == "unsqueeze" or (n.op in ("view", "expand", "clone") and n.inputs):
+        n = n.inputs[0]
+    _need(n.type.ndim == 1 and n.shape[0] == S and n.dtype.startswith("int"))
+    return n
+
+
+def _is_arange_row(n: Node, L: int, constants) -> bool:
+    if n.op != "weight" or n.attr["name"] not in constants:
+        return False
+    t = constants[n.attr["name"]]
+    return t.shape[-1] == L and t.numel() == L and torch.equal(t.reshape(-1), torch.arange(L, dtype=t.dtype))
+
+
+def _all_true(n: Node, constants) -> bool:
+    if n.op == "full" and n.attr.get("fill_value") in (True, 1):
+        return True
+    if n.op == "weight" and n.attr["name"] in constants:
+        return bool(constants[n.attr["name"]].bool().all())
+    return False
+
+
+def _mask_terms(m: Node, S, L: int, constants) -> dict:
+    """Decompose a bool mask [.., S, L] into {qpos, window, idx}; raises _NoMatch on any other term."""
+    found = {"qpos": None, "window": 0, "idx": None, "wpos": None}
+
+    def walk(n: Node):
+        n = _skip(n)
+        if n.op in ("bitwise_and.Tensor", "logical_and"):
+            walk(n.inputs[0])
+            walk(n.inputs[1])
+        elif _all_true(n, constants):
+            pass
+        elif n.op == "le.Tensor" and _is_arange_row(n.inputs[0], L, constants):
+            _need(found["qpos"] is None)
+            found["qpos"] = _qpos(n.inputs[1], S)
+        elif n.op == "gt.Tensor" and _is_arange_row(n.inputs[0], L, constants):
+            d = n.inputs[1]
+            _need(d.op == "sub.Tensor" and d.attr.get("alpha", 1) == 1)
+            w = _const(d.inputs[1], constants)
+            _need(w.numel() == 1 and not w.is_floating_point() and int(w) > 0)
+            found["window"], found["wpos"] = int(w), _qpos(d.inputs[0], S)
+        elif n.op == "bitwise_not":
+            u = _skip(n.inputs[0], ("unsqueeze",))
+            _need(u.op == "scatter.value" and u.attr.get("value") in (False, 0) and u.attr.get("dim") in (-1, 2))
+            _need(_all_true(u.inputs[0], constants) and u.shape[-1] == L)
+            _need(found["idx"] is None)
+            found["idx"] = u.inputs[1]
+        else:
+            raise _NoMatch
+
+    walk(m)
+    _need(found["qpos"] is not None)
+    _need(found["wpos"] is None or found["wpos"] is found["qpos"])
+    _need(m.shape[-2:] == (S, L))
+    return found
+
+
+def _make(op: str, ins, attrs: dict, q: Node, v: Node, span) -> Node:
+    B, H, S, _ = q.shape
+    return Node.make(op, ins, attrs, (TensorType(q.dtype, (B, H, S, v.shape[-1])),), span)
+
+
+def _cache_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node]:
+    k, v = _repeat_kv(k), _repeat_kv(v)
+    B, H, S, D = q.shape
+    _need(k.type.ndim == 4 and v.type.ndim == 4 and k.shape[2] == v.shape[2] and k.shape[1] == v.shape[1])
+    _need(k.shape[0] == B and k.shape[3] == D and isinstance(H, int) and H % k.shape[1] == 0)
+    _need(q.dtype == k.dtype == v.dtype)
+    return k, v
+
+
+def _sdpa(n: Node, constants, counts) -> Node | None:
+    a = n.attr
+    _need(a.get("attn_mask") and not a.get("is_causal") and float(a.get("dropout_p") or 0.0) == 0.0)
+    q, k, v, mask = n.inputs
+    _need(q.type.ndim == 4)
+    k, v = _cache_operands(q, k, v)
+    L = k.shape[2]
+    _need(isinstance(L, int))
+    terms = _mask_terms(mask, q.shape[2], L, constants)
+    scale = a.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(int(q.shape[-1]))
+    if terms["idx"] is not None:
+        _need(terms["window"] == 0)
+        idx = terms["idx"]
+        _need(idx.type.ndim == 3 and idx.shape[1] == q.shape[2] and idx.dtype.startswith("int"))
+        counts[SPARSE] += 1
+        return _make(SPARSE, (q, k, v, terms["qpos"], idx), {"scale": scale}, q, v, n.span)
+    counts[DENSE] += 1
+    return _make(DENSE, (q, k, v, terms["qpos"]), {"scale": scale, "window": terms["window"], "sinks": False},
+                 q, v, n.span)
+
+
+def _flat_heads(n: Node, ndim4: int = 4) -> Node:
+    """view(expand(x [B,H,a,b]), [B*H,a,b]) -> x."""
+    _need(n.op in ("view", "_unsafe_view", "reshape") and n.type.ndim == 3)
+    x = _skip(n.inputs[0])
+    _need(x.type.ndim == ndim4)
+    return x
+
+
+def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
+    """bmm(P [B*H,S,L], V [B*H,L,Dv]) of the eager sink attention -> view(cache_attention [B,H,S,Dv])."""
+    p, vf = n.inputs
+    v = _flat_heads(vf)
+    sl = _skip(_flat_heads(p), ("clone",))
+    _need(sl.op == "slice.Tensor" and sl.attr.get("dim") in (-1, 3) and (sl.attr.get("start") or 0) == 0
+          and sl.attr.get("end") == -1 and (sl.attr.get("step") or 1) == 1)
+    sm = sl.inputs[0]
+    _need(sm.op in ("softmax.int", "_softmax") and sm.attr.get("dim") in (-1, 3))
+    c = sm.inputs[0]
+    if c.op == "sub.Tensor":
+        mx = c.inputs[1]
+        _need(mx.op == "getitem" and mx.attr["index"] == 0 and mx.inputs[0].op == "max.dim"
+              and mx.inputs[0].inputs[0] is c.inputs[0] and c.attr.get("alpha", 1) == 1)
+        c = c.inputs[0]
+    _need(c.op == "cat" and c.attr.get("dim") in (-1, 3) and len(c.inputs) == 2)
+    logits, sk = c.inputs
+    sinks = sk
+    while sinks.op in _RESHAPE | {"expand", "clone"}:
+        sinks = sinks.inputs[0]
+    _need(sinks.type.ndim == 1 and sk.shape[-1] == 1)
+    _need(logits.op == "add.Tensor" and logits.attr.get("alpha", 1) == 1)
+    scaled, bias = logits.inputs
+    _need(bias.op == "where.self")
+    mask, zero, neg = bias.inputs
+    _need(float(_const(zero, constants)) == 0.0 and float(_const(neg, constants)) <= -1e30)
+    _need(scaled.op == "mul.Tensor")
+    scale = _const(scaled.inputs[1], constants)
+    _need(scale.numel() == 1)
+    s4 = scaled.inputs[0]
+    _need(s4.op in ("view", "_unsafe_view", "reshape") and s4.type.ndim == 4)
+    qk = s4.inputs[0]
+    _need(qk.op == "bmm")
+    q = _flat_heads(qk.inputs[0])
+    kt = _flat_heads(qk.inputs[1])
+    _need(kt.op == "permute" and tuple(kt.attr["dims"]) == (0, 1, 3, 2))
+    k, v = _cache_operands(q, kt.inputs[0], v)
+    L = k.shape[2]
+    _need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
+    terms = _mask_terms(mask, q.shape[2], L, constants)
+    _need(terms["idx"] is None)
+    counts[DENSE] += 1
+    att = _make(DENSE, (q, k, v, terms["qpos"], sinks),
+                {"scale": float(scale), "window": terms["window"], "sinks": True}, q, v, n.span)
+    return Node.make("view", (att,), {"size": tuple(n.shape)}, n.types, n.span)
+
+
+def sparse_attention(g: Graph, ctx) -> Graph:
+    counts = {DENSE: 0, SPARSE: 0}
+
+    def fn(n: Node) -> Node | None:
+        try:
+            if n.op == "scaled_dot_product_attention" and len(n.inputs) == 4:
+                return _sdpa(n, ctx.constants, counts)
+            if n.op == "bmm" and n.inputs[0].op in ("view", "_unsafe_view", "reshape"):
+                return _eager_with_sinks(n, ctx.constants, counts)
+        except _NoMatch:
+            return None
+        return None
+
+    g = rewrite(g, fn)
+    for name, c in counts.items():
+        if c:
+            ctx.patterns[name] = ctx.patterns.get(name, 0) + c
+    return g
