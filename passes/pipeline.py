@@ -44,6 +44,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("dequant", __import__("dayzero.passes.dequant", fromlist=["dequant"]).dequant),  # MXFP4 chain -> fused kernel
     # -- state -------------------------------------------------------------------------------------------------
     ("inplace_state", _inplace_state),
+    ("sparse_attention", __import__("dayzero.passes.sparse_attention", fromlist=["x"]).sparse_attention),  # after inplace_state
 ]
 
 
