@@ -105,6 +105,8 @@ def _dt(x) -> str:
 def _cast(x, dtype: str):
     if hasattr(x, "tensor") and hasattr(x, "indices"):  # TensorSlice -> load expression
         x = x.tensor(*x.indices)
+    if hasattr(x, "asobject") and not hasattr(x, "ty"):  # a == b / a != b: TVM's lazy EqualOp / NotEqualOp
+        x = x.asobject()
     if isinstance(x, tvm.tirx.IterVar):  # a reduction axis used as a value
         x = x.var
     return x if _dt(x) == dtype else x.astype(dtype)

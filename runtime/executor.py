@@ -221,20 +221,23 @@ class Runtime:
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
         self._bind_weights()
         self.lengths: dict[int, int] = {}
+        from .multimodal import attach  # image + text artifacts (multimodal.json): runtime/multimodal.py
+        self.multimodal = attach(self)
         if self.stateful:
             self.reset()
 
     def _bind_weights(self) -> None:
-        prog = next(iter(self.programs.values()))
         tensors = self.manifest["tensors"]
         ck = self.manifest.get("checkpoint")
         own = self.path / "weights.safetensors"
         handles = {}
+        done = set()  # a weight is placed once by name; programs may read different weights (vision, text)
         try:
-            for bid, b in enumerate(prog.buffers):
+            for prog, bid, b in ((p, i, b) for p in self.programs.values() for i, b in enumerate(p.buffers)):
                 name = b.get("weight")
-                if name is None or b.get("alias_of") is not None:
+                if name is None or b.get("alias_of") is not None or name in done:
                     continue
+                done.add(name)
                 entry = tensors[name]
                 dst = prog.view(bid, ())
                 if entry["source"] == "artifact":
@@ -305,6 +308,8 @@ class Runtime:
     def prefill(self, input_ids, slot: int = 0) -> torch.Tensor:
         """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request in cache slot
         ``slot`` (fills its cache)."""
+        if self.multimodal is not None:
+            return self.multimodal.prefill(input_ids, slot=slot)
         ids = self._ids(input_ids)
         prog = self.programs["prefill"]
         if not self.stateful:
@@ -331,15 +336,23 @@ class Runtime:
             raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
         if length >= self.max_length:
             raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
+        if self.multimodal is not None:
+            return self.multimodal.decode(token_id, slot=slot)
         ids = self._ids(token_id).reshape(1, 1)
         out = self.programs["decode"].run([ids, torch.tensor([length])], slot=slot)[0]
         self.lengths[slot] = length + 1
         return out
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, images=None) -> list[int]:
         """Prefill the prompt, then decode up to ``max_new_tokens`` tokens (greedy when temperature is 0, else
-        temperature + nucleus sampling with a seeded generator); stops after a token in ``stop_ids``."""
+        temperature + nucleus sampling with a seeded generator); stops after a token in ``stop_ids``.
+        ``images`` (paths, PIL images, arrays) join the prompt at its image tokens (multimodal artifacts)."""
+        if self.multimodal is not None:
+            return self.multimodal.generate(prompt_ids, max_new_tokens, images or (), stop_ids, temperature,
+                                            top_p, seed)
+        if images:
+            raise UserError("this artifact has no vision program: images need a multimodal checkpoint")
         if max_new_tokens < 0:
             raise UserError("max_new_tokens must be >= 0")
         ids = self._ids(prompt_ids)

@@ -43,6 +43,8 @@ class Frontend:
     recipes: dict[str, list] = field(default_factory=dict)
     model_type: str = ""
     decode: Traced | None = None  # the decode step (seq = 1), when the model has a KV cache dayzero can own
+    extra: dict[str, Traced] = field(default_factory=dict)  # more programs by name (vision_TxHxW: issue 9)
+    multimodal: dict | None = None  # what the runtime needs to drive them (artifact multimodal.json)
 
 
 def resolve_target(target: str | dict) -> dict:
@@ -56,7 +58,7 @@ def resolve_target(target: str | dict) -> dict:
     raise UserError(f"unknown target {target!r} (use host or cuda[:sm_90])")
 
 
-def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
+def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) -> Frontend:
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
         from dayzero.frontend.onnx_import import trace_onnx
@@ -64,6 +66,9 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ) -> Frontend:
         return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         ckpt = Checkpoint(model)
+        from dayzero.frontend import vision
+        if vision.is_multimodal(ckpt.config):  # image + text (Qwen3-VL-MoE): frontend/vision.py
+            return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend)
         # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
         recipes, lowp, _ = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
         traced, decode = _trace_with_cache(ckpt, max_seq)
@@ -290,11 +295,11 @@ def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | 
 
 def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAULT_MAX_SEQ,
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
-                  tuning_dir: str | None = None, max_batch: int = 4) -> dict:
+                  tuning_dir: str | None = None, max_batch: int = 4, image_grids=None) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report."""
     times = {}
     t0 = time.perf_counter()
-    fe = trace_model(model, max_seq)
+    fe = trace_model(model, max_seq, image_grids=image_grids)
     times["trace_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     g, ctx = optimize(fe, verify=verify)
@@ -306,6 +311,10 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         gd = run_pipeline(fe.decode.graph, PassContext(constants=ctx.constants), verify=verify)
         progs.append(build_program(gd, "decode", shared))
         graphs.append(gd)
+    for name, t in fe.extra.items():  # vision programs of a multimodal checkpoint, one per image grid
+        gx = run_pipeline(t.graph, PassContext(constants=ctx.constants), verify=verify)
+        progs.append(build_program(gx, name, shared))
+        graphs.append(gx)
     times["passes_s"] = time.perf_counter() - t0
     tgt = resolve_target(target)
     db = tuning.TuningDatabase(tuning_dir)
@@ -348,5 +357,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         artifact.save_tensors(d / "weights.safetensors", own)
         (d / "final.ir").write_text(print_graph(g))
         artifact.write_json(d / "report.json", report)
+        if fe.multimodal is not None:
+            artifact.write_json(d / "multimodal.json", fe.multimodal)
     report["seconds"] = times
     return report

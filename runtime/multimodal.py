@@ -1,0 +1,262 @@
+"""Image + text requests on a multimodal artifact (Qwen3-VL-MoE; see ``frontend/vision.py``).
+
+A request is token ids plus images (paths, PIL images or HxWxC / HxW arrays). Per request:
+
+1. every image goes through the upstream image processor (transformers' ``Qwen2VLImageProcessorPil``, the
+   artifact's settings in ``multimodal.json``: convert to RGB, smart_resize to multiples of patch * merge within
+   the compiled min/max pixels, rescale, normalise, patchify) -> ``pixel_values`` and its grid ``(1, H, W)``;
+2. the compiled ``vision_1xHxW`` program of that grid encodes it (an image whose grid was not compiled is a
+   UserError naming the compiled grids, unless ``fit=True``, which first resizes it to the compiled grid of
+   nearest aspect ratio);
+3. each image placeholder in the ids (``image_token_id``) is expanded to the image's token count, as upstream's
+   processor expands ``<|image_pad|>`` (ids already expanded are taken as they are);
+4. the 3D M-RoPE position ids come from upstream's own ``Qwen3VLMoeModel.get_rope_index`` (mm_token_type_ids = 1 at
+   image tokens), the image features are laid out densely at their token positions, and ``prefill`` runs;
+5. decode continues at ``cache_len + rope_delta`` on all three axes (upstream's ``compute_3d_position_ids``).
+
+A failing request (unreadable file, empty image, a grid not compiled, too many tokens) raises a UserError; in
+``generate_batch`` it is reported for that request while the others keep going.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dayzero import UserError
+
+
+class Multimodal:
+    """Drives a multimodal artifact's programs for one :class:`~dayzero.runtime.executor.Runtime`."""
+
+    def __init__(self, rt, info: dict):
+        self.rt = rt
+        self.info = info
+        self.image_token_id = int(info["image_token_id"])
+        self.rows = int(info["visual_rows"])
+        self.hidden = int(info["hidden"])
+        self.grids = {tuple(g): "vision_" + "x".join(map(str, g)) for g in info["grids"]}
+        self.deltas: dict[int, int] = {}
+        self._processor = None
+
+    # -- images -------------------------------------------------------------------------------------------------
+    @property
+    def processor(self):
+        if self._processor is None:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            self._processor = Qwen2VLImageProcessorPil(**self.info["processor"])
+        return self._processor
+
+    @staticmethod
+    def load_image(image):
+        """A path, PIL image or array -> something the upstream processor takes (PIL image or array)."""
+        from PIL import Image, UnidentifiedImageError
+
+        if isinstance(image, (str, Path)):
+            try:
+                with Image.open(image) as im:
+                    im.load()
+                    img = im.copy()
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:
+                raise UserError(f"image {image}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0]})") \
+                    from None
+            size = img.size
+        elif isinstance(image, Image.Image):
+            img, size = image, image.size
+        elif isinstance(image, (np.ndarray, torch.Tensor)):
+            img = np.asarray(image.detach().cpu() if isinstance(image, torch.Tensor) else image)
+            if img.ndim not in (2, 3) or (img.ndim == 3 and img.shape[-1] not in (1, 3, 4)
+                                          and img.shape[0] not in (1, 3, 4)):
+                raise UserError(f"image array of shape {img.shape}: expected HxW, HxWxC or CxHxW with C in 1, 3, 4")
+            size = img.shape[:2] if img.ndim == 2 or img.shape[-1] in (1, 3, 4) else img.shape[1:]
+            if img.ndim == 2:  # a grayscale array: the processor's RGB conversion needs PIL (as for a gray file)
+                img = Image.fromarray(img if img.dtype == np.uint8 else np.clip(img, 0, 255).astype(np.uint8))
+        else:
+            raise UserError(f"an image must be a path, a PIL image or an array, not {type(image).__name__}")
+        if min(size) <= 0:
+            raise UserError(f"image of size {tuple(size)}: zero-size image")
+        return img
+
+    def preprocess(self, image, fit: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """-> (pixel_values [T*H*W, C*tp*p*p] float32, grid (T, H, W)) by the upstream processor's rules."""
+        img = self.load_image(image)
+        try:
+            out = self.processor(images=[img], return_tensors="pt")
+        except (ValueError, TypeError) as e:  # smart_resize's aspect-ratio limit, unsupported channel layouts
+            raise UserError(f"image preprocessing failed: {str(e).splitlines()[0]}") from None
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        if grid not in self.grids and fit:
+            grid = self._nearest_grid(grid)
+            from PIL import Image
+
+            pil = img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img))
+            p = self.info["patch_size"]
+            out = self.processor(images=[pil.resize((grid[2] * p, grid[1] * p), Image.BICUBIC)],
+                                 return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        if grid not in self.grids:
+            known = ", ".join("x".join(map(str, g)) for g in self.grids)
+            raise UserError(f"image grid {'x'.join(map(str, grid))} (patches) was not compiled (compiled: {known}); "
+                            f"compile with --image-grid {'x'.join(map(str, grid))} or resize the image")
+        return out["pixel_values"].to(torch.float32), grid
+
+    def _nearest_grid(self, grid) -> tuple[int, int, int]:
+        ratio = grid[1] / grid[2]
+        return min(self.grids, key=lambda g: (abs(np.log(g[1] / g[2] / ratio)), -g[1] * g[2]))
+
+    def encode(self, image, fit: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """One image -> (features [rows, tokens, hidden] from the compiled vision program, grid)."""
+        pv, grid = self.preprocess(image, fit)
+        feats = self.rt.programs[self.grids[grid]].run([pv])[0]
+        return feats, grid
+
+    # -- the text/image join ------------------------------------------------------------------------------------
+    def _expand(self, ids: torch.Tensor, grids: list) -> torch.Tensor:
+        m = int(self.info["merge_size"])
+        counts = [g[0] * g[1] * g[2] // (m * m) for g in grids]
+        n_img = int((ids == self.image_token_id).sum())
+        if n_img == sum(counts):
+            return ids
+        if n_img != len(grids):
+            raise UserError(f"the prompt has {n_img} image tokens ({self.image_token_id}) for {len(grids)} images: "
+                            f"give one placeholder per image (or {sum(counts)} already expanded)")
+        out, k = [], 0
+        for t in ids[0].tolist():
+            if t == self.image_token_id:
+                out.extend([t] * counts[k])
+                k += 1
+            else:
+                out.append(t)
+        return torch.tensor([out], dtype=torch.int64)
+
+    def rope_index(self, ids: torch.Tensor, grids: list) -> tuple[torch.Tensor, int]:
+        """Upstream's ``Qwen3VLMoeModel.get_rope_index`` on this prompt -> (position_ids [3, 1, n], rope delta)."""
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
+
+        if not grids:  # text only: upstream's positions are arange on every axis
+            n = ids.shape[1]
+            return torch.arange(n).view(1, 1, n).expand(3, 1, n).contiguous(), 0
+        shim = types.SimpleNamespace(
+            config=types.SimpleNamespace(vision_config=types.SimpleNamespace(
+                spatial_merge_size=int(self.info["merge_size"]))),
+            get_vision_position_ids=functools.partial(Qwen3VLMoeModel.get_vision_position_ids, None))
+        tt = (ids == self.image_token_id).to(torch.int32)
+        pos, delta = Qwen3VLMoeModel.get_rope_index(shim, ids, tt, image_grid_thw=torch.tensor(grids))
+        return pos.contiguous(), int(delta.reshape(-1)[0])
+
+    def prepare(self, input_ids, images=(), fit: bool = False):
+        """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta)."""
+        ids = self.rt._ids(input_ids)
+        images = list(images or [])
+        encoded = [self.encode(im, fit) for im in images]
+        grids = [list(g) for _, g in encoded]
+        if not images and bool((ids == self.image_token_id).any()):
+            raise UserError(f"the prompt has image tokens ({self.image_token_id}) but no image was given")
+        ids = self._expand(ids, grids)
+        n = ids.shape[1]
+        if n > self.rt.max_length:
+            raise UserError(f"prompt of {n} tokens (with image tokens) is longer than the compiled maximum "
+                            f"{self.rt.max_length}")
+        pos, delta = self.rope_index(ids, grids)
+        visual = torch.zeros(self.rows, n, self.hidden)
+        mask = torch.zeros(1, n, dtype=torch.int64)
+        if encoded:  # upstream scatters image features only when images are given (get_placeholder_mask)
+            mask = (ids == self.image_token_id).to(torch.int64)
+            visual[:, mask[0] != 0] = torch.cat([f for f, _ in encoded], dim=1)
+        return ids, pos, visual, mask, delta
+
+    # -- serving ------------------------------------------------------------------------------------------------
+    def prefill(self, input_ids, images=(), slot: int = 0, fit: bool = False) -> torch.Tensor:
+        """Logits [1, n, V] of the prompt (image tokens expanded) and start the request in cache slot ``slot``."""
+        ids, pos, visual, mask, delta = self.prepare(input_ids, images, fit)
+        return self._prefill(ids, pos, visual, mask, delta, slot)
+
+    def _prefill(self, ids, pos, visual, mask, delta, slot):
+        rt = self.rt
+        rt.reset(slot)
+        n = ids.shape[1]
+        logits = rt.programs["prefill"].run([ids, pos, torch.arange(n), visual, mask], slot=slot)[0]
+        rt.lengths[slot] = n
+        self.deltas[slot] = delta
+        return logits
+
+    def decode(self, token_id, slot: int = 0) -> torch.Tensor:
+        rt = self.rt
+        length = rt.lengths.get(slot, 0)
+        if length == 0:
+            raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
+        if length >= rt.max_length:
+            raise UserError(f"the request reached the cache budget of {rt.max_length} tokens")
+        ids = rt._ids(token_id).reshape(1, 1)
+        pos = torch.full((3, 1, 1), length + self.deltas.get(slot, 0), dtype=torch.int64)
+        out = rt.programs["decode"].run([ids, pos, torch.tensor([length]),
+                                         torch.zeros(self.rows, 1, self.hidden),
+                                         torch.zeros(1, 1, dtype=torch.int64)], slot=slot)[0]
+        rt.lengths[slot] = length + 1
+        return out
+
+    def generate(self, prompt_ids, max_new_tokens: int = 32, images=(), stop_ids=(), temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, fit: bool = False) -> list[int]:
+        res = self.generate_batch([{"input_ids": prompt_ids, "images": images}], max_new_tokens, stop_ids,
+                                  temperature, top_p, seed, fit, raise_errors=True)
+        return res[0]["tokens"]
+
+    def generate_batch(self, requests: list, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int = 0, fit: bool = False, raise_errors: bool = False) -> list:
+        """Several requests at once, each in its own cache slot, decode steps interleaved. A request is token ids
+        or ``{"input_ids": ..., "images": [...]}``. A failing request gets ``{"error": str}``; the others go on."""
+        from dayzero.runtime.executor import _pick
+
+        rt = self.rt
+        if max_new_tokens < 0:
+            raise UserError("max_new_tokens must be >= 0")
+        if len(requests) > rt.max_batch:
+            raise UserError(f"{len(requests)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
+        results = [{"tokens": [], "error": None} for _ in requests]
+        logits, gens = {}, {}
+        for k, req in enumerate(requests):
+            ids, images = (req.get("input_ids"), req.get("images") or []) if isinstance(req, dict) else (req, [])
+            try:
+                ids, pos, visual, mask, delta = self.prepare(ids, images, fit)
+                if ids.shape[1] + max_new_tokens > rt.max_length:
+                    raise UserError(f"prompt ({ids.shape[1]} tokens with image tokens) + max_new_tokens "
+                                    f"({max_new_tokens}) exceeds the cache budget of {rt.max_length} tokens")
+                logits[k] = self._prefill(ids, pos, visual, mask, delta, k)[0, -1]
+                gens[k] = torch.Generator().manual_seed(seed + k)
+                results[k]["prompt_tokens"] = int(ids.shape[1])
+            except UserError as e:
+                if raise_errors:
+                    raise
+                results[k]["error"] = str(e)
+        stops = set(int(s) for s in stop_ids)
+        active = sorted(k for k in logits if max_new_tokens > 0)
+        while active:
+            still = []
+            for k in active:
+                tok = _pick(logits[k], temperature, top_p, gens[k])
+                results[k]["tokens"].append(tok)
+                if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
+                    continue
+                try:
+                    logits[k] = self.decode(tok, slot=k)[0, -1]
+                    still.append(k)
+                except UserError as e:
+                    if raise_errors:
+                        raise
+                    results[k]["error"] = str(e)
+            active = still
+        return results
+
+
+def attach(rt) -> Multimodal | None:
+    """The multimodal driver of an artifact that has ``multimodal.json`` (else None)."""
+    f = Path(rt.path) / "multimodal.json"
+    if not f.is_file():
+        return None
+    return Multimodal(rt, json.loads(f.read_text()))
