@@ -177,3 +177,40 @@ def _schedule_rule(kernel, target: tvm.target.Target):
 for _op in ("cache_attention", "sparse_attention"):
     lower.PRIMFUNCS[_op] = _prim_func_for
     schedule.HAND_SCHEDULED[_op] = _schedule_rule
+
+
+def indexer_scores(n_heads: int, head_dim: int, L: int, scale: float, kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """DSA lightning-indexer scores for one query (the linear part of a sparse decode step), as traced from
+    DeepSeek-V3.2: ``score[j] = sum_h w[h] * relu(scale * q[h]·k[j])`` for the first ``n`` rows (n = qpos + 1);
+    rows past n are -inf (they can never be selected). q [Hi, Di], w [Hi], k [L, Di] (the indexer key cache),
+    n int64 [1], score [L] fp32. CPU: parallel over 64-row chunks; CUDA: one thread per row."""
+    chunk = 64
+    head = ("@T.prim_func\ndef main(q_: T.handle, w_: T.handle, k_: T.handle, n_: T.handle, s_: T.handle):\n"
+            '    T.func_attr({"tirx.noalias": True})\n'
+            f'    q = T.match_buffer(q_, ({_i(n_heads)}, {_i(head_dim)}), "float32")\n'
+            f'    w = T.match_buffer(w_, ({_i(n_heads)},), "float32")\n'
+            f'    k = T.match_buffer(k_, ({_i(L)}, {_i(head_dim)}), "float32")\n'
+            '    n = T.match_buffer(n_, (T.int64(1),), "int64")\n'
+            f'    s = T.match_buffer(s_, ({_i(L)},), "float32")\n')
+    row = [f'acc = T.decl_buffer((T.int64(2),), "float32"{", scope=" + chr(34) + "local" + chr(34) if kind == "cuda" else ""})',
+           "if j < n[0]:",
+           "    acc[0] = T.float32(0)",
+           f"    for h in range({_i(n_heads)}):",
+           "        acc[1] = T.float32(0)",
+           f"        for d in range({_i(head_dim)}):",
+           "            acc[1] = acc[1] + q[h, d] * k[j, d]",
+           f"        acc[0] = acc[0] + w[h] * T.max(acc[1] * T.float32({scale!r}), T.float32(0))",
+           "    s[j] = acc[0]",
+           "else:",
+           f"    s[j] = {NEG}"]
+    if kind == "cuda":
+        body = (f'    bx = T.launch_thread("blockIdx.x", {_i((L + CUDA_THREADS - 1) // CUDA_THREADS)})\n'
+                f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})\n'
+                f"    j = bx * {_i(CUDA_THREADS)} + tx\n    if j < {_i(L)}:\n"
+                + "".join("        " + r + "\n" for r in row))
+    else:
+        body = (f"    for c in T.parallel({_i((L + chunk - 1) // chunk)}):\n"
+                f"        for jj in range({_i(chunk)}):\n"
+                f"            j = c * {_i(chunk)} + jj\n            if j < {_i(L)}:\n"
+                + "".join("                " + r + "\n" for r in row))
+    return tvm.script.from_source(head + body)

@@ -1,0 +1,163 @@
+"""sparse_attention: the pattern fires on the prefill and decode programs of every cached architecture, and the
+kernels equal their torch references while reading only the rows a query sees.
+
+End-to-end generation equality (artifact vs upstream, with these ops in both programs) is tests/test_generate.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tvm
+
+from dayzero.codegen.kernels.attention import build
+from dayzero.passes import sparse_attention as sa
+
+HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+# ---- the pattern on traced upstream graphs -------------------------------------------------------------------
+
+EXPECTED = {  # architecture -> (op, layers, {window: count}, sinks)
+    "qwen3_moe": (sa.DENSE, 2, {0: 2}, False),
+    "gpt_oss": (sa.DENSE, 2, {8: 1, 0: 1}, True),  # sliding_attention (window 8) + full_attention, both with sinks
+    "deepseek_v32": (sa.SPARSE, 2, {0: 2}, False),  # DSA in both layers (index_topk 4)
+}
+
+
+@pytest.fixture(scope="module", params=sorted(EXPECTED))
+def programs(request, tmp_path_factory):
+    from dayzero.passes.pipeline import PassContext, run_pipeline
+    from dayzero.tools.driver import trace_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=0)
+    fe = trace_model(str(ckpt), 64)
+    ctx = PassContext()
+    pre = run_pipeline(fe.traced.graph, ctx, verify=True)
+    dctx = PassContext(constants=ctx.constants)
+    dec = run_pipeline(fe.decode.graph, dctx, verify=True)
+    return request.param, {"prefill": (pre, ctx), "decode": (dec, dctx)}
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_pattern_fires(programs, which):
+    arch, progs = programs
+    g, ctx = progs[which]
+    op, layers, windows, sinks = EXPECTED[arch]
+    nodes = [n for n in g.nodes() if n.op == op]
+    assert ctx.patterns.get(op) == layers == len(nodes)
+    assert not [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]  # nothing left dense
+    got: dict[int, int] = {}
+    for n in nodes:
+        got[n.attr.get("window", 0)] = got.get(n.attr.get("window", 0), 0) + 1
+        k = n.inputs[1]
+        assert k.shape[2] == 64  # reads the cache (max_len rows) through qpos / idx, never a copy of it
+        if op == sa.DENSE:
+            assert k.op == "state_index_put" and n.attr["sinks"] == sinks
+        else:
+            assert n.inputs[4].shape[-1] == 4 and n.inputs[4].dtype == "int64"
+        seq = n.inputs[0].shape[2]
+        assert (seq == 1) == (which == "decode")
+    assert got == windows
+
+
+# ---- kernels vs references -----------------------------------------------------------------------------------
+
+def _run(p: dict, ins: list[torch.Tensor], kind: str = "llvm") -> torch.Tensor:
+    f = build(p, kind)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=HOST)
+    o = torch.full((p["B"], p["Hq"], ins[0].shape[2], p["Dv"]), float("nan"))
+    lib["main"](*ins, o)
+    return o
+
+
+def _dense_params(S, L, W, sinks, Hq=4, Hkv=2, D=16, Dv=16):
+    return dict(op=sa.DENSE, B=1, Hq=Hq, Hkv=Hkv, S=S if S == 1 else None, L=L, D=D, Dv=Dv, dtype="float32",
+                out_dtype="float32", pos_dtype="int64", scale=0.25, window=W, sinks=sinks, sink_dtype="float32")
+
+
+@pytest.mark.parametrize("S,start,W,sinks", [
+    (1, 0, 0, False),     # first decode step: one row
+    (1, 20, 0, False),
+    (1, 63, 0, True),     # last cache row
+    (1, 3, 8, True),      # window longer than the history
+    (1, 7, 8, True),      # window edge: rows 0..7 exactly
+    (1, 30, 8, True),     # rows 23..30
+    (1, 30, 1, False),    # a window of one row
+    (37, 0, 0, False),    # prefill from position 0 (blocked: 3 query blocks, last one partial)
+    (37, 5, 8, True),     # prefill after a cached prefix, windowed, sinks
+    (16, 48, 0, True),    # one full block ending at the last row
+])
+def test_dense_kernel_matches_reference(S, start, W, sinks):
+    g = torch.Generator().manual_seed(S * 100 + start)
+    p = _dense_params(S, 64, W, sinks)
+    q = torch.randn(1, 4, S, 16, generator=g)
+    k, v = torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, 64, 16, generator=g)
+    qpos = torch.arange(S) + start
+    ins = [q, k, v, qpos] + ([torch.randn(4, generator=g)] if sinks else [])
+    ref = sa.dense_reference(ins, {"scale": 0.25, "window": W, "sinks": sinks})
+    # rows no query may see hold NaN: the kernel must never read them
+    hidden = ~sa.valid_positions(64, qpos, W).any(0)
+    k[:, :, hidden], v[:, :, hidden] = float("nan"), float("nan")
+    torch.testing.assert_close(_run(p, ins), ref, rtol=1e-5, atol=1e-5)
+
+
+def _sparse_case(S, start, K, L=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, S, 24, generator=g)
+    k, v = torch.randn(1, 4, L, 24, generator=g), torch.randn(1, 4, L, 16, generator=g)
+    qpos = torch.arange(S) + start
+    idx = torch.stack([_distinct_with(int(qpos[s]), K, L, g) for s in range(S)])[None]
+    return q, k, v, qpos, idx
+
+
+def _distinct_with(pos: int, K: int, L: int, g) -> torch.Tensor:
+    """K distinct rows including ``pos`` (a top-k over the visible rows always holds at least one of them)."""
+    rest = torch.randperm(L, generator=g)
+    rest = rest[rest != pos][:K - 1]
+    return torch.cat([torch.tensor([pos]), rest])[torch.randperm(K, generator=g)]
+
+
+@pytest.mark.parametrize("S,start,K", [
+    (1, 40, 4),   # decode, some selected rows in the future (masked)
+    (1, 1, 8),    # k larger than the valid length (2 rows visible): the rest point past qpos
+    (1, 63, 4),
+    (30, 2, 4),   # prefill: per-query indices
+    (5, 0, 16),   # k larger than every query's valid length
+])
+def test_sparse_kernel_matches_reference(S, start, K):
+    q, k, v, qpos, idx = _sparse_case(S, start, K, seed=S + start + K)
+    p = dict(op=sa.SPARSE, B=1, Hq=4, Hkv=4, S=S if S == 1 else None, L=64, D=24, Dv=16, dtype="float32",
+             out_dtype="float32", pos_dtype="int64", scale=0.2, K=K, idx_dtype="int64", window=0, sinks=False)
+    ins = [q, k, v, qpos, idx]
+    ref = sa.sparse_reference(ins, {"scale": 0.2})
+    read = torch.zeros(64, dtype=torch.bool)
+    for s in range(S):
+        read[idx[0, s][idx[0, s] <= qpos[s]]] = True
+    k[:, :, ~read], v[:, :, ~read] = float("nan"), float("nan")  # unselected rows are never read
+    torch.testing.assert_close(_run(p, ins), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_rows_not_max_len():
+    """A 64K-row cache, 10 rows written: every other row is NaN and the kernel still returns the reference."""
+    L = 65536
+    p = _dense_params(1, L, 0, False)
+    q = torch.randn(1, 4, 1, 16)
+    k, v = torch.full((1, 2, L, 16), float("nan")), torch.full((1, 2, L, 16), float("nan"))
+    k[:, :, :10], v[:, :, :10] = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    qpos = torch.tensor([9])
+    ref = sa.dense_reference([q, k[:, :, :10], v[:, :, :10], qpos], {"scale": 0.25, "window": 0, "sinks": False})
+    torch.testing.assert_close(_run(p, [q, k, v, qpos]), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,S", [(sa.DENSE, 1), (sa.DENSE, None), (sa.SPARSE, 1), (sa.SPARSE, None)])
+def test_cuda_sm90_compiles(op, S):
+    p = (_dense_params(S or 2, 64, 8, True) if op == sa.DENSE else
+         dict(op=sa.SPARSE, B=1, Hq=4, Hkv=4, S=S, L=64, D=24, Dv=16, dtype="float32", out_dtype="float32",
+              pos_dtype="int64", scale=0.2, K=4, idx_dtype="int64", window=0, sinks=False))
+    p["S"] = S
+    f = build(p, "cuda").with_attr("tirx.is_scheduled", True)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
+    src = lib.mod.imports[0].inspect_source()
+    assert "__global__" in src and "threadIdx.x" in src  # one thread per query (one block when it fits)
