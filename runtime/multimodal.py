@@ -74,8 +74,13 @@ class Multimodal:
             if img.ndim not in (2, 3) or (img.ndim == 3 and img.shape[-1] not in (1, 3, 4)
                                           and img.shape[0] not in (1, 3, 4)):
                 raise UserError(f"image array of shape {img.shape}: expected HxW, HxWxC or CxHxW with C in 1, 3, 4")
-            size = img.shape[:2] if img.ndim == 2 or img.shape[-1] in (1, 3, 4) else img.shape[1:]
-            if img.ndim == 2:  # a grayscale array: the processor's RGB conversion needs PIL (as for a gray file)
+            last = img.ndim == 2 or img.shape[-1] in (1, 3, 4)
+            size = img.shape[:2] if last else img.shape[1:]
+            if img.ndim == 3 and last and img.dtype == np.uint8:  # HxWxC bytes: a PIL image, unambiguous
+                img = Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img)
+            elif img.ndim == 3:  # float arrays: the processor's own rules, channel layout stated
+                img = (img, "channels_last" if last else "channels_first")
+            if isinstance(img, np.ndarray) and img.ndim == 2:  # a grayscale array: the processor's RGB conversion needs PIL (as for a gray file)
                 img = Image.fromarray(img if img.dtype == np.uint8 else np.clip(img, 0, 255).astype(np.uint8))
         else:
             raise UserError(f"an image must be a path, a PIL image or an array, not {type(image).__name__}")
@@ -86,8 +91,11 @@ class Multimodal:
     def preprocess(self, image, fit: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """-> (pixel_values [T*H*W, C*tp*p*p] float32, grid (T, H, W)) by the upstream processor's rules."""
         img = self.load_image(image)
+        kw = {}
+        if isinstance(img, tuple):
+            img, kw["input_data_format"] = img
         try:
-            out = self.processor(images=[img], return_tensors="pt")
+            out = self.processor(images=[img], return_tensors="pt", **kw)
         except (ValueError, TypeError) as e:  # smart_resize's aspect-ratio limit, unsupported channel layouts
             raise UserError(f"image preprocessing failed: {str(e).splitlines()[0]}") from None
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
