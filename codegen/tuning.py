@@ -641,8 +641,15 @@ def tune(
         # the monitor ends a task at the deadline; MetaSchedule then trips over the terminated task. What was
         # measured so far is in the database: keep it.
         if not monitor.terminated:
-            raise
-        logger.debug("tuning of %s stopped at the deadline: %s", name, err)
+            logger.warning("MetaSchedule failed on %s (%s); keeping the default schedule", name,
+                           str(err).splitlines()[0])
+        else:
+            logger.debug("tuning of %s stopped at the deadline: %s", name, err)
+    except tvm.s_tir.schedule.ScheduleError as err:
+        # MetaSchedule's design-space rules can trip on multi-stage kernels (reverse-compute-at of a fused
+        # epilogue): record "no better schedule" so the kernel is not tried again
+        logger.warning("MetaSchedule cannot schedule %s (%s); keeping the default schedule", name,
+                       str(err).splitlines()[0])
     finally:
         store.clear()
     trials_done, valid = monitor.trials, monitor.valid
