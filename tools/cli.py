@@ -167,12 +167,19 @@ def dump_ir_cmd(model, out_dir, max_seq):
 @main.command("demo")
 @click.option("--out", type=click.Path(), default=None, help="artifact directory (default: a temp dir)")
 @click.option("--seq-len", default=16, show_default=True)
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="run the image + text demo (tiny Qwen3-VL-MoE) on this image file (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
-def demo_cmd(out, seq_len, as_json):
+def demo_cmd(out, seq_len, images, as_json):
     """Build a tiny fixed-seed upstream MoE model, compile it, run it, and compare with eager PyTorch."""
     from dayzero.tools.demo import run_demo
 
-    res = run_demo(out, seq_len)
+    if images:
+        from dayzero.tools.demo_vision import run_vision_demo
+
+        res = run_vision_demo(out, list(images))
+    else:
+        res = run_demo(out, seq_len)
 
     def human(r):
         click.echo(f"model: {r['model']} (tiny, seed 0) -> {r['artifact']}")
