@@ -30,6 +30,10 @@ def run_vision_demo(out: str | None, images: list) -> dict:
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
+    from dayzero.runtime.multimodal import Multimodal
+
+    for im in images:  # an unreadable image fails before the compile, not after
+        Multimodal.load_image(im)
     work = Path(tempfile.mkdtemp(prefix="dayzero-demo-vision-"))
     ckpt = work / "checkpoint"
     art = Path(out) if out else work / "artifact"
