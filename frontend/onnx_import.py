@@ -160,7 +160,9 @@ class _Importer:
         return n
 
     def scalar(self, value, dtype: str) -> Node:
-        return self.const(Known(np.array(value, dtype=_NP[dtype]), f"onnx_const.{dtype}.{value!r}"))
+        """A literal [1] tensor as a ``full`` node (not a weight): fold_constants folds it into the pass context's
+        constants, so passes can check it by value (the dequant pattern reads the nibble mask, shift and offset)."""
+        return self.aten("full", size=[1], fill_value=value, dtype=dtype)
 
     def known(self, name: str) -> Known | None:
         v = self.vals.get(name) if name else None
