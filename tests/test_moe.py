@@ -30,11 +30,9 @@ GPT_OSS = lambda i: ("mul", ("add", ("clamp", ("col", 1, 2, i), -7.0, 7.0), ("co
 
 # architecture -> number of MoE layers in its tiny config (all layers but DeepSeek-V3.2's first, dense one)
 ARCHS = {"qwen3_moe": 2, "gpt_oss": 2, "deepseek_v32": 1, "deepseek_v4": 3}
-# compiles with the pattern on all 3 layers (3 min), but `dayzero compare` shows the reference interpreter on the
-# traced IR already differing from upstream at modeling_deepseek_v4.py:970 (attention, before any MoE): a tracing
-# issue owned by the frontend work; only the pattern count is checked here until it is fixed
-TRACE_DIFFERS = {"deepseek_v4": "traced IR differs from upstream before the MoE (dayzero compare: first bad node "
-                                "modeling_deepseek_v4.py:970); compiled logits differ by ~2"}
+# DeepSeek-V4 compiles in ~1 min (3 MoE layers, compressed attention, 20 Sinkhorn iterations): end to end only
+# with the slow tests; the fast run checks its pattern count on the optimized trace
+SLOW = {"deepseek_v4"}
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +48,13 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW else a for a in ARCHS])
 def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny, tmp_path):
     from dayzero.frontend.hf import load_upstream
     from dayzero.runtime import load
     from dayzero.tools.driver import compile_model
 
     ckpt = tiny(arch)
-    if arch in TRACE_DIFFERS:
-        from dayzero.tools.driver import optimize, trace_model
-
-        _, ctx = optimize(trace_model(str(ckpt), max_seq=48))
-        assert ctx.patterns.get("moe") == ARCHS[arch]
-        pytest.xfail(TRACE_DIFFERS[arch])
     try:
         rep = compile_model(str(ckpt), tmp_path / "art", max_seq=48)
     except Exception as e:  # noqa: BLE001 - op coverage for these models is being added concurrently
@@ -75,8 +67,16 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny, tmp_path
     for seq in (1, 7, 33):
         ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
         with torch.no_grad():
-            expected = ref(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            expected = ref(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
         assert (rt.prefill(ids) - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("arch", sorted(SLOW))
+def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
+    from dayzero.tools.driver import optimize, trace_model
+
+    _, ctx = optimize(trace_model(str(tiny(arch)), max_seq=48))
+    assert ctx.patterns.get("moe") == ARCHS[arch]
 
 
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
