@@ -1,29 +1,45 @@
-"""dequant: an MXFP4 dequantisation chain feeding the routed experts -> one ``moe_experts_mxfp4`` node.
+"""dequant: a dequantisation chain feeding its consumer -> one fused node reading the weight as stored.
 
-A low-precision checkpoint parameter enters the IR as its stored tensors followed by the dequantisation in plain
-ATen ops (``frontend/lowprec.bind_low_precision``, the steps of transformers' ``convert_moe_packed_tensors``)::
+A low-precision weight enters the IR as its stored tensors followed by the dequantisation in plain ATen ops (the
+PyTorch frontend's ``frontend/lowprec.bind_low_precision``, the steps of transformers' ``convert_moe_packed_tensors``
+and DeepSeek's ``weight_dequant``; the ONNX frontend's ``MatMulNBits`` / blocked ``DequantizeLinear``). Three
+chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names::
 
-    B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
-                            └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
-    LUT f32 [16] (a constant equal to the E2M1 table) ─────────────────────────────── index.Tensor(LUT, codes) ─┐
-    S uint8 [.., O, G] ─ _to_copy(f32) ─ sub(127) ─ exp2 ─ unsqueeze(-1) ──────────────────────────────────── mul
-                                                        mul [.., O, G, 32] ─ view [.., O, 32G] ─ [transpose(-1, -2)]
-                                                                                                  = W fp32
+  MXFP4   B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
+                                  └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
+          LUT f32 [16] (a constant equal to the E2M1 table) ─────────────────────────────── index.Tensor(LUT, codes) ─┐
+          S uint8 [.., O, G] ─ _to_copy(f32) ─ sub(127) ─ exp2 ─ unsqueeze(-1) ──────────────────────────────────── mul
+                                                              mul [.., O, G, 32] ─ view [.., O, 32G] ─ [transpose(-1, -2)]
 
-    moe_experts(x, ids, w, W_gu, [b_gu], W_d, [b_d])   with both W_gu, W_d such chains (layout nk: untransposed;
-                                                       kn: transposed, gpt-oss)
-        ==>  moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])     (layout nk, same act/inter)
+  FP8     Wq float8_e4m3fn [N, K] ─ _to_copy(f32) ────────────────────────────────────────────────────────────┐
+          S f32 [⌈N/128⌉, ⌈K/128⌉] ─ repeat_interleave(128, 0) ─ repeat_interleave(128, 1) ─ [slice] [slice] ─ mul [N, K]
+                                     (unsqueeze ─ expand ─ [clone] ─ view, twice)
 
-The match is by op identity, attrs, dtypes and shapes, never names: the table is accepted when the folded constant
-(``ctx.constants``) holds exactly the 16 E2M1 values, the exponent when it subtracts the constant 127. The fused
-kernel (``codegen/kernels/moe.py``, ``wfmt="mxfp4"``) decodes each weight element in registers as the grouped GEMM
-reads it, so the experts stay resident at 4.25 bits per weight and no full-precision copy exists. A chain whose
-consumer does not fuse stays as its generic ops (correct, slow, and a full-precision temporary).
+  INT4    P uint8 (packed, any shape) ─┬─ bitwise_and(15) ─ view [.., 1] ─┐
+                                       └─ rshift(4) ─────── view [.., 1] ─ cat(-1) ─ view ─ [xor(8)] ─ _to_copy(f32)
+          ─ [sub(c)] ─ view ─ [sub(Z)] ─ mul(S) ─ view [R, C]     S, Z f32 broadcast as [R/bs, 1, C] (blocks along
+                                                                  rows) or [R, C/bs, 1] (along columns), c a scalar
 
-Not matched yet (see the report): FP8-block chains, a chain feeding ``linear`` (no checkpoint dayzero makes has a
-quantised dense linear; the dequant GEMM/GEMV kernels exist in ``codegen/kernels/dequant.py``), and the ONNX
-frontend's 4-bit form (its scales are fp32 tensors, not E8M0 exponents: a different scale side).
-Ordering: after ``fold_constants`` (the table and 127 are constants) and after ``moe``.
+Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not)::
+
+    moe_experts(x, ids, w, W_gu, [b_gu], W_d, [b_d])    both W MXFP4 chains (layout nk: untransposed; kn: transposed)
+        ==>  moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])
+
+    linear(x, W [N, K], [b])  |  matmul / mm(x, W [K, N])      W any of the three chains (int4 [R, C] = [N, K] is
+        ==>  view [.., N] ( dequant_linear_FMT(view [T, K] (x), stored...) ) [+ b]     layout nk, [K, N] is kn;
+                                                                                 MXFP4 / FP8 through matmul need
+             FMT = int4:  (x, view [R, C/2] (P), view S2 (S), [view S2 (Z)])      the transposed chain)
+                   mxfp4: (x, B [N, G, 16], S [N, G])      fp8: (x, Wq [N, K], S)
+
+Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants`` into
+``ctx.constants``), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
+(``codegen/kernels/moe.py`` ``wfmt="mxfp4"``; ``codegen/kernels/dequant_linear.py``: decode GEMV for a static
+T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
+stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
+detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
+full-precision temporary).
+
+Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are constants) and after ``moe``.
 """
 
 from __future__ import annotations
@@ -73,6 +89,71 @@ if ops.REGISTRY.get(OP_MOE) is None:
         doc="moe_experts with MXFP4 expert matrices as published (layout nk): gate_up_blocks uint8 [E,GU,H/32,16], "
             "gate_up_scales uint8 [E,GU,H/32], down_blocks [E,H,I/32,16], down_scales [E,H,I/32]; other args as "
             "moe_experts"))
+
+
+# ---- dense linear ops ----------------------------------------------------------------------------------------
+
+OPS_LINEAR = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
+
+
+def int4_storage(a) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((R, C) of an int4 weight's unpacked storage, shape of its scales / zero points) from the node's attrs."""
+    R, C = (a["N"], a["K"]) if a["layout"] == "nk" else (a["K"], a["N"])
+    bs = a["block"]
+    return (R, C), ((R // bs, C) if a["block_axis"] == 0 else (R, C // bs))
+
+
+def int4_dequant_ref(packed: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, a) -> torch.Tensor:
+    """fp32 W [N, K] from int4 storage, step for step as the ONNX chain (see dequant_linear_int4's doc)."""
+    (R, C), ss = int4_storage(a)
+    b = packed.reshape(R, C // 2)
+    codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(R, C)
+    if a["signed"]:
+        codes = codes ^ 8
+    v = codes.float()
+    if a["offset"]:
+        v = v - a["offset"]
+    rep = lambda t: t.reshape(ss).repeat_interleave(a["block"], dim=a["block_axis"])  # noqa: E731
+    if zp is not None:
+        v = v - rep(zp)
+    w = v * rep(scales)
+    return w if a["layout"] == "nk" else w.t()
+
+
+def _linear_ref(fmt: str):
+    def ref(ins, attrs):
+        from dayzero.frontend import lowprec
+
+        x = ins[0]
+        if x.device.type == "meta":
+            return torch.empty((x.shape[0], attrs["N"]), dtype=torch.float32, device="meta")
+        if fmt == "int4":
+            w = int4_dequant_ref(ins[1], ins[2], ins[3] if attrs["zero_point"] else None, attrs)
+        elif fmt == "mxfp4":
+            w = lowprec.dequant_mxfp4(ins[1], ins[2])
+        else:
+            w = lowprec.dequant_fp8_block(ins[1], ins[2])
+        return (x.float() @ w.float().t()).contiguous()
+    return ref
+
+
+_LINEAR_DOCS = {
+    "int4": "y [T, N] = x [T, K] @ W.T, W decoded from packed uint8 [R, C/2] (low nibble first), scales fp32 and "
+            "optional zero points fp32 [R/block, C] (block_axis 0) or [R, C/block] (1); [R, C] = [N, K] (layout "
+            "nk) or [K, N] (kn); W = ((float(code [^ 8 if signed]) - offset) - zp) * scale",
+    "mxfp4": "y [T, N] = x [T, K] @ W.T, W MXFP4: blocks uint8 [N, K/32, 16], E8M0 scales uint8 [N, K/32]",
+    "fp8": "y [T, N] = x [T, K] @ W.T, W float8_e4m3fn [N, K] times scale_inv fp32 [ceil(N/128), ceil(K/128)]",
+}
+for _fmt, _extra in (("int4", (("zero_points", ops.OPT_TENSOR), ("layout", ops.ATTR), ("block", ops.ATTR),
+                               ("block_axis", ops.ATTR), ("signed", ops.ATTR), ("offset", ops.ATTR))),
+                     ("mxfp4", ()), ("fp8", ())):
+    if ops.REGISTRY.get(f"dequant_linear_{_fmt}") is None:
+        _w = (("packed", ops.TENSOR), ("scales", ops.TENSOR)) if _fmt == "int4" else \
+            (("blocks", ops.TENSOR), ("scales", ops.TENSOR)) if _fmt == "mxfp4" else \
+            (("weight", ops.TENSOR), ("scale_inv", ops.TENSOR))
+        ops.register(ops.OpDef(f"dequant_linear_{_fmt}", args=(("x", ops.TENSOR), *_w, *_extra, ("N", ops.ATTR),
+                                                                 ("K", ops.ATTR)),
+                               reference=_linear_ref(_fmt), doc=_LINEAR_DOCS[_fmt]))
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
@@ -207,8 +288,201 @@ def _fuse_moe(n: Node, constants) -> Node | None:
     return Node.make(OP_MOE, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
 
 
+def _repeat(n: Node):
+    """view(expand(unsqueeze(src, d + 1), r at d + 1)) merging d and d + 1 -> (src, d, r): repeat_interleave."""
+    if n.op not in _RESHAPES or n.op == "clone":
+        return None
+    e = _through(n.inputs[0], {"clone"})
+    if e.op != "expand" or e.inputs[0].op != "unsqueeze":
+        return None
+    src = e.inputs[0].inputs[0]
+    nd = len(src.shape)
+    d = e.inputs[0].attr["dim"] % (nd + 1) - 1
+    if d < 0:
+        return None
+    r = e.shape[d + 1]
+    if tuple(e.shape) != (*src.shape[:d + 1], r, *src.shape[d + 1:]) or \
+            tuple(n.shape) != (*src.shape[:d], src.shape[d] * r, *src.shape[d + 1:]):
+        return None
+    return src, d, r
+
+
+def match_fp8(w: Node) -> tuple[Node, Node] | None:
+    """W fp32 [N, K] -> (Wq float8_e4m3fn [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]), else None."""
+    if w.op != "mul.Tensor" or len(w.inputs) != 2 or w.dtype != "float32" or len(w.shape) != 2:
+        return None
+    N, K = w.shape
+    if not isinstance(N, int) or not isinstance(K, int):
+        return None
+    for a, b in (w.inputs, w.inputs[::-1]):
+        if a.op != "_to_copy" or a.inputs[0].dtype != "float8_e4m3fn" or tuple(a.shape) != (N, K):
+            continue
+        while b.op == "slice.Tensor" and b.attr.get("start") in (0, None) and b.attr.get("step", 1) == 1:
+            b = b.inputs[0]
+        axes = {}
+        for _ in range(2):
+            r = _repeat(b)
+            if r is None:
+                break
+            b, d, f = r
+            axes[d] = f
+        if axes != {0: 128, 1: 128} or b.dtype != "float32" or \
+                tuple(b.shape) != (-(-N // 128), -(-K // 128)):
+            continue
+        return a.inputs[0], b
+    return None
+
+
+def _int_scalar(n: Node, constants, value) -> bool:
+    return _scalar_is(n, value, constants)
+
+
+def _bits(n: Node, op_t: str, op_s: tuple, value: int, constants) -> Node | None:
+    """op(P, value) as a .Tensor op with a constant [1] operand or a .Scalar op with attr other -> P."""
+    if n.op == op_t and len(n.inputs) == 2 and _int_scalar(n.inputs[1], constants, value):
+        return n.inputs[0]
+    if n.op in op_s and n.attr.get("other") == value:
+        return n.inputs[0]
+    return None
+
+
+def _int4_codes(n: Node, constants) -> tuple[Node, bool] | None:
+    """f32 of the nibble codes, optionally ^ 8 -> (P uint8, signed)."""
+    if n.op != "_to_copy" or n.dtype != "float32":
+        return None
+    n = _through(n.inputs[0], _RESHAPES)
+    signed = False
+    x = _bits(n, "bitwise_xor.Tensor", ("bitwise_xor.Scalar",), 8, constants)
+    if x is not None:
+        n, signed = _through(x, _RESHAPES), True
+    if n.op != "cat" or len(n.inputs) != 2 or n.attr.get("dim") not in (-1, len(n.shape) - 1) or n.shape[-1] != 2:
+        return None
+    lo_v, hi_v = n.inputs
+    if lo_v.shape[-1] != 1 or hi_v.shape[-1] != 1 or lo_v.op not in _RESHAPES | {"unsqueeze"} or \
+            hi_v.op not in _RESHAPES | {"unsqueeze"}:
+        return None
+    lo_n, hi_n = lo_v.inputs[0], hi_v.inputs[0]
+    if tuple(lo_v.shape) != (*lo_n.shape, 1) or tuple(hi_v.shape) != (*hi_n.shape, 1):
+        return None
+    lo = _bits(lo_n, "bitwise_and.Tensor", ("bitwise_and.Scalar",), 15, constants)
+    hi = _bits(hi_n, "bitwise_right_shift.Tensor", ("__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"), 4,
+               constants)
+    if lo is None or lo is not hi or lo.dtype != "uint8" or tuple(lo.shape) != tuple(lo_n.shape):
+        return None
+    return lo, signed
+
+
+def match_int4(w: Node, constants) -> dict | None:
+    """W fp32 [R, C] -> {"packed", "scales", "zero_points", "block", "block_axis", "signed", "offset"}, else None."""
+    if w.dtype != "float32" or len(w.shape) != 2 or not all(isinstance(d, int) for d in w.shape):
+        return None
+    R, C = w.shape
+    m = _through(w, _RESHAPES)
+    if m.op != "mul.Tensor" or len(m.inputs) != 2 or len(m.shape) != 3:
+        return None
+    for a, b in (m.inputs, m.inputs[::-1]):
+        sb = tuple(b.shape)
+        if len(sb) != 3 or b.dtype != "float32":
+            continue
+        if sb[1] == 1 and m.shape[1] > 1 and tuple(m.shape) == (sb[0], m.shape[1], sb[2]):
+            axis, bs = 0, m.shape[1]
+            ok = R == sb[0] * bs and C == sb[2]
+        elif sb[2] == 1 and m.shape[2] > 1 and tuple(m.shape) == (sb[0], sb[1], m.shape[2]):
+            axis, bs = 1, m.shape[2]
+            ok = R == sb[0] and C == sb[1] * bs
+        else:
+            continue
+        scales = _through(b, _RESHAPES)
+        if not ok or scales.op != "weight" or scales.dtype != "float32":
+            continue
+        v, zp, offset = _through(a, _RESHAPES), None, 0.0
+        if v.op == "sub.Tensor" and v.attr.get("alpha", 1) == 1 and tuple(v.inputs[1].shape) == sb:
+            z = _through(v.inputs[1], _RESHAPES)
+            if z.op != "weight" or z.dtype != "float32":
+                continue
+            zp, v = z, _through(v.inputs[0], _RESHAPES)
+        if v.op == "sub.Tensor" and v.attr.get("alpha", 1) == 1:
+            c = _const(v.inputs[1], constants)
+            if c is None or c.numel() != 1:
+                continue
+            offset, v = float(c.reshape(-1)[0]), _through(v.inputs[0], _RESHAPES)
+        codes = _int4_codes(v, constants)
+        if codes is None:
+            continue
+        packed, signed = codes
+        if _numel(packed.shape) * 2 != R * C or _numel(scales.shape) * bs != R * C or \
+                (zp is not None and _numel(zp.shape) != _numel(scales.shape)):
+            continue
+        return {"packed": packed, "scales": scales, "zero_points": zp, "block": int(bs), "block_axis": axis,
+                "signed": signed, "offset": offset}
+    return None
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _view(x: Node, shape, span) -> Node:
+    shape = tuple(shape)
+    if tuple(x.shape) == shape:
+        return x
+    return Node.make("view", (x,), {"size": shape}, [TensorType(x.dtype, shape)], span)
+
+
+def _fuse_linear(n: Node, constants) -> Node | None:
+    """linear(x, W [N, K], [b]) / matmul|mm(x, W [K, N]) with W a dequant chain -> dequant_linear_FMT."""
+    if n.op == "linear" and len(n.inputs) >= 2:
+        x, w, kn = n.inputs[0], n.inputs[1], False
+        bias = n.inputs[2] if n.attr.get("bias") else None
+    elif n.op in ("matmul", "mm") and len(n.inputs) == 2:
+        x, w, kn, bias = n.inputs[0], n.inputs[1], True, None
+    else:
+        return None
+    if x.dtype != "float32" or n.dtype != "float32" or len(w.shape) != 2 or len(x.shape) < 1:
+        return None
+    N = w.shape[1] if kn else w.shape[0]
+    K = w.shape[0] if kn else w.shape[1]
+    if not isinstance(N, int) or not isinstance(K, int) or x.shape[-1] != K:
+        return None
+    from dayzero.codegen.kernels import dequant_linear as kernels
+
+    op, ins, attrs = None, [], {"N": N, "K": K}
+    q = match_int4(w, constants)
+    if q is not None:
+        a = dict(attrs, layout="kn" if kn else "nk", block=q["block"], block_axis=q["block_axis"],
+                 signed=q["signed"], offset=q["offset"], zero_point=q["zero_points"] is not None)
+        if kernels.check_int4(dict(a, fmt="int4")) is None:
+            (R, C), ss = int4_storage(a)
+            ins = [_view(q["packed"], (R, C // 2), n.span), _view(q["scales"], ss, n.span)]
+            if q["zero_points"] is not None:
+                ins.append(_view(q["zero_points"], ss, n.span))
+            op, attrs = "dequant_linear_int4", a
+    if op is None:
+        base = w.inputs[0] if kn and _is_last_swap(w) else (None if kn else w)
+        if base is not None:
+            f = match_fp8(base)
+            mx = match_mxfp4(w, constants)
+            if f is not None:
+                op, ins = "dequant_linear_fp8", list(f)
+            elif mx is not None and mx[2] == kn and len(mx[0].shape) == 3:
+                op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
+    if op is None:
+        return None
+    lead = tuple(x.shape[:-1])
+    T = _numel(lead) if lead else 1
+    x2 = _view(x, (T, K), n.span)
+    y = Node.make(op, [x2, *ins], attrs, [TensorType("float32", (T, N))], n.span)
+    y = _view(y, (*lead, N), n.span)
+    if bias is not None:
+        y = Node.make("add.Tensor", (y, bias), {"alpha": 1}, [TensorType("float32", n.shape)], n.span)
+    return y
+
+
 def dequant(g: Graph, ctx) -> Graph:
-    """Fuse MXFP4 dequant chains into their consumers; counts fused chains in ``ctx.patterns["dequant"]``."""
+    """Fuse dequant chains into their consumers; counts fused chains in ``ctx.patterns["dequant"]``."""
     count = 0
 
     def fn(n: Node):
@@ -216,6 +490,10 @@ def dequant(g: Graph, ctx) -> Graph:
         r = _fuse_moe(n, ctx.constants)
         if r is not None:
             count += 2  # the gate/up and the down chains
+            return r
+        r = _fuse_linear(n, ctx.constants)
+        if r is not None:
+            count += 1
         return r
 
     out = rewrite(g, fn)

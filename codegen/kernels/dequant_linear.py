@@ -1,0 +1,199 @@
+"""Dense ``linear`` over a low-precision weight read as stored: the kernels of ``dequant_linear_{int4,mxfp4,fp8}``.
+
+Every kernel computes ``y[t, n] = sum_k x[t, k] * W[n, k]`` (``passes/dequant.py`` makes the nodes; a bias stays a
+separate add) with W decoded from its storage as it is read, never materialised in full:
+
+    int4    packed uint8 [R, C/2] (two 4-bit codes per byte, low nibble first along C), scales fp32 S,
+            [zero points fp32 S]; storage [R, C] = [N, K] (layout nk: MatMulNBits) or [K, N] (kn: a blocked
+            DequantizeLinear feeding MatMul). One scale per ``block`` values along storage axis ``block_axis``:
+            S = [R/bs, C] (axis 0) or [R, C/bs] (axis 1).
+                c = (packed[r, c' // 2] >> 4 (c' % 2)) & 15  [^ 8 when signed]     (r, c') = (n, k) | (k, n)
+                W[n, k] = ((float(c) - offset) - zp[s(r, c')]) * scales[s(r, c')]
+            in exactly the order of the ONNX chain (every step exact in fp32 but the last, so bit-exact with it).
+    mxfp4   blocks uint8 [N, K/32, 16] + E8M0 scales uint8 [N, K/32]  (``codegen/kernels/dequant.py``'s kernels)
+    fp8     weight float8_e4m3fn [N, K] + scale_inv fp32 [ceil(N/128), ceil(K/128)]
+
+Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, N]. A node whose T is a static
+int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
+each packed byte read once from memory); a symbolic T gets the prefill GEMM (an [OT, K] weight tile decoded
+once into an L2-resident buffer and reused for every 64-token tile; one compiled kernel for every T). The CPU
+schedules are ``dequant.py``'s (``_fp8_gemv_cpu`` / ``_gemm_cpu`` over a ``wd`` decode stage, ``_mxfp4_*`` with
+vpermps lookups); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
+
+Registration: ``lower.PRIMFUNCS[op]`` gives the unscheduled kernel carrying its parameters, and the
+``schedule.HAND_SCHEDULED[op]`` rule rebuilds it scheduled for the real target (as ``moe.py`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import tvm
+from tvm import te, tirx
+
+from dayzero import InternalError, UserError
+from dayzero.codegen import lower, schedule
+from dayzero.codegen.kernels import dequant as dq
+
+OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
+GEMV_MAX_T = 64
+
+_u8 = functools.partial(tirx.const, dtype="uint8")
+_f32 = functools.partial(tirx.const, dtype="float32")
+
+
+# ------------------------------------------------------------------------------------------ geometry
+def int4_storage(p: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((R, C) of the unpacked storage, shape of scales / zero points) for int4 params P."""
+    R, C = (p["N"], p["K"]) if p["layout"] == "nk" else (p["K"], p["N"])
+    bs = p["block"]
+    return (R, C), ((R // bs, C) if p["block_axis"] == 0 else (R, C // bs))
+
+
+def check_int4(p: dict) -> str | None:
+    """Why an int4 geometry has no kernel, or None when it has one."""
+    (R, C), _ = int4_storage(p)
+    if p["layout"] not in ("nk", "kn") or p["block_axis"] not in (0, 1):
+        return f"layout {p['layout']} / block axis {p['block_axis']}"
+    if C % 2:
+        return f"odd row length {C} (a byte would straddle two rows)"
+    if (R, C)[p["block_axis"]] % p["block"]:
+        return f"blocks of {p['block']} do not tile {(R, C)[p['block_axis']]}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ definitions
+def _int4_wd(P, S, Z, p: dict):
+    """sc[a, b] = scales (inlined by the schedules), wd[n, k] = W[n, k] (see module docstring)."""
+    bs, ax, nk = p["block"], p["block_axis"], p["layout"] == "nk"
+    sc = te.compute(tuple(S.shape), lambda a, b: S[a, b], name="sc")
+
+    def at(n, k):
+        r, c = (n, k) if nk else (k, n)
+        code = tirx.shift_right(P[r, c // 2], tirx.Cast("uint8", (c % 2) * 4)) & _u8(15)
+        if p["signed"]:
+            code = code ^ _u8(8)
+        v = code.astype("float32")
+        if p["offset"]:
+            v = v - _f32(p["offset"])
+        s = (r // bs, c) if ax == 0 else (r, c // bs)
+        if Z is not None:
+            v = v - Z[s]
+        return v * sc[s]
+    return te.compute((p["N"], p["K"]), at, name="wd")
+
+
+def _fp8_wd(W, S, N: int, K: int):
+    """wd[n, k] = E4M3(W[n, k]) * scale_inv[n // 128, k // 128], W float8_e4m3fn read as its bytes."""
+    B = dq.FP8_BLOCK
+    sc = te.compute(tuple(S.shape), lambda a, b: S[a, b] * _f32(256.0), name="sc")
+    return te.compute((N, K), lambda n, k: dq.e4m3_value_div256(tirx.reinterpret("uint8", W[n, k]))
+                      * sc[n // B, k // B], name="wd")
+
+
+def _weight_placeholders(p: dict):
+    N, K = p["N"], p["K"]
+    if p["fmt"] == "int4":
+        (R, C), ss = int4_storage(p)
+        ph = [te.placeholder((R, C // 2), "uint8", name="packed"), te.placeholder(ss, "float32", name="scales")]
+        if p["zero_point"]:
+            ph.append(te.placeholder(ss, "float32", name="zero_points"))
+        return ph
+    B = dq.FP8_BLOCK
+    return [te.placeholder((N, K), "float8_e4m3fn", name="weight"),
+            te.placeholder((-(-N // B), -(-K // B)), "float32", name="scale_inv")]
+
+
+def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
+    """The PrimFunc for params P (fmt, N, K, T = int or None, int4 geometry) on TARGET (a target dict)."""
+    N, K, T = p["N"], p["K"], p["T"]
+    if p["fmt"] == "mxfp4":
+        if T is not None:
+            return dq.mxfp4_gemv(T, N, K, target=target)
+        return dq.mxfp4_gemm(N, K, target=target)
+    if p["fmt"] == "int4" and check_int4(p):
+        raise InternalError(f"dequant_linear_int4 cannot take {p}: {check_int4(p)} (the pass checks first)")
+    ws = _weight_placeholders(p)
+    wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p) if p["fmt"] == "int4" else _fp8_wd(*ws, N, K)
+    if T is not None:
+        x = te.placeholder((T, K), "float32", name="x")
+        kp = -(-K // 16) * 16
+        xpad = te.compute((T, kp), lambda t, k: tirx.if_then_else(k < K, x[t, tirx.min(k, K - 1)], _f32(0.0)),
+                          name="xpad")
+        k_ = te.reduce_axis((0, kp), "k")
+        y = te.compute((T, N), lambda t, o: te.sum(xpad[t, k_] * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
+    else:
+        Tv = te.var("T")
+        tt = dq._token_tile(target)
+        Tp = (Tv + (tt - 1)) // tt * tt
+        x = te.placeholder((Tv, K), "float32", name="x")
+        xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
+            b * tt + i < Tv, x[tirx.min(b * tt + i, Tv - 1), k], _f32(0.0)), name="xt")
+        k_ = te.reduce_axis((0, K), "k")
+        yt = te.compute((N, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, k_, t % tt], axis=k_), name="yt")
+        y = te.compute((Tv, N), lambda t, o: yt[o, t], name="y")
+    func = te.create_prim_func([x, *ws, y])
+    if not scheduled:
+        return func
+    sch = tvm.s_tir.Schedule(func)
+    if dq._is_cuda(target):
+        return dq._cuda_rules(sch, target)
+    if T is not None:
+        dq._fp8_gemv_cpu(sch, K)
+    else:
+        dq._gemm_cpu(sch, N, K, fmt="fp8", permvar=False)
+    return dq._done(sch)
+
+
+_CACHE: dict = {}
+
+
+def build(p: dict, target: dict):
+    """Compile params P for TARGET (cached); returns the callable (CPU) or the runtime module (CUDA)."""
+    key = (json.dumps(p, sort_keys=True), tuple(sorted((k, str(v)) for k, v in target.items())))
+    if key not in _CACHE:
+        lib = tvm.compile(tvm.IRModule({"main": kernel(p, target)}), target=target)
+        _CACHE[key] = lib if dq._is_cuda(target) else lib["main"]
+    return _CACHE[key]
+
+
+# ------------------------------------------------------------------------------------------ registration
+def params(node) -> dict:
+    """The kernel parameters of a dequant_linear_* node (its attrs plus T: a static int, or None when symbolic)."""
+    t = node.inputs[0].shape[0]
+    p = {k: v for k, v in node.attr.items()}
+    p["fmt"] = node.op.rsplit("_", 1)[1]
+    p["T"] = int(t) if isinstance(t, int) and t <= GEMV_MAX_T else None
+    return p
+
+
+def _host() -> dict:
+    return {"kind": "llvm"}
+
+
+def _prim_func_for(node) -> tirx.PrimFunc:
+    """lower.PRIMFUNCS entry: the unscheduled kernel with its parameters, so the rule rebuilds it per target."""
+    p = params(node)
+    return kernel(p, _host(), scheduled=False).with_attr("dayzero.dequant_linear", json.dumps(p, sort_keys=True))
+
+
+def _schedule_rule(k, target: tvm.target.Target):
+    attrs = k.func.attrs
+    if attrs is None or "dayzero.dequant_linear" not in attrs:
+        return None
+    if target.kind.name == "cuda":
+        tgt = {"kind": "cuda", "arch": str(target.attrs.get("arch", "sm_90"))}
+    elif target.kind.name == "llvm":
+        ex = target.export()
+        tgt = {"kind": "llvm", **{key: (int(ex[key]) if key == "num-cores" else str(ex[key]))
+                                  for key in ("mcpu", "mtriple", "num-cores") if key in ex}}
+    else:
+        raise UserError(f"dequant_linear kernels have no schedule for target kind {target.kind.name}")
+    f = kernel(json.loads(str(attrs["dayzero.dequant_linear"])), tgt)
+    return tvm.IRModule({"main": f.with_attr("global_symbol", attrs["global_symbol"])})
+
+
+for _op in OPS:
+    lower.PRIMFUNCS[_op] = _prim_func_for
+    schedule.HAND_SCHEDULED[_op] = _schedule_rule
