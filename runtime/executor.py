@@ -221,6 +221,7 @@ class Runtime:
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
         self._bind_weights()
         self.lengths: dict[int, int] = {}
+        self.pending: dict[int, int | None] = {}  # per slot: the last generated token, not yet in the cache
         from .multimodal import attach  # image + text artifacts (multimodal.json): runtime/multimodal.py
         self.multimodal = attach(self)
         if self.stateful:
@@ -288,6 +289,7 @@ class Runtime:
             for bid in prog.states.values():
                 prog.view(bid, (), k).zero_()
             self.lengths[k] = 0
+            self.pending[k] = None
 
     @property
     def length(self) -> int:
@@ -305,9 +307,11 @@ class Runtime:
             raise UserError("empty prompt: give at least one token id")
         return ids
 
-    def prefill(self, input_ids, slot: int = 0) -> torch.Tensor:
+    def prefill(self, input_ids, slot: int = 0, append: bool = False) -> torch.Tensor:
         """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request in cache slot
-        ``slot`` (fills its cache)."""
+        ``slot`` (fills its cache). ``append=True`` adds the tokens to the request already in the slot (a second
+        turn of a conversation): positions continue after its history, which is read from the cache, never
+        prefilled again."""
         if self.multimodal is not None:
             return self.multimodal.prefill(input_ids, slot=slot)
         ids = self._ids(input_ids)
@@ -315,15 +319,23 @@ class Runtime:
         if not self.stateful:
             return prog.run([ids])[0]
         n = ids.shape[1]
-        if n > self.max_length:
-            raise UserError(f"prompt of {n} tokens is longer than the compiled maximum {self.max_length}")
+        start = self.lengths.get(slot, 0) if append else 0
+        if append and start == 0:
+            raise UserError("nothing to append to: start the request with prefill(prompt_ids)")
+        if start + n > self.max_length:
+            raise UserError(f"prompt of {n} tokens after {start} cached ones is longer than the compiled "
+                            f"maximum {self.max_length}")
         (padded, _), _ = prog.pad([ids, torch.zeros(n, dtype=torch.int64)])
-        # padding tokens sit at positions n.. (written to the cache, never attended: decode overwrites them)
+        # padding tokens sit at positions after the prompt (written to the cache, never attended: decode
+        # overwrites them)
         width = padded.shape[-1]
+        if start + width > self.max_length:
+            raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
         padded_ids = torch.nn.functional.pad(ids, [0, width - n])
-        self.reset(slot)
-        logits = prog.run([padded_ids, torch.arange(width)], slot=slot)[0][:, :n]
-        self.lengths[slot] = n
+        if not append:
+            self.reset(slot)
+        logits = prog.run([padded_ids, torch.arange(start, start + width)], slot=slot)[0][:, :n]
+        self.lengths[slot] = start + n
         return logits.contiguous()
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
@@ -344,10 +356,12 @@ class Runtime:
         return out
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, images=None) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:
         """Prefill the prompt, then decode up to ``max_new_tokens`` tokens (greedy when temperature is 0, else
         temperature + nucleus sampling with a seeded generator); stops after a token in ``stop_ids``.
-        ``images`` (paths, PIL images, arrays) join the prompt at its image tokens (multimodal artifacts)."""
+        ``images`` (paths, PIL images, arrays) join the prompt at its image tokens (multimodal artifacts).
+        ``append=True`` continues the conversation in ``slot``: its history (including the last generated token)
+        stays in the cache and only the new turn is prefilled."""
         if self.multimodal is not None:
             return self.multimodal.generate(prompt_ids, max_new_tokens, images or (), stop_ids, temperature,
                                             top_p, seed)
@@ -356,19 +370,24 @@ class Runtime:
         if max_new_tokens < 0:
             raise UserError("max_new_tokens must be >= 0")
         ids = self._ids(prompt_ids)
-        if ids.shape[1] + max_new_tokens > self.max_length:
+        if append and self.pending.get(slot) is not None:  # the last generated token is not in the cache yet
+            ids = torch.cat([torch.tensor([[self.pending[slot]]]), ids], dim=1)
+        history = self.lengths.get(slot, 0) if append else 0
+        if history + ids.shape[1] + max_new_tokens > self.max_length:
             raise UserError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the compiled "
                             f"maximum of {self.max_length} tokens")
         gen = torch.Generator().manual_seed(seed)
-        logits = self.prefill(ids)[0, -1]
+        logits = self.prefill(ids, slot=slot, append=append)[0, -1]
+        self.pending[slot] = None
         out: list[int] = []
         stops = set(int(s) for s in stop_ids)
         for k in range(max_new_tokens):
             tok = _pick(logits, temperature, top_p, gen)
             out.append(tok)
             if tok in stops or k == max_new_tokens - 1:
+                self.pending[slot] = tok  # sampled, not yet written to the cache
                 break
-            logits = self.decode(tok)[0, -1]
+            logits = self.decode(tok, slot=slot)[0, -1]
         return out
 
     def run(self, *inputs) -> list[torch.Tensor]:

@@ -103,3 +103,23 @@ def test_each_program_is_planned_close_to_its_peak_live_bound(served):
         planned, peak = sum(m["planned_bytes"].values()), sum(m["peak_live_bytes"].values())
         assert planned <= 1.05 * peak, (name, planned, peak)
         assert m["zones"]["kv_cache"] > 0 and m["zones"]["weights"] > 0
+
+
+@pytest.mark.slow
+def test_second_turn_reuses_the_cache(served):
+    """A second turn appended to a finished request continues from its cache: no re-prefill of the history,
+    and the tokens equal upstream generating from the whole conversation."""
+    rt, ref = served
+    first, second = _prompt(7, 70), _prompt(5, 71)
+    out1 = rt.generate(first, 6, slot=1)
+    cached = rt.lengths[1]
+    prefill_calls = []
+    orig = rt.programs["prefill"].run
+    rt.programs["prefill"].run = lambda inputs, *a, **k: prefill_calls.append(inputs[0].shape) or orig(inputs, *a, **k)
+    try:
+        out2 = rt.generate(second, 6, slot=1, append=True)
+    finally:
+        rt.programs["prefill"].run = orig
+    assert cached == 7 + 5  # the prompt and the 5 tokens decoded (the 6th is written with the next turn)
+    assert [s[-1] for s in prefill_calls] in ([6], [8])  # only the new turn (+ the pending token), maybe padded
+    assert out2 == _upstream(ref, first + out1 + second, 6)
