@@ -5,20 +5,20 @@ PyTorch frontend's ``frontend/lowprec.bind_low_precision``, the steps of transfo
 and DeepSeek's ``weight_dequant``; the ONNX frontend's ``MatMulNBits`` / blocked ``DequantizeLinear``). Three
 chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names::
 
-  MXFP4   B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
-                                  └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
-          LUT f32 [16] (a constant equal to the E2M1 table) ─────────────────────────────── index.Tensor(LUT, codes) ─┐
-          S uint8 [.., O, G] ─ _to_copy(f32) ─ sub(127) ─ exp2 ─ unsqueeze(-1) ──────────────────────────────────── mul
-                                                              mul [.., O, G, 32] ─ view [.., O, 32G] ─ [transpose(-1, -2)]
+MXFP4 B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
+                              └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
+      LUT f32 [16] (a constant equal to the E2M1 table) ─────────────────────────────── index.Tensor(LUT, codes) ─┐
+      S uint8 [.., O, G] ─ _to_copy(f32) ─ sub(127) ─ exp2 ─ unsqueeze(-1) ──────────────────────────────────── mul
+                                                          mul [.., O, G, 32] ─ view [.., O, 32G] ─ [transpose(-1, -2)]
 
-  FP8     Wq float8_e4m3fn [N, K] ─ _to_copy(f32) ────────────────────────────────────────────────────────────┐
-          S f32 [⌈N/128⌉, ⌈K/128⌉] ─ repeat_interleave(128, 0) ─ repeat_interleave(128, 1) ─ [slice] [slice] ─ mul [N, K]
-                                     (unsqueeze ─ expand ─ [clone] ─ view, twice)
+FP8   Wq float8_e4m3fn [N, K] ─ _to_copy(f32) ────────────────────────────────────────────────────────────┐
+      S f32 [⌈N/128⌉, ⌈K/128⌉] ─ repeat_interleave(128, 0) ─ repeat_interleave(128, 1) ─ [slice] [slice] ─ mul [N, K]
+                                 (unsqueeze ─ expand ─ [clone] ─ view, twice)
 
-  INT4    P uint8 (packed, any shape) ─┬─ bitwise_and(15) ─ view [.., 1] ─┐
-                                       └─ rshift(4) ─────── view [.., 1] ─ cat(-1) ─ view ─ [xor(8)] ─ _to_copy(f32)
-          ─ [sub(c)] ─ view ─ [sub(Z)] ─ mul(S) ─ view [R, C]     S, Z f32 broadcast as [R/bs, 1, C] (blocks along
-                                                                  rows) or [R, C/bs, 1] (along columns), c a scalar
+INT4  P uint8 (packed, any shape) ─┬─ bitwise_and(15) ─ view [.., 1] ─┐
+                                   └─ rshift(4) ─────── view [.., 1] ─ cat(-1) ─ view ─ [xor(8)] ─ _to_copy(f32)
+      ─ [sub(c)] ─ view ─ [sub(Z)] ─ mul(S) ─ view [R, C]     S, Z f32 broadcast as [R/bs, 1, C] (blocks along
+                                                              rows) or [R, C/bs, 1] (along columns), c a scalar
 
 Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not)::
 
@@ -333,13 +333,9 @@ def match_fp8(w: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _int_scalar(n: Node, constants, value) -> bool:
-    return _scalar_is(n, value, constants)
-
-
 def _bits(n: Node, op_t: str, op_s: tuple, value: int, constants) -> Node | None:
     """op(P, value) as a .Tensor op with a constant [1] operand or a .Scalar op with attr other -> P."""
-    if n.op == op_t and len(n.inputs) == 2 and _int_scalar(n.inputs[1], constants, value):
+    if n.op == op_t and len(n.inputs) == 2 and _scalar_is(n.inputs[1], value, constants):
         return n.inputs[0]
     if n.op in op_s and n.attr.get("other") == value:
         return n.inputs[0]
