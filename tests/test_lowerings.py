@@ -168,3 +168,26 @@ def test_topk_ties_values_agree_and_set_is_valid():
     assert torch.equal(outs[0], refs[0])
     assert torch.equal(x.gather(1, outs[1]), outs[0])  # indices point at the reported values
     assert len(set(outs[1].flatten().tolist())) == 2
+
+
+@pytest.mark.parametrize("end", [9223372036854775807, None, 2 ** 40])
+def test_slice_scatter_open_end_on_a_symbolic_axis_under_the_default_schedule(end):
+    """Regression (tiny DeepSeek-V4's CSA compressor): an open slice end arrives as INT64_MAX; once the default
+    schedule fused the loops, TVM's simplifier multiplied it and wrapped, and the kernel copied nothing."""
+    from dayzero.codegen import tuning
+    from dayzero.passes.ir.text import make_symbol
+    from dayzero.targets.host import host_target_dict
+
+    s = make_symbol("sb")
+    attrs = {"dim": 1, "start": 1, "end": end, "step": 1}
+    ins = [Node.make("input", (), {"name": "x"}, [TensorType("float32", (1, 2 * s, 8, 4))]),
+           Node.make("input", (), {"name": "s"}, [TensorType("float32", (1, 2 * s - 1, 8, 4))])]
+    node = Node.make("slice_scatter", ins, attrs, [TensorType("float32", (1, 2 * s, 8, 4))])
+    target = tvm.target.Target(host_target_dict())
+    mod = tuning.default_schedule(program.make_prim_func(node, "k"), target)
+    lib = tvm.compile(tvm.IRModule({"k": mod["main"].with_attr("global_symbol", "k")}), target=target)
+    n = 2
+    x, src = torch.randn(1, 2 * n, 8, 4), torch.randn(1, 2 * n - 1, 8, 4)
+    out = torch.empty_like(x)
+    lib["k"](x, src, out, n)
+    assert torch.equal(out, ops.get("slice_scatter").call([x, src], attrs))
