@@ -41,6 +41,16 @@ from dayzero.codegen import lower, schedule
 from dayzero.codegen.kernels import dequant
 
 MB, NB, L = 4, 4, 16
+# software prefetch of the next weight block in (first MB tile, later MB tiles, 2/1-token tiles): only the
+# small tiles (decode) prefetch; in an MB tile the prefetch call makes LLVM keep the accumulators in memory
+# (a store per FMA), which cost more than the prefetch won
+PF = (0, 0, 1)
+
+
+def _chunks(nblocks: int, most: int = 16) -> int:
+    """Parallel chunks for a GEMM phase: the largest divisor of the n-block count up to ``most`` (a static split
+    over the cores of contiguous n-block ranges; 16 chunks balance 2, 4, 8 or 16 threads)."""
+    return max(d for d in range(1, most + 1) if nblocks % d == 0)
 
 
 def _act_builder(expr, G, p):
@@ -122,6 +132,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return W[e, n, i] if nk else W[e, i, n]
 
     f32 = "float32"
+    PGU, PD = _chunks(GU // NB), _chunks(H // NB)
     wgu_shape = (E, GU, H) if nk else (E, H, GU)
     wd_shape = (E, H, I) if nk else (E, I, H)
     def act_value(G, p, i):
@@ -132,6 +143,81 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
 
     def d_bias(B, e, n):
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
+
+    def prefetch(pf, W, S, e, n, h):
+        """Software prefetch (to L2) of the weight line [e, n, h] one n-block ahead: the next block of the same
+        routed expert (clamped to its last row), so DRAM latency overlaps the current block's FMAs."""
+        if not pf or S is not None or not nk or cuda:
+            return T.evaluate(0)
+        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W[e, n, h]), 0, 2, 1))
+
+    @T.macro(hygienic=True)
+    def gu_tile(pf, X, order, WGU, WGUS, BGU, G, acc, rows, p0, e, n0):
+        for m, n in T.grid(rows, NB):
+            for l in vec(L):
+                acc[m, n, l] = T.float32(0)
+        for ho in range(H // L):
+            for n in T.unroll(NB):
+                prefetch(pf, WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ho * L)
+            for m in T.unroll(rows):
+                for n in T.unroll(NB):
+                    for l in vec(L):
+                        acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[p0 + m] // k, ho * L + l]) * \
+                            T.Cast(f32, wgu_at(WGU, WGUS, e, n0 + n, ho * L + l))
+        for m, n in T.grid(rows, NB):  # lanes reduced as a halving tree (vector adds), not 16 scalar adds
+            for l in vec(L // 2):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 2]
+            for l in vec(L // 4):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 4]
+            for l in vec(L // 8):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 8]
+            G[p0 + m, n0 + n] = gu_bias(BGU, e, n0 + n) + (acc[m, n, 0] + acc[m, n, 1])
+
+    @T.macro(hygienic=True)
+    def d_tile(pf, A, WD, WDS, BD, D, acc2, rows, p0, e, n0):
+        for m, n in T.grid(rows, NB):
+            for l in vec(L):
+                acc2[m, n, l] = T.float32(0)
+        for io in range(I // L):
+            for n in T.unroll(NB):
+                prefetch(pf, WD, WDS, e, T.min(n0 + NB + n, H - 1), io * L)
+            for m in T.unroll(rows):
+                for n in T.unroll(NB):
+                    for l in vec(L):
+                        acc2[m, n, l] = acc2[m, n, l] + A[p0 + m, io * L + l] * \
+                            T.Cast(f32, wd_at(WD, WDS, e, n0 + n, io * L + l))
+        for m, n in T.grid(rows, NB):
+            for l in vec(L // 2):
+                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 2]
+            for l in vec(L // 4):
+                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 4]
+            for l in vec(L // 8):
+                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 8]
+            D[p0 + m, n0 + n] = d_bias(BD, e, n0 + n) + (acc2[m, n, 0] + acc2[m, n, 1])
+
+    @T.macro(hygienic=True)
+    def gu_block(X, order, WGU, WGUS, BGU, G, acc, p_lo, p_hi, e, n0):
+        """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB): MB-token tiles, the
+        first one prefetching the next block's rows, then a 2-token and a 1-token tile for the remainder."""
+        if p_hi - p_lo >= MB:
+            gu_tile(PF[0], X, order, WGU, WGUS, BGU, G, acc, MB, p_lo, e, n0)
+        for mt in range(1, (p_hi - p_lo) // MB):
+            gu_tile(PF[1], X, order, WGU, WGUS, BGU, G, acc, MB, p_lo + mt * MB, e, n0)
+        if (p_hi - p_lo) % MB >= 2:
+            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
+        if (p_hi - p_lo) % 2 == 1:  # the last token alone (decode: 1 row of work, not MB)
+            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, 1, p_hi - 1, e, n0)
+
+    @T.macro(hygienic=True)
+    def d_block(A, WD, WDS, BD, D, acc2, p_lo, p_hi, e, n0):
+        if p_hi - p_lo >= MB:
+            d_tile(PF[0], A, WD, WDS, BD, D, acc2, MB, p_lo, e, n0)
+        for mt in range(1, (p_hi - p_lo) // MB):
+            d_tile(PF[1], A, WD, WDS, BD, D, acc2, MB, p_lo + mt * MB, e, n0)
+        if (p_hi - p_lo) % MB >= 2:
+            d_tile(PF[2], A, WD, WDS, BD, D, acc2, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
+        if (p_hi - p_lo) % 2 == 1:
+            d_tile(PF[2], A, WD, WDS, BD, D, acc2, 1, p_hi - 1, e, n0)
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok):
@@ -155,83 +241,36 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
                 pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
                 fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
-        # 2. gate/up grouped GEMM over the routed experts
-        for job in par(E * (GU // NB)):
+        # 2. gate/up grouped GEMM over the routed experts: chunk c owns n-blocks [c*NBC, (c+1)*NBC) of every
+        # expert, so each thread streams contiguous rows of each routed expert and the split does not depend on
+        # the routing (decode with 4 experts keeps every core busy)
+        for c in par(PGU):
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            for mt in range((offs[job % E + 1] - offs[job % E]) // MB):  # full MB-token tiles
-                for m, n in T.grid(MB, NB):
-                    for l in vec(L):
-                        acc[m, n, l] = T.float32(0)
-                for ho in range(H // L):
-                    for m in T.unroll(MB):
-                        for n in T.unroll(NB):
-                            for l in vec(L):
-                                acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[
-                                    offs[job % E] + mt * MB + m] // k, ho * L + l]) * \
-                                    T.Cast(f32, wgu_at(WGU, WGUS, job % E, job // E * NB + n, ho * L + l))
-                for m, n in T.grid(MB, NB):
-                    G[offs[job % E] + mt * MB + m, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
-                    for l in range(L):
-                        G[offs[job % E] + mt * MB + m, job // E * NB + n] = \
-                            G[offs[job % E] + mt * MB + m, job // E * NB + n] + acc[m, n, l]
-            for r in range((offs[job % E + 1] - offs[job % E]) % MB):  # the last tokens one at a time (decode)
-                for n in T.grid(NB):
-                    for l in vec(L):
-                        acc[0, n, l] = T.float32(0)
-                for ho in range(H // L):
-                    for n in T.unroll(NB):
-                        for l in vec(L):
-                            acc[0, n, l] = acc[0, n, l] + T.Cast(f32, X[order[
-                                offs[job % E + 1] - 1 - r] // k, ho * L + l]) * \
-                                T.Cast(f32, wgu_at(WGU, WGUS, job % E, job // E * NB + n, ho * L + l))
-                for n in T.grid(NB):
-                    G[offs[job % E + 1] - 1 - r, job // E * NB + n] = gu_bias(BGU, job % E, job // E * NB + n)
-                    for l in range(L):
-                        G[offs[job % E + 1] - 1 - r, job // E * NB + n] = \
-                            G[offs[job % E + 1] - 1 - r, job // E * NB + n] + acc[0, n, l]
+            for e in range(E):
+                for nbi in range(GU // NB // PGU):
+                    gu_block(X, order, WGU, WGUS, BGU, G, acc, offs[e], offs[e + 1], e,
+                             (c * (GU // NB // PGU) + nbi) * NB)
         # 3. activation
         for p in par(n_tok * k):
-            for i in range(I):
-                A[p, i] = act_value(G, p, i)
-        # 4. down grouped GEMM
-        for job in par(E * (H // NB)):
+            for io in range(I // L):
+                for l in vec(L):
+                    A[p, io * L + l] = act_value(G, p, io * L + l)
+        # 4. down grouped GEMM, same structure
+        for c in par(PD):
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            for mt in range((offs[job % E + 1] - offs[job % E]) // MB):
-                for m, n in T.grid(MB, NB):
-                    for l in vec(L):
-                        acc2[m, n, l] = T.float32(0)
-                for io in range(I // L):
-                    for m in T.unroll(MB):
-                        for n in T.unroll(NB):
-                            for l in vec(L):
-                                acc2[m, n, l] = acc2[m, n, l] + A[offs[job % E] + mt * MB + m, io * L + l] * \
-                                    T.Cast(f32, wd_at(WD, WDS, job % E, job // E * NB + n, io * L + l))
-                for m, n in T.grid(MB, NB):
-                    D[offs[job % E] + mt * MB + m, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
-                    for l in range(L):
-                        D[offs[job % E] + mt * MB + m, job // E * NB + n] = \
-                            D[offs[job % E] + mt * MB + m, job // E * NB + n] + acc2[m, n, l]
-            for r in range((offs[job % E + 1] - offs[job % E]) % MB):
-                for n in T.grid(NB):
-                    for l in vec(L):
-                        acc2[0, n, l] = T.float32(0)
-                for io in range(I // L):
-                    for n in T.unroll(NB):
-                        for l in vec(L):
-                            acc2[0, n, l] = acc2[0, n, l] + A[offs[job % E + 1] - 1 - r, io * L + l] * \
-                                T.Cast(f32, wd_at(WD, WDS, job % E, job // E * NB + n, io * L + l))
-                for n in T.grid(NB):
-                    D[offs[job % E + 1] - 1 - r, job // E * NB + n] = d_bias(BD, job % E, job // E * NB + n)
-                    for l in range(L):
-                        D[offs[job % E + 1] - 1 - r, job // E * NB + n] = \
-                            D[offs[job % E + 1] - 1 - r, job // E * NB + n] + acc2[0, n, l]
+            for e in range(E):
+                for nbi in range(H // NB // PD):
+                    d_block(A, WD, WDS, BD, D, acc2, offs[e], offs[e + 1], e, (c * (H // NB // PD) + nbi) * NB)
         # 5. weighted combine in token order
         for t in par(n_tok):
-            for h in range(H):
-                Y[t, h] = T.Cast(out_dtype, T.float32(0))
+            for ho in range(H // L):
+                for l in vec(L):
+                    Y[t, ho * L + l] = T.Cast(out_dtype, T.float32(0))
             for j in range(k):
-                for h in range(H):
-                    Y[t, h] = Y[t, h] + T.Cast(out_dtype, T.Cast(f32, WR[t, j]) * D[pos[t * k + j], h])
+                for ho in range(H // L):
+                    for l in vec(L):
+                        Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
+                            out_dtype, T.Cast(f32, WR[t, j]) * D[pos[t * k + j], ho * L + l])
 
     @T.prim_func
     def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
