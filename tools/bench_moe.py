@@ -13,6 +13,7 @@ for this host. Cases:
   than the caches), so the routed experts come from memory. bound = routed experts' bytes / read bandwidth
   measured in this run; ``bytes_read`` = what the kernel reads per step (each routed expert's matrices once, by
   its loop structure, plus activations), ``routed_expert_bytes`` = distinct routed experts x bytes per expert.
+TVM's thread pool is set to the target's core count (``tvm_threads`` in the machine info), as torch uses every core.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def _kernel(target: dict):
     return tvm.compile(tvm.IRModule({"main": f}), target=target)["main"]
 
 
+def _tvm_threads(target: dict) -> int:
+    """Run TVM's thread pool on every core of the target. Its default (no TVM_NUM_THREADS) halves
+    hardware_concurrency on x86 to skip hyper-threads, so on this 2-vCPU host (1 thread per core) the kernel ran on
+    ONE thread while torch used two. Must run before the first parallel kernel call creates the pool."""
+    import os
+
+    import tvm
+
+    os.environ.setdefault("TVM_NUM_THREADS", str(int(target.get("num-cores", os.cpu_count() or 1))))
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
 def run_bench(quick: bool = False) -> dict:
     import torch
 
@@ -68,6 +81,7 @@ def run_bench(quick: bool = False) -> dict:
     from dayzero.tools.bench_dequant import read_bandwidth
 
     target = host_target_dict()
+    tvm_threads = _tvm_threads(target)
     cfg, blk = _block()
     kern = _kernel(target)
     ex = blk.experts
@@ -132,7 +146,7 @@ def run_bench(quick: bool = False) -> dict:
                         "achieved_GBps": routed / t_dz / 1e9, "ratio_to_bound": t_dz / (routed / bw),
                         "max_abs_err": errs, "speedup_vs_eager": base["transformers_eager"] / t_dz})
     m = machine_info()
-    m.update({"read_bandwidth_GBps": bw / 1e9, "target": target})
+    m.update({"read_bandwidth_GBps": bw / 1e9, "target": target, "tvm_threads": tvm_threads})
     return {"suite": "moe", "machine": m, "results": results}
 
 
@@ -145,7 +159,8 @@ def moe_command(as_json: bool, quick: bool):
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s")
+    click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s, "
+               f"torch threads {out['machine']['threads']}, tvm threads {out['machine']['tvm_threads']}")
     for r in out["results"]:
         base = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["baselines"].items())
         extra = f"{r['speedup_vs_eager']:.1f}x eager"

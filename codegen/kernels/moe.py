@@ -12,21 +12,28 @@ Arguments (the ``moe_experts`` node's inputs, then its output; see ``passes/moe.
 Phases (a = t*k + j is an assignment, S = T*k of them; p its position once sorted by expert):
 1. counting sort (serial, O(S + E)): cnt[e] -> offs[e] (exclusive prefix sum), order[p] = a, stable in a.
 2. gate/up grouped GEMM: G[p, n] = sum_h x[order[p] // k, h] * Wgu[e, n, h] (+ b_gu[e, n]) for p in
-   [offs[e], offs[e+1]); parallel over (n-block, expert) jobs, n-block-major so every thread sees every expert.
+   [offs[e], offs[e+1]); parallel over PGU chunks (``_chunks``: up to 16), chunk c owning the n-blocks
+   [c*NBC, (c+1)*NBC) of EVERY expert, so the split over cores is the same whatever the routing (decode with 4
+   experts keeps both cores streaming) and each core reads contiguous rows of each routed expert in order.
    An expert no token chose has an empty range and its weights are never touched.
 3. activation: A[p, i] = act(G[p, :])[i], the node's expression (SwiGLU, gpt-oss clamped SwiGLU, ...).
-4. down grouped GEMM: D[p, h] = sum_i A[p, i] * Wd[e, h, i] (+ b_d[e, h]), same job structure.
+4. down grouped GEMM: D[p, h] = sum_i A[p, i] * Wd[e, h, i] (+ b_d[e, h]), same chunk structure.
 5. combine in token order: y[t, h] = sum_j w[t, j] * D[pos(t*k + j), h] (deterministic, no atomics).
 
 Bytes: each routed expert's weights are read once per call from memory (every job reads a [NB, K] block of one
 expert's matrix, all token tiles of that expert reuse it from cache), so a decode step reads exactly the routed
 experts' bytes plus O(T*k*(H + GU)) activations: that is the bound by construction (``weight_bytes_read``).
 
-GEMM micro-kernel (``nk``): MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of partial sums each, reduced at the
-end; an expert's last cnt % MB tokens run one row at a time (a decode expert with 1 token does 1 row of work, not
-MB). ``kn`` uses the same loop nest
-reading the transposed weight (strided loads: correct, not tuned). CUDA: the same phases with the parallel loops
-bound to blocks (one thread each): compiles for sm_90, not tuned.
+GEMM micro-kernel (``nk``): MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of partial sums each (16 zmm
+accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving tree of vector adds; an
+expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1 token does 1 row of
+work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency overlaps the
+FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every iteration, measured
+slower). ``kn`` uses the same loop nest reading the transposed weight (strided loads: correct, not tuned). CUDA: the
+same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90, not tuned.
+
+Threads: T.parallel runs on TVM's pool, whose default on x86 is hardware_concurrency / 2; on a host with one thread
+per core set TVM_NUM_THREADS to the core count (``tools/bench_moe.py`` does) or the kernel runs on half the cores.
 """
 
 from __future__ import annotations
