@@ -201,6 +201,19 @@ class _Program:
         return [o.clone() for o in out_views]
 
 
+def use_all_cores() -> int:
+    """TVM's CPU thread pool starts with half the CPUs on x86 (it assumes 2-way SMT), so on a host with one
+    thread per core compiled kernels ran on one of two cores. Size it to every CPU this process may use, unless
+    the user set TVM_NUM_THREADS. Returns the thread count."""
+    import os
+
+    if "TVM_NUM_THREADS" in os.environ:
+        return int(tvm.get_global_func("runtime.NumThreads")())
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    tvm.get_global_func("runtime.config_threadpool")(0, n)  # 0: big cores (all of them on a homogeneous CPU)
+    return n
+
+
 class Runtime:
     """A loaded artifact: ``prefill(input_ids) -> logits``."""
 
@@ -212,6 +225,7 @@ class Runtime:
         self.program_json = json.loads(pfile.read_text())
         self.manifest = json.loads((self.path / "weights.json").read_text())
         self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
+        self.threads = use_all_cores()
         progs = self.program_json["programs"]
         arena_bytes = max(p["memory"]["arena_bytes"] for p in progs.values())
         # torch's CPU allocator aligns large allocations to 64 bytes; checked, since kernels require it
