@@ -129,12 +129,12 @@ def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tv
     return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", [v.name for v in extra])
 
 
-def build_program(g: Graph, name: str = "prefill", kernels: dict[str, Kernel] | None = None) -> Program:
-    """``kernels`` (key -> Kernel) is shared between the programs of one artifact, so they share kernels."""
+def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | None = None) -> Program:
+    """``shared`` (kernel key -> Kernel) is passed to every program of one artifact, so they share kernels."""
     check_supported(g)
     prog = Program(name, [tuple(s) for s in g.symbols])
     buf_of: dict[int, list[int]] = {}  # node id -> buffer id per output
-    by_key: dict[str, Kernel] = kernels if kernels is not None else {}
+    by_key: dict[str, Kernel] = shared if shared is not None else {}
 
     def new_buffer(t: TensorType, zone: str, **kw) -> int:
         b = BufferInfo(len(prog.buffers), t.dtype, t.shape, zone, **kw)

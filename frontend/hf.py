@@ -13,7 +13,6 @@ Choices made here for every model (see README, "Upstream models"):
 from __future__ import annotations
 
 import contextlib
-import io
 import warnings
 
 import torch

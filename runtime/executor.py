@@ -435,8 +435,17 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
             gens[k] = torch.Generator().manual_seed(seed + k)
         except UserError as e:
             results[k]["error"] = str(e)
+    decode_interleaved(results, logits, gens, lambda tok, k: rt.decode(tok, slot=k)[0, -1], max_new_tokens,
+                       stop_ids, temperature, top_p)
+    return results
+
+
+def decode_interleaved(results: list[dict], logits: dict, gens: dict, step, max_new_tokens: int, stop_ids,
+                       temperature: float, top_p: float, raise_errors: bool = False) -> None:
+    """One decode step per live request in turn until each stops; ``step(token, k) -> next logits`` of request k.
+    A request whose step raises a UserError records it and drops out (others keep going)."""
     stops = set(int(s) for s in stop_ids)
-    active = sorted(logits)
+    active = sorted(k for k in logits if max_new_tokens > 0)
     while active:
         still = []
         for k in active:
@@ -445,12 +454,13 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
             if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
                 continue
             try:
-                logits[k] = rt.decode(tok, slot=k)[0, -1]
+                logits[k] = step(tok, k)
                 still.append(k)
             except UserError as e:
+                if raise_errors:
+                    raise
                 results[k]["error"] = str(e)
         active = still
-    return results
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

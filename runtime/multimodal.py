@@ -219,7 +219,7 @@ class Multimodal:
                        top_p: float = 1.0, seed: int = 0, fit: bool = False, raise_errors: bool = False) -> list:
         """Several requests at once, each in its own cache slot, decode steps interleaved. A request is token ids
         or ``{"input_ids": ..., "images": [...]}``. A failing request gets ``{"error": str}``; the others go on."""
-        from dayzero.runtime.executor import _pick
+        from dayzero.runtime.executor import decode_interleaved
 
         rt = self.rt
         if max_new_tokens < 0:
@@ -242,23 +242,8 @@ class Multimodal:
                 if raise_errors:
                     raise
                 results[k]["error"] = str(e)
-        stops = set(int(s) for s in stop_ids)
-        active = sorted(k for k in logits if max_new_tokens > 0)
-        while active:
-            still = []
-            for k in active:
-                tok = _pick(logits[k], temperature, top_p, gens[k])
-                results[k]["tokens"].append(tok)
-                if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
-                    continue
-                try:
-                    logits[k] = self.decode(tok, slot=k)[0, -1]
-                    still.append(k)
-                except UserError as e:
-                    if raise_errors:
-                        raise
-                    results[k]["error"] = str(e)
-            active = still
+        decode_interleaved(results, logits, gens, lambda tok, k: self.decode(tok, slot=k)[0, -1], max_new_tokens,
+                           stop_ids, temperature, top_p, raise_errors)
         return results
 
 

@@ -23,8 +23,6 @@ Ratios (in "ratios"): sparse decode 64K / 4K (target <= 1.5) and torch dense SDP
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import click
 
@@ -33,13 +31,9 @@ SCALE = DQK ** -0.5
 
 
 def _time(fn, repeat: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    from dayzero.tools.bench import _median_time
+
+    return _median_time(fn, repeat)
 
 
 def _compile(f, target):

@@ -19,7 +19,6 @@ import platform
 import time
 
 import click
-import numpy as np
 
 GEMV_SHAPES = [(2880, 2880), (2048, 7168), (7168, 2048)]
 GEMM_SHAPES = [(2880, 2880)]

@@ -7,12 +7,10 @@ exits 3 with a hint; ``--debug`` (before the command) shows the traceback instea
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import sys
-import tempfile
 import time
 import warnings
 

@@ -25,7 +25,7 @@ from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.schedule import tune_kernels
 from dayzero.frontend import hf
-from dayzero.frontend.checkpoint import Checkpoint, learn_recipes, learn_recipes_low_precision
+from dayzero.frontend.checkpoint import Checkpoint, learn_recipes_low_precision
 from dayzero.frontend.lowprec import bind_low_precision
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph

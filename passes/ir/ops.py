@@ -12,7 +12,7 @@ The lowering (IR op -> TE compute) lives in ``codegen/lower.py``; ``OpDef.lower`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import sympy
