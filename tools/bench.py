@@ -1,6 +1,7 @@
 """``dayzero bench e2e``: the demo model, compiled vs torch eager vs torch.compile, in one run.
 
-Cases: prefill at 64 tokens, and a one-token forward (the decode-equivalent step until the decode program lands).
+Cases: prefill at 64 tokens, a one-token forward without a cache, and a real decode step (one token after a
+32-token prompt, reading the KV cache).
 Each figure is the median of ``repeat`` runs after a warm-up; all three contenders run interleaved in the same
 process so the machine's noise hits them alike. Peak RSS is the process's high-water mark (``resource``).
 """
@@ -63,6 +64,21 @@ def bench_e2e(repeat: int = 20) -> dict:
         results.append({"case": case, "unit": "s", "dayzero": ours,
                         "baselines": {"torch_eager": t_eager, "torch_compile": t_compiled},
                         "bound": None, "bound_name": None, "tokens": seq})
+    # a real decode step: one token appended to a 32-token request, read from the KV cache (torch eager: the
+    # same model with transformers' DynamicCache; torch.compile would recompile as the cache grows: left out)
+    prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(32))
+    rt.prefill(prompt)
+    with torch.no_grad():
+        past = eager(input_ids=prompt, attention_mask=torch.ones_like(prompt), use_cache=True).past_key_values
+    tok = torch.tensor([[7]])
+
+    def eager_step():
+        with torch.no_grad():
+            eager(input_ids=tok, cache=past, use_cache=True)
+    ours = _median_time(lambda: rt.decode(tok), repeat)
+    results.append({"case": "decode_step_after_32", "unit": "s", "dayzero": ours,
+                    "baselines": {"torch_eager": _median_time(eager_step, repeat)}, "bound": None,
+                    "bound_name": None, "tokens": 1})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
             "model": DEMO_MODEL}
