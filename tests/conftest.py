@@ -44,3 +44,29 @@ def compiled_factory(tmp_path_factory):
             cache[name] = (out, module, inputs)
         return cache[name]
     return get
+
+
+SHARED_MAX_SEQ = 128
+SHARED_MAX_BATCH = 3
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tmp_path_factory):
+    """tiny_compiled("gpt_oss") -> (checkpoint dir, artifact dir, report): every make-tiny architecture is written
+    (seed 0) and compiled (max_seq 128, max_batch 3) once per session, shared by every test that needs it
+    (compiling is the slow part of the suite)."""
+    import json
+
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    cache = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            d = tmp_path_factory.mktemp(f"shared_{model_type}")
+            ckpt = make_tiny(model_type, d / "ckpt", seed=0)
+            compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
+            cache[model_type] = (ckpt, d / "art", json.loads((d / "art" / "report.json").read_text()))
+        return cache[model_type]
+    return get

@@ -12,19 +12,17 @@ import torch
 from dayzero import UserError
 from dayzero.frontend.hf import load_upstream
 from dayzero.runtime import generate_batch, load
-from dayzero.tools.driver import compile_model
-from dayzero.tools.make_tiny import make_tiny
 
-MAX_SEQ = 64
+MAX_SEQ = 128  # the shared session artifacts (conftest.tiny_compiled)
 NEW = 32
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32"])
-def served(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(request.param)
-    ckpt = make_tiny(request.param, d / "ckpt", seed=0)
-    compile_model(str(ckpt), d / "art", max_seq=MAX_SEQ, max_batch=3)
-    return load(d / "art"), load_upstream(ckpt)
+def served(request, tiny_compiled):
+    ckpt, art, _ = tiny_compiled(request.param)
+    rt = load(art)
+    assert rt.max_length == MAX_SEQ and rt.max_batch >= 3
+    return rt, load_upstream(ckpt)
 
 
 def _upstream(ref, prompt, n):

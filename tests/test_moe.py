@@ -49,20 +49,13 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW else a for a in ARCHS])
-def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny, tmp_path):
+def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled):
     from dayzero.frontend.hf import load_upstream
     from dayzero.runtime import load
-    from dayzero.tools.driver import compile_model
 
-    ckpt = tiny(arch)
-    try:
-        rep = compile_model(str(ckpt), tmp_path / "art", max_seq=48)
-    except Exception as e:  # noqa: BLE001 - op coverage for these models is being added concurrently
-        if arch == "qwen3_moe":
-            raise
-        pytest.xfail(f"{arch} does not compile yet (op coverage, not the moe pattern): {str(e)[:200]}")
+    ckpt, art, rep = tiny_compiled(arch)  # compiled once per session (conftest)
     assert rep["patterns"].get("moe") == ARCHS[arch]
-    rt = load(tmp_path / "art")
+    rt = load(art)
     ref = load_upstream(ckpt)
     for seq in (1, 7, 33):
         ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))

@@ -12,17 +12,13 @@ import torch
 
 from dayzero.frontend.hf import load_upstream
 from dayzero.runtime.executor import load
-from dayzero.tools.driver import compile_model
-from dayzero.tools.make_tiny import make_tiny
 
 SEQS = (1, 16, 100)
 
 
-def _check(tmp_path, model_type, atol=1e-4):
-    ck = tmp_path / model_type
-    make_tiny(model_type, ck)
-    compile_model(str(ck), tmp_path / f"{model_type}.dz", max_seq=128)
-    rt = load(tmp_path / f"{model_type}.dz")
+def _check(tiny_compiled, model_type, atol=1e-4):
+    ck, art, _ = tiny_compiled(model_type)  # one artifact (max_seq 128) per architecture for the whole session
+    rt = load(art)
     m = load_upstream(ck)
     gen = torch.Generator().manual_seed(0)
     for n in SEQS:
@@ -35,17 +31,17 @@ def _check(tmp_path, model_type, atol=1e-4):
 
 
 @pytest.mark.slow
-def test_gpt_oss(tmp_path):
-    _check(tmp_path, "gpt_oss")
+def test_gpt_oss(tiny_compiled):
+    _check(tiny_compiled, "gpt_oss")
 
 
 @pytest.mark.slow
-def test_deepseek_v32(tmp_path):
-    _check(tmp_path, "deepseek_v32")
+def test_deepseek_v32(tiny_compiled):
+    _check(tiny_compiled, "deepseek_v32")
 
 
 @pytest.mark.slow
-def test_deepseek_v4(tmp_path):
+def test_deepseek_v4(tiny_compiled):
     # compressed attention (CSA every 4, HCA every 8 tokens): seq 1 and 100 are padded to 16 and 104; 16 and 100
     # see complete compression blocks, whose CSA overlap half is an open-ended slice_scatter (new_kv[:, 1:, :4])
-    _check(tmp_path, "deepseek_v4")
+    _check(tiny_compiled, "deepseek_v4")
