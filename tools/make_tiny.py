@@ -84,7 +84,6 @@ Low-precision routed-expert keys written by make-tiny (everything else stays fp3
 # frontend/lowprec.py later.
 # ============================================================================================================
 
-FP4_LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 128
 
@@ -114,14 +113,9 @@ def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """(blocks uint8 [..., G, 16], scales uint8 [..., G]) -> float32 [..., G*32]; low nibble first."""
-    import ml_dtypes
+    from dayzero.frontend.lowprec import dequant_mxfp4
 
-    lo = FP4_LUT[blocks & 0xF]
-    hi = FP4_LUT[blocks >> 4]
-    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)
-    scale = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32) if scales.dtype == np.uint8 else scales
-    out = vals * scale[..., None]
-    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32).astype(np.float32)
+    return np.asarray(dequant_mxfp4(blocks, scales), dtype=np.float32)
 
 
 def fp8_block_quantize(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -146,9 +140,9 @@ def fp8_block_quantize(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarra
 
 
 def fp8_block_dequantize(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-    m, n = q.shape[-2:]
-    full = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=-2), block, axis=-1)[..., :m, :n]
-    return q.astype(np.float32) * full
+    from dayzero.frontend.lowprec import dequant_fp8_block
+
+    return np.asarray(dequant_fp8_block(q, scale_inv, (block, block)), dtype=np.float32)
 
 
 def _roundtrip(fmt: str, w_out_in: np.ndarray) -> np.ndarray:
