@@ -19,22 +19,30 @@ TOLERANCE = 1e-4
 GENERATE = 16  # greedy tokens generated with prefill + decode and compared with upstream generate()
 
 
-def run_demo(out: str | None = None, seq_len: int = 16) -> dict:
-    from dayzero.frontend.hf import load_upstream
-    from dayzero.runtime import load
+def build_tiny(model_type: str, out: str | None, **compile_kw) -> tuple[Path, Path, dict]:
+    """Write the fixed-seed tiny checkpoint of ``model_type`` into a fresh temporary folder and compile it to
+    ``out`` (or next to the checkpoint): (checkpoint dir, artifact dir, seconds per phase)."""
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
-    work = Path(tempfile.mkdtemp(prefix="dayzero-demo-"))
+    work = Path(tempfile.mkdtemp(prefix=f"dayzero-demo-{model_type}-"))
     ckpt = work / "checkpoint"
     art = Path(out) if out else work / "artifact"
     seconds = {}
     t0 = time.perf_counter()
-    make_tiny(DEMO_MODEL, ckpt, seed=0)
+    make_tiny(model_type, ckpt, seed=0)
     seconds["checkpoint"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compile_model(str(ckpt), str(art), max_seq=max(64, seq_len))
+    compile_model(str(ckpt), str(art), **compile_kw)
     seconds["compile"] = time.perf_counter() - t0
+    return ckpt, art, seconds
+
+
+def run_demo(out: str | None = None, seq_len: int = 16) -> dict:
+    from dayzero.frontend.hf import load_upstream
+    from dayzero.runtime import load
+
+    ckpt, art, seconds = build_tiny(DEMO_MODEL, out, max_seq=max(64, seq_len))
     t0 = time.perf_counter()
     rt = load(art)
     seconds["load"] = time.perf_counter() - t0

@@ -10,9 +10,7 @@ against upstream ``generate()``.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,23 +25,12 @@ def run_vision_demo(out: str | None, images: list) -> dict:
 
     from dayzero.frontend.hf import _quiet
     from dayzero.runtime import load
-    from dayzero.tools.driver import compile_model
-    from dayzero.tools.make_tiny import make_tiny
-
     from dayzero.runtime.multimodal import Multimodal
+    from dayzero.tools.demo import build_tiny
 
     for im in images:  # an unreadable image fails before the compile, not after
         Multimodal.load_image(im)
-    work = Path(tempfile.mkdtemp(prefix="dayzero-demo-vision-"))
-    ckpt = work / "checkpoint"
-    art = Path(out) if out else work / "artifact"
-    seconds = {}
-    t0 = time.perf_counter()
-    make_tiny(DEMO_MODEL, ckpt, seed=0)
-    seconds["checkpoint"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    compile_model(str(ckpt), str(art), max_seq=64, max_batch=1, image_grids=GRIDS)
-    seconds["compile"] = time.perf_counter() - t0
+    ckpt, art, seconds = build_tiny(DEMO_MODEL, out, max_seq=64, max_batch=1, image_grids=GRIDS)
     rt = load(art)
     mm = rt.multimodal
     info = mm.info
