@@ -8,13 +8,20 @@
 
 What is counted (the conventions the published figures use):
 
-* Parameters are exactly those of the transformers model built on the meta device (no memory is allocated).
-  Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of it and are not counted; that matches
-  the published totals (DeepSeek-V3 671B excludes its 14B MTP module).
-* ``params_active`` = every parameter a token's forward pass multiplies with: all of them, less the input embedding
-  table (a row lookup, no matmul), less the routed experts a token does not use (routed x (1 - k/E)).  Hash-routed
-  layers (DeepSeek-V4 ``hash_moe``) also send a token to k experts, so they count the same.  The figure with the
-  embedding table is ``params_active_incl_embedding``.
+* ``params_total`` is exactly the parameters of the transformers model built on the meta device (no memory is
+  allocated): the main model, without multi-token-prediction (MTP) modules, which transformers does not build.
+  That is the convention of the published totals: DeepSeek-V3's README_WEIGHTS counts the main model as 671B and
+  its MTP module apart (11.5B unique parameters; 685B on the hub with the module and its copies of embedding and
+  head).  ``params_mtp`` counts the ``num_nextn_predict_layers`` modules separately (resident only when serving
+  with MTP speculative decoding): each is one decoder layer shaped like the model's last one, the ``eh_proj``
+  projection of [embedding; hidden] (2h x h) and three RMSNorms (enorm, hnorm, the shared head's norm); embedding
+  and head are shared with the main model.  ``mtp_module_params`` is one such module.
+* ``params_active`` = every parameter a token's forward pass multiplies with: all of ``params_total``, less the
+  input embedding table (a row lookup, no matmul), less the routed experts a token does not use
+  (routed x (1 - k/E)).  Hash-routed layers (DeepSeek-V4 ``hash_moe``) also send a token to k experts, so they
+  count the same.  It agrees with DeepSeek-V3's detailed figure (36.7B) and OpenAI's gpt-oss table (5.13B).  The
+  figure with the embedding table is ``params_active_incl_embedding``.
+* The plan states this under ``param_convention``.
 * Weight formats: ``bf16`` (2 bytes everywhere); ``fp8_block`` (matmul weights of attention / MLP / experts as FP8
   E4M3 plus one fp32 scale per 128x128 block, the rest bf16); ``mxfp4`` (routed-expert matrices as 4-bit E2M1 plus
   one E8M0 byte per 32 values = 4.25 bits, the rest bf16); ``mxfp4_fp8`` (mxfp4 experts, fp8_block for the other
@@ -252,6 +259,30 @@ def _param_format(fmt: str, category: str, is_matrix: bool) -> str:
     return "bf16"
 
 
+PARAM_CONVENTION = {
+    "total": "the transformers model's parameters (main model; MTP modules excluded, counted in params_mtp)",
+    "active": "total less the input embedding table and less the routed experts a token does not use (k of E)",
+    "mtp": "num_nextn_predict_layers x (one decoder layer shaped like the last + eh_proj 2h*h + 3 norms of h); "
+           "embedding and head shared",
+}
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def mtp_module_params(cfg: dict) -> int:
+    """Parameters of one multi-token-prediction module (DeepSeek-V3 README_WEIGHTS structure): a decoder layer
+    like the main model's last one, ``eh_proj`` (2h -> h) and enorm / hnorm / shared-head norm.  The layer is
+    counted from the meta-device model, so whatever that layer holds (experts, indexer, hyper-connections) is in."""
+    params = _meta_parameters(json.dumps(cfg, sort_keys=True))
+    idx = [int(m.group(1)) for n, _, _ in params if (m := _LAYER.search(n))]
+    if not idx:
+        raise InternalError(f"capacity: no decoder layers found in the {cfg['model_type']} model")
+    last = max(idx)
+    layer = sum(math.prod(s) for n, _, s in params if (m := _LAYER.search(n)) and int(m.group(1)) == last)
+    h = cfg["hidden_size"]
+    return layer + 2 * h * h + 3 * h
+
+
 def count_parameters(cfg: dict) -> dict:
     """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``."""
     params = dict.fromkeys(CATEGORIES, 0)
@@ -401,8 +432,11 @@ def plan_capacity(
     routed_unused = params["routed_experts"] * (n_exp - k) // n_exp if n_exp else 0
     active_with_embed = total - routed_unused
     active = active_with_embed - params["embeddings"]
-    if config.get("num_nextn_predict_layers"):
-        notes.append(f"{config['num_nextn_predict_layers']} MTP layer(s) are not counted (not in the transformers model)")
+    mtp_layers = _int_field(config, "num_nextn_predict_layers", required=False, minimum=0) or 0
+    mtp_module = mtp_module_params(config)
+    if mtp_layers:
+        notes.append(f"{mtp_layers} MTP module(s) of {mtp_module / 1e9:.2f}B parameters each are counted in "
+                     "params_mtp, not in params_total, and not planned as resident (serving without MTP)")
 
     layout = kv_layout(config, kv_dtype)
     kv_per_token = {t: e["bytes_per_token"] for t, e in layout.items()}
@@ -465,6 +499,9 @@ def plan_capacity(
         "params_active": active,
         "params_active_incl_embedding": active_with_embed,
         "params_by_category": params,
+        "params_mtp": mtp_layers * mtp_module,
+        "mtp_module_params": mtp_module,
+        "param_convention": PARAM_CONVENTION,
         "weight_format": fmt,
         "resident_bytes": {f: sum(v.values()) for f, v in counted["bytes"].items()},
         "resident_bytes_by_category": counted["bytes"][fmt],

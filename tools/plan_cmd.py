@@ -43,6 +43,8 @@ def render(result: dict, console=None) -> None:
             params.add_row(cat, _b(n), _gb(r["resident_bytes_by_category"][cat]))
     params.add_row("total", _b(r["params_total"]), _gb(r["resident_bytes"][r["weight_format"]]), style="bold")
     params.add_row("active / token", _b(r["params_active"]), "", style="bold")
+    if r["params_mtp"]:
+        params.add_row("MTP modules (not in total)", _b(r["params_mtp"]), "")
 
     formats = Table(title="resident weights by format", title_justify="left")
     for f in r["resident_bytes"]:
