@@ -1,6 +1,8 @@
 """Memory layout of an artifact: one arena shared by all its programs (prefill, decode).
 
-    [ weights | kv_cache / cross-layer state ]  persistent, named: every program sees the same bytes
+    [ weights | dequant workspace | kv_cache / cross-layer state ]  persistent, named: every program sees the
+                                                same bytes; the state zones are replicated per request slot, the
+                                                workspace (converted experts + their cache) is shared by all
     [ activations + io of prefill ]             \\  programs never run at the same time, so their
     [ activations + io of decode  ]             /   regions start at the same base and overlap
 
@@ -13,7 +15,9 @@ for the whole program.
 
 from __future__ import annotations
 
-from dayzero.passes.memory_plan import Buffer, align_up, plan_zones
+import re
+
+from dayzero.passes.memory_plan import Buffer, ZonedPlan, align_up, plan_zones
 
 from .program import Program
 
@@ -41,6 +45,44 @@ def _lifetimes(prog: Program) -> tuple[dict[int, int], dict[int, int]]:
     return first, last
 
 
+# the first ``<name>.<int>`` component of a step's module path: the block of a repeated stack (a ModuleList
+# entry such as ``model.layers.3`` or ``/model/layers.3/`` in ONNX node names) the step was traced from
+_BLOCK = re.compile(r"([A-Za-z_]\w*)\.(\d+)(?=[./\s(]|$)")
+
+
+def step_block(node: str) -> tuple[str, int] | None:
+    """(stack, index) of the repeated block a step belongs to, from its span (``"op at model.layers.3.mlp (...)"``),
+    or None for a step outside any stack (embedding, final norm, head)."""
+    where = node.split(" at ", 1)[1] if " at " in node else ""
+    m = _BLOCK.search(where.split(" (", 1)[0])
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def cross_layer_roots(prog: Program) -> set[int]:
+    """Activation buffers written in one block of a repeated stack (a decoder layer) and read in a later block of
+    the same stack: the residual stream each layer hands to the next, ``hc_mult`` copies of it under DeepSeek-V4's
+    hyper-connections.  They are planned in the ``cross_layer_state`` zone.  Found from the lifetimes and the
+    steps' layer attribution alone (which block a step was traced from), never from the model's type."""
+    blocks = [step_block(st.node) for st in prog.steps]
+    made: dict[int, tuple[str, int]] = {}
+    out = set()
+    for i, st in enumerate(prog.steps):
+        for pos, b in enumerate(st.args):
+            r = _root(prog, b)
+            if prog.buffers[r].zone != "activations" or persistent_key(prog.buffers[r]) is not None:
+                continue
+            here = blocks[i]
+            written = pos >= len(st.args) - st.outputs
+            if r not in made:
+                if written and here is not None:
+                    made[r] = here
+                continue
+            src = made[r]
+            if here is not None and here[0] == src[0] and here[1] > src[1]:
+                out.add(r)
+    return out
+
+
 def persistent_key(b) -> str | None:
     if b.weight is not None:
         return "w:" + b.weight
@@ -50,6 +92,20 @@ def persistent_key(b) -> str | None:
 
 
 STATE_ZONES = ("kv_cache", "cross_layer_state")
+
+
+def _plan_persistent(bufs: list[Buffer]) -> ZonedPlan:
+    """Persistent zones in ZONES order, except the per-request state zones, which go last so that their replicas
+    (one per request slot) extend the arena upwards: a shared persistent zone that ZONES lists after them (the
+    dequant workspace, one for all requests) is laid out before them instead."""
+    shared = plan_zones([b for b in bufs if b.zone not in STATE_ZONES], ALIGN)
+    state = plan_zones([b for b in bufs if b.zone in STATE_ZONES], ALIGN)
+    base = shared.total_bytes
+    zones = dict(shared.zones)
+    zones.update({z: (base + b, n) for z, (b, n) in state.zones.items()})
+    offsets = dict(shared.offsets)
+    offsets.update({k: base + v for k, v in state.offsets.items()})
+    return ZonedPlan(offsets, base + state.total_bytes, zones, {**shared.plans, **state.plans})
 
 
 def plan_programs(progs: list[Program], slots: int = 1) -> dict:
@@ -66,7 +122,7 @@ def plan_programs(progs: list[Program], slots: int = 1) -> dict:
             if key is not None and b.alias_of is None:
                 sizes[key] = (max(sizes.get(key, (0, ""))[0], b.max_bytes(bounds)), b.zone)
     keys = sorted(sizes)
-    pz = plan_zones([Buffer(k, sizes[k][0], 0, 0, sizes[k][1]) for k in keys], ALIGN) if keys else None
+    pz = _plan_persistent([Buffer(k, sizes[k][0], 0, 0, sizes[k][1]) for k in keys]) if keys else None
     persistent = dict(pz.offsets) if pz else {}
     base = align_up(pz.total_bytes, ALIGN) if pz else 0
     state = [pz.zones[z] for z in STATE_ZONES if pz and z in pz.zones]
@@ -83,11 +139,13 @@ def plan_programs(progs: list[Program], slots: int = 1) -> dict:
         bounds = {s: hi for s, lo, hi in prog.symbols}
         first, last = _lifetimes(prog)
         n = len(prog.steps)
+        cross = cross_layer_roots(prog)
         bufs = []
         for b in prog.buffers:
             if b.alias_of is not None or persistent_key(b) is not None:
                 continue
-            bufs.append(Buffer(b.id, b.max_bytes(bounds), first.get(b.id, 0), last.get(b.id, 0), b.zone))
+            zone = "cross_layer_state" if b.id in cross else b.zone
+            bufs.append(Buffer(b.id, b.max_bytes(bounds), first.get(b.id, 0), last.get(b.id, 0), zone))
         zp = plan_zones(bufs, ALIGN) if bufs else None
         local = {k: base + v for k, v in zp.offsets.items()} if zp else {}
         offsets = {}
@@ -99,11 +157,15 @@ def plan_programs(progs: list[Program], slots: int = 1) -> dict:
         for z in STATE_ZONES:
             if z in zones:
                 zones[z] *= max(slots, 1)
-        zones.update(zp.summary() if zp else {})
-        peak = {z: p.peak_live_bytes for z, p in (pz.plans.items() if pz else [])}
-        peak.update({z: p.peak_live_bytes for z, p in (zp.plans.items() if zp else [])})
-        planned = {z: p.arena_bytes for z, p in (pz.plans.items() if pz else [])}
-        planned.update({z: p.arena_bytes for z, p in (zp.plans.items() if zp else [])})
+        # a zone can hold persistent buffers (a cross-layer state kept between steps) and this program's own
+        # (the streams handed from layer to layer): its figures are the sums
+        peak, planned = {}, {}
+        for z, v in (zp.summary() if zp else {}).items():
+            zones[z] = zones.get(z, 0) + v
+        for plans in (pz.plans if pz else {}, zp.plans if zp else {}):
+            for z, p in plans.items():
+                peak[z] = peak.get(z, 0) + p.peak_live_bytes
+                planned[z] = planned.get(z, 0) + p.arena_bytes
         seen = {}  # one rectangle per persistent name (two nodes may read the same weight)
         for b in prog.buffers:
             key = persistent_key(b)

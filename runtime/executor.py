@@ -24,6 +24,7 @@ from dayzero import InternalError, UserError
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 
 ALIGN = 64
+PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
 
 
 class _Program:
@@ -44,8 +45,13 @@ class _Program:
             return b if a is None else a
         # outputs that are the new contents of a state (a KV cache written in place) are not returned
         self.user_outputs = [o for o in self.outputs if self.buffers[root(o)].get("state") is None]
-        self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None}
-        self._in_state = {b["id"] for b in self.buffers if self.buffers[root(b["id"])].get("state")}
+        self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None
+                       and b["zone"] in PER_REQUEST_ZONES}
+        # states of every request (the dequant workspace and its expert cache): one copy, zeroed at load only
+        self.shared_states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None
+                              and b["zone"] not in PER_REQUEST_ZONES}
+        self._in_state = {b["id"] for b in self.buffers if self.buffers[root(b["id"])].get("state")
+                          and self.buffers[root(b["id"])]["zone"] in PER_REQUEST_ZONES}
         syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
         order = list(syms)
         self._shape_fns = []
@@ -234,6 +240,9 @@ class Runtime:
         self.arena = self.arena[shift:shift + arena_bytes]
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
         self._bind_weights()
+        for prog in self.programs.values():  # shared states start empty (an expert cache with no valid slot)
+            for bid in prog.shared_states.values():
+                prog.view(bid, ()).zero_()
         self.lengths: dict[int, int] = {}
         self.pending: dict[int, int | None] = {}  # per slot: the last generated token, not yet in the cache
         from .multimodal import attach  # image + text artifacts (multimodal.json): runtime/multimodal.py

@@ -5,6 +5,9 @@ A spec file is one JSON object (``targets/<name>.json`` ships h200, b200, exampl
     {"name": "h200", "memory_bytes": 141000000000, "mem_bandwidth_gbps": 4800,
      "native_dtypes": ["bf16", "fp8_e4m3", ...], "fp4_compute": false,
      "reserved_bytes": 2000000000,          # optional: runtime/driver memory not available to the model
+     "compute_dtype": "bf16",               # optional: what low-precision experts are converted to and computed
+                                            # in when the target has no FP4 compute: fp32 | bf16 | fp8_e4m3
+                                            # (default bf16 if native, else fp32; the host CPU computes in fp32)
      "description": "..."}                  # optional
 
 ``mem_bandwidth_gbps`` is in GB/s (10^9 bytes per second). A malformed file is a UserError naming the file and
@@ -21,6 +24,9 @@ from dayzero import UserError
 
 SPEC_DIR = Path(__file__).resolve().parent
 
+COMPUTE_DTYPES = ("fp32", "bf16", "fp8_e4m3")  # expert workspace dtypes (passes/expert_workspace.py)
+HOST_COMPUTE_DTYPE = "fp32"
+
 KNOWN_DTYPES = {"fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "int8", "int4"}
 
 
@@ -33,6 +39,7 @@ class TargetSpec:
     mem_bandwidth_gbps: float
     reserved_bytes: int = 0
     description: str = ""
+    compute_dtype: str = "fp32"
 
     @property
     def usable_bytes(self) -> int:
@@ -88,7 +95,12 @@ class TargetSpec:
         desc = data.get("description", "")
         if not isinstance(desc, str):
             raise bad("description", "must be a string")
-        return cls(name, memory, tuple(dtypes), fp4, float(bw), reserved, desc)
+        cd = data.get("compute_dtype", "bf16" if "bf16" in dtypes else "fp32")
+        if cd not in COMPUTE_DTYPES:
+            raise bad("compute_dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}, got {cd!r}")
+        if cd not in dtypes:
+            raise bad("compute_dtype", f"({cd}) is not among the target's native_dtypes")
+        return cls(name, memory, tuple(dtypes), fp4, float(bw), reserved, desc, cd)
 
 
 def available_targets() -> list[str]:

@@ -81,9 +81,17 @@ def main(debug: bool) -> None:
 @click.option("--tune-minutes", type=float, default=None, help="wall-clock budget for all tuning")
 @click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
               help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)")
+@click.option("--compute-dtype", default=None, metavar="fp32|bf16|fp8_e4m3|SPEC",
+              help="dtype MXFP4 experts are converted to and computed in (or a target spec, e.g. h200, whose "
+                   "compute_dtype is taken); default: the target's (host: fp32)")
+@click.option("--expert-route", type=click.Choice(["auto", "fused", "workspace"]), default="auto",
+              show_default=True, help="MXFP4 experts: decode in registers (fused), or convert the routed experts "
+                                      "into a reused workspace; auto picks per program (measured, see README)")
+@click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
+              help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def compile_cmd(model, out, target, max_seq, max_batch, image_grids, verify, tune, tune_minutes, tuning_dir,
-                as_json):
+                compute_dtype, expert_route, expert_cache, as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -95,12 +103,24 @@ def compile_cmd(model, out, target, max_seq, max_batch, image_grids, verify, tun
         raise UserError("--tune-minutes must be positive")
     rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
                         tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
-                        image_grids=list(image_grids) or None)
+                        image_grids=list(image_grids) or None, compute_dtype=compute_dtype,
+                        expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
                "routes": dict(__import__("collections").Counter(rep["routes"].values()))}
     _emit(summary, as_json)
+
+
+def _parse_bytes(text: str, option: str) -> int:
+    """'0', '1048576', '64MiB', '2GiB', '500MB' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*(|B|KB|MB|GB|KiB|MiB|GiB)\s*", text)
+    if m is None:
+        raise UserError(f"{option} must be a byte count such as 0, 1048576, 64MiB or 1GB, got {text!r}")
+    unit = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    return int(m.group(1)) * unit[m.group(2)]
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -293,22 +293,63 @@ def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | 
     return len(done)
 
 
+def resolve_compute_dtype(compute_dtype: str | None, target: dict) -> str:
+    """The dtype low-precision experts are computed in: given (fp32 | bf16 | fp8_e4m3, or a target spec name /
+    path whose ``compute_dtype`` is taken), else the compile target's own (the host CPU: fp32)."""
+    from dayzero.targets.spec import COMPUTE_DTYPES, HOST_COMPUTE_DTYPE, load_target_spec
+
+    if compute_dtype is None:
+        return HOST_COMPUTE_DTYPE
+    if compute_dtype in COMPUTE_DTYPES:
+        return compute_dtype
+    return load_target_spec(compute_dtype).compute_dtype
+
+
+def route_experts(g: Graph, ctx: PassContext, program: str, target: dict, experts: dict,
+                  verify: bool = False) -> Graph:
+    """The MXFP4 expert route of one program (passes/expert_workspace.py): the workspace route or the fused one."""
+    from dayzero.passes import expert_workspace as ew
+
+    cd = ew.compute_dtype_of(experts["compute_dtype"])
+    route = ew.route_for(program, compute_dtype=cd, cache_bytes=experts["cache_bytes"], route=experts["route"],
+                         target_kind=target.get("kind", "llvm"))
+    if route != "workspace":
+        return g
+    g = ew.expert_workspace(g, ctx, compute_dtype=cd, cache_bytes=experts["cache_bytes"])
+    if verify:
+        from dayzero.passes.ir.verify import verify as verify_graph
+        verify_graph(g)
+    return g
+
+
 def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAULT_MAX_SEQ,
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
-                  tuning_dir: str | None = None, max_batch: int = 4, image_grids=None) -> dict:
-    """Compile MODEL into the artifact directory OUT; returns the report."""
+                  tuning_dir: str | None = None, max_batch: int = 4, image_grids=None,
+                  compute_dtype: str | None = None, expert_route: str = "auto", expert_cache_bytes: int = 0) -> dict:
+    """Compile MODEL into the artifact directory OUT; returns the report.
+
+    ``compute_dtype`` (fp32 | bf16 | fp8_e4m3 | a target spec), ``expert_route`` (auto | fused | workspace) and
+    ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace)."""
     times = {}
+    tgt = resolve_target(target)
+    experts = {"compute_dtype": resolve_compute_dtype(compute_dtype, tgt), "route": expert_route,
+               "cache_bytes": int(expert_cache_bytes)}
+    from dayzero.passes import expert_workspace as ew
+    ew.route_for("prefill", compute_dtype=ew.compute_dtype_of(experts["compute_dtype"]),
+                 cache_bytes=experts["cache_bytes"], route=expert_route, target_kind=tgt.get("kind", "llvm"))
     t0 = time.perf_counter()
     fe = trace_model(model, max_seq, image_grids=image_grids)
     times["trace_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     g, ctx = optimize(fe, verify=verify)
+    g = route_experts(g, ctx, "prefill", tgt, experts, verify)
     shared: dict = {}
     prog = build_program(g, "prefill", shared)  # raises UnsupportedOpsError before anything is written
     progs = [prog]
     graphs = [g]
     if fe.decode is not None:
-        gd = run_pipeline(fe.decode.graph, PassContext(constants=ctx.constants), verify=verify)
+        dctx = PassContext(constants=ctx.constants)
+        gd = route_experts(run_pipeline(fe.decode.graph, dctx, verify=verify), dctx, "decode", tgt, experts, verify)
         progs.append(build_program(gd, "decode", shared))
         graphs.append(gd)
     for name, t in fe.extra.items():  # vision programs of a multimodal checkpoint, one per image grid
@@ -316,7 +357,6 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         progs.append(build_program(gx, name, shared))
         graphs.append(gx)
     times["passes_s"] = time.perf_counter() - t0
-    tgt = resolve_target(target)
     db = tuning.TuningDatabase(tuning_dir)
     if tune:
         t0 = time.perf_counter()
@@ -340,6 +380,8 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         "tuned": {k.name: k.tuned for p in progs for k in p.kernels.values() if k.tuned},
         "kernel_ops": {k.name: k.op for p in progs for k in p.kernels.values()},
         "patterns": dict(ctx.patterns),
+        "experts": dict(experts, routes={p.name: sorted({k.op for k in p.kernels.values()
+                                                         if k.op.startswith("moe_experts_mxfp4")}) for p in progs}),
         "unsupported": [],
         "build": build_stats,
     }

@@ -1,0 +1,133 @@
+"""expert_workspace: MXFP4 routed experts take the convert -> compute -> reclaim -> reuse route.
+
+Runs after the pipeline, per program, when the compile options / target choose the workspace route for it
+(``route_for``; the kernel's docstring, ``codegen/kernels/expert_workspace.py``, gives the measurements behind
+the choice)::
+
+    moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])
+        ==>  moe_experts_mxfp4_ws(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d], layer, WS, META)
+
+    layer  weight int32 [1] = this layer's index (a constant carried in the artifact), so one kernel serves every
+           layer and the cache key (layer, expert) is an argument, not a compile-time constant
+    WS     state CD [S, GU*H + H*I], zone dequant_workspace: S converted-expert slots in the compute dtype CD
+    META   state int64 [4 + 2S], zone dequant_workspace: tick, hits, conversions, slot tags, last-use ticks
+
+WS and META are named by the expert shape, compute dtype and slot count, so every layer and every program
+(prefill, decode) of the artifact reads the same bytes: the workspace is reused across experts and layers, and
+cached experts persist across steps and programs. The dequant_workspace zone is placed once (not per request
+slot) and zeroed when the artifact is loaded, never when a request starts (``codegen/memory.py``,
+``runtime/executor.py``). Layer indices come from the sorted names of the gate/up blocks weights, so the prefill
+and decode graphs number their layers the same way.
+
+Slots: without a cache, one (every routed expert is converted into it, computed, and the slot reclaimed); with a
+cache budget of B bytes, max(1, B // slot bytes) slots under LRU. The resident bytes are the MXFP4 experts as
+stored (4.25 bits per weight, zone low_precision_weights) + S slots, never a converted copy of every expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero import UserError
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+
+OP_IN = "moe_experts_mxfp4"
+OP = "moe_experts_mxfp4_ws"
+ZONE = "dequant_workspace"
+ROUTES = ("auto", "fused", "workspace")
+# compute dtype names as targets/spec.py spells them -> IR dtypes
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def _reference(ins, attrs):
+    """The moe_experts_mxfp4 reference on x as the compute dtype sees it (bf16: rounded; fp8: weights only, exact
+    for E2M1 values; fp32: unchanged). The workspace and cache are an implementation detail: not read here."""
+    from .dequant import moe_mxfp4_reference
+
+    x = ins[0]
+    if attrs["compute_dtype"] == "bfloat16" and x.device.type != "meta":
+        x = x.to(torch.bfloat16).to(x.dtype)
+    return moe_mxfp4_reference([x, *ins[1:-3]], attrs)
+
+
+if ops.REGISTRY.get(OP) is None:
+    ops.register(ops.OpDef(
+        OP, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
+                  ("gate_up_blocks", ops.TENSOR), ("gate_up_scales", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR),
+                  ("down_blocks", ops.TENSOR), ("down_scales", ops.TENSOR), ("b_down", ops.OPT_TENSOR),
+                  ("layer", ops.TENSOR), ("workspace", ops.TENSOR), ("cache_state", ops.TENSOR),
+                  ("act", ops.ATTR), ("inter", ops.ATTR), ("gate_up_bias", ops.ATTR), ("down_bias", ops.ATTR),
+                  ("compute_dtype", ops.ATTR), ("cache", ops.ATTR)),
+        reference=_reference,
+        doc="moe_experts_mxfp4 computed from converted copies of the routed experts in a workspace (state, zone "
+            "dequant_workspace) with an optional LRU cache of converted experts; layer int32 [1] keys the cache"))
+
+
+def compute_dtype_of(name: str) -> str:
+    """A compute dtype as targets/spec.py spells it (fp32 | bf16 | fp8_e4m3) -> the IR dtype."""
+    if name not in COMPUTE_DTYPES:
+        raise UserError(f"compute dtype {name!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name]
+
+
+def route_for(program: str, *, compute_dtype: str, cache_bytes: int, route: str = "auto",
+              target_kind: str = "llvm") -> str:
+    """"workspace" or "fused" for the MXFP4 experts of ``program`` (see the kernel's docstring for why)."""
+    if route not in ROUTES:
+        raise UserError(f"expert route {route!r} is not one of {', '.join(ROUTES)}")
+    if cache_bytes < 0:
+        raise UserError(f"expert cache budget must be >= 0 bytes, got {cache_bytes}")
+    if target_kind != "llvm":
+        if route == "workspace" or cache_bytes or compute_dtype != "float32":
+            raise UserError(f"the expert workspace route is written for the host CPU only, not {target_kind}")
+        return "fused"
+    if route != "auto":
+        if route == "fused" and (cache_bytes or compute_dtype != "float32"):
+            raise UserError("the fused MXFP4 expert route computes in fp32 without a cache: drop --expert-cache / "
+                            "use compute dtype fp32, or take the workspace route")
+        return route
+    if compute_dtype != "float32" or cache_bytes:
+        return "workspace"
+    return "workspace" if program == "prefill" else "fused"
+
+
+def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_bytes: int = 0) -> Graph:
+    """Rewrite every moe_experts_mxfp4 node to the workspace route; layer constants go to ``ctx.constants``."""
+    from dayzero.codegen.kernels import expert_workspace as kw
+
+    nodes = [n for n in g.nodes() if n.op == OP_IN]
+    if not nodes:
+        return g
+    names = sorted({n.inputs[3].attr["name"] if n.inputs[3].op == "weight" else f"#{i}" for i, n in enumerate(nodes)})
+    count = 0
+
+    def fn(n: Node):
+        nonlocal count
+        if n.op != OP_IN:
+            return None
+        a = n.attr
+        x, gb = n.inputs[0], n.inputs[3]
+        E, GU, H, I = int(gb.shape[0]), int(gb.shape[1]), int(x.shape[1]), int(a["inter"])
+        if not kw.supports(H, GU, I):
+            return None
+        key = gb.attr["name"] if gb.op == "weight" else f"#{nodes.index(n)}"
+        layer = names.index(key)
+        cache = cache_bytes > 0
+        slots = max(1, cache_bytes // kw.slot_bytes(H, GU, I, compute_dtype)) if cache else 1
+        tag = f"{compute_dtype}.gu{GU}.h{H}.i{I}.s{slots}"
+        lname = f"expert_workspace.layer{layer}"
+        ctx.constants[lname] = torch.tensor([layer], dtype=torch.int32)
+        lnode = Node.make("weight", (), {"name": lname}, [TensorType("int32", (1,))], n.span)
+        ws = Node.make("state", (), {"name": f"expert_workspace.{tag}", "zone": ZONE},
+                       [TensorType(kw.STORAGE[compute_dtype], (slots, kw.slot_elems(H, GU, I)))], n.span)
+        meta = Node.make("state", (), {"name": f"expert_cache.{tag}", "zone": ZONE},
+                         [TensorType("int64", (kw.meta_len(slots),))], n.span)
+        count += 1
+        return Node.make(OP, [*n.inputs, lnode, ws, meta], dict(a, compute_dtype=compute_dtype, cache=cache),
+                         n.types, n.span)
+
+    out = rewrite(g, fn)
+    if count:
+        ctx.patterns["expert_workspace"] = ctx.patterns.get("expert_workspace", 0) + count
+    return out
