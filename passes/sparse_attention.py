@@ -26,6 +26,19 @@ attrs and shapes only (never names, never the model type):
         ==>  sparse_attention(q, K, V, qpos, idx) {scale}
              reads only the k rows idx[b, s, :] (those <= qpos[s]) for each query
 
+(c) DSA over an MLA latent cache (DeepSeek-V3.2): K and V of (b) are upstream's ``expand_kv`` of the whole
+latent cache, i.e. kv_b_proj over all L rows every step (O(L) even though the top-k keeps k rows)::
+
+    latent state [B,1,L,R] ─ linear(W [H*(n+Dv), R]) ─ view [B,L,H,n+Dv] ─ permute(0,2,1,3) ─ split [n, Dv]
+        V = split[1];  K = slice_scatter(slice_scatter(_, copy(_, split[0]), 0:n), copy(_, expand(rope [B,1,L,Dr])), n:)
+        (or K = cat(split[0], expand(rope)))
+
+        ==>  mla_sparse_attention(q, latent, rope, W, qpos, idx) {scale, nope}
+             weight absorption: per head, q_nope·(latent_j W_uk^T) = (q_nope W_uk)·latent_j, and the output
+             sum_j p_j (latent_j W_uv^T) = (sum_j p_j latent_j) W_uv^T, so a query costs n*R (absorb) +
+             k*(R+Dr) (selected rows) + Dv*R (up-project once): independent of L (upstream: L*H*(n+Dv)*R).
+             The expansion nodes become dead and disappear.
+
 The indexer itself (scores over all L positions and the top-k) stays as generic ops: it is the linear part of a
 DSA step and is reported separately by ``dayzero bench attention``. Both ops have one kernel per target with a
 decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
@@ -45,6 +58,7 @@ from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
+MLA = "mla_sparse_attention"
 
 
 # ---- the ops (torch references) ----------------------------------------------------------------------------
@@ -101,6 +115,26 @@ def sparse_reference(ins, attrs):
     return _attend(q, k, v, mask, attrs["scale"]).contiguous()
 
 
+def mla_expand(lat, rope, w, nope: int, H: int):
+    """Upstream's ``expand_kv``: per head, K = [latent · W_uk^T | rope_k] and V = latent · W_uv^T, where
+    W = kv_b_proj.weight [H*(nope+Dv), R] holds (W_uk, W_uv) per head. lat [B,1,L,R], rope [B,1,L,Dr]."""
+    B, _, L, _ = lat.shape
+    kv = torch.nn.functional.linear(lat, w).view(B, L, H, -1).transpose(1, 2)
+    k = torch.cat([kv[..., :nope], rope.expand(B, H, L, rope.shape[-1])], dim=-1)
+    return k, kv[..., nope:]
+
+
+def mla_sparse_reference(ins, attrs):
+    """sparse_reference over upstream's expansion of the latent cache (mla_expand): the unfused semantics."""
+    q, lat, rope, w, qpos, idx = ins
+    H = q.shape[1]
+    if q.device.type == "meta":
+        return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
+                           device="meta")
+    k, v = mla_expand(lat, rope, w, attrs["nope"], H)
+    return sparse_reference([q, k, v, qpos, idx], attrs)
+
+
 if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
@@ -116,6 +150,14 @@ if ops.REGISTRY.get(DENSE) is None:
         doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S], "
             "idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= qpos[s] "
             "only; out [B,Hq,S,Dv]"))
+    ops.register(ops.OpDef(
+        MLA, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
+                   ("qpos", ops.TENSOR), ("idx", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR)),
+        reference=mla_sparse_reference,
+        doc="DSA over an MLA latent cache with the up-projection absorbed: q [B,H,S,nope+Dr], latent [B,1,L,R], "
+            "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
+            "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
+            "reads only the k selected latent rows; out [B,H,S,Dv]"))
 
 from dayzero.codegen.kernels import attention as _kernels  # noqa: E402,F401  (registers the PrimFuncs)
 
@@ -239,6 +281,63 @@ def _cache_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node]:
     return k, v
 
 
+def _copied(n: Node) -> Node:
+    """copy(dst, src) with src of dst's shape is src (the traced form of ``dst.copy_(src)``)."""
+    if n.op == "copy" and len(n.inputs) == 2 and tuple(n.inputs[1].shape) == tuple(n.shape):
+        return n.inputs[1]
+    return n
+
+
+def _last_dim(n: Node, dim) -> bool:
+    return dim in (-1, n.type.ndim - 1)
+
+
+def _key_parts(k: Node) -> tuple[Node, Node]:
+    """K [.., D] written as two pieces along the last dim -> (first piece, second piece): ``cat(a, b)`` or
+    upstream's ``new_empty`` + two slice copies, slice_scatter(slice_scatter(_, a, 0:n), b, n:D)."""
+    D = k.shape[-1]
+    if k.op == "cat":
+        _need(_last_dim(k, k.attr.get("dim")) and len(k.inputs) == 2)
+        return k.inputs[0], k.inputs[1]
+    hi = k
+    _need(hi.op == "slice_scatter" and _last_dim(hi, hi.attr.get("dim")) and (hi.attr.get("step") or 1) == 1)
+    lo = hi.inputs[0]
+    _need(lo.op == "slice_scatter" and _last_dim(lo, lo.attr.get("dim")) and (lo.attr.get("step") or 1) == 1)
+    n = lo.attr.get("end")
+    _need((lo.attr.get("start") or 0) == 0 and isinstance(n, int) and 0 < n < D)
+    _need(hi.attr.get("start") == n and isinstance(hi.attr.get("end"), int) and hi.attr.get("end") >= D)
+    return _copied(lo.inputs[1]), _copied(hi.inputs[1])
+
+
+def _mla_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node, Node, int]:
+    """K/V that are the MLA expansion of a latent cache (shape (c) in the module docstring) ->
+    (latent [B,1,L,R], rope [B,1,L,Dr], W [H*(n+Dv), R], n); raises _NoMatch otherwise."""
+    B, H, L, Dk = k.shape
+    _need(v.op == "getitem" and v.attr["index"] == 1)
+    sp = v.inputs[0]
+    _need(sp.op == "split_with_sizes" and _last_dim(sp.inputs[0], sp.attr.get("dim"))
+          and len(sp.attr["split_sizes"]) == 2)
+    nope, dv = sp.attr["split_sizes"]
+    pm = sp.inputs[0]
+    _need(pm.op == "permute" and tuple(pm.attr["dims"]) == (0, 2, 1, 3))
+    vw = pm.inputs[0]
+    _need(vw.op in ("view", "_unsafe_view", "reshape") and tuple(vw.shape) == (B, L, H, nope + dv))
+    lin = vw.inputs[0]
+    _need(lin.op == "linear" and len(lin.inputs) == 2 and not lin.attr.get("bias"))
+    lat, w = lin.inputs
+    _need(lat.type.ndim == 4 and tuple(lat.shape[:3]) == (B, 1, L) and w.type.ndim == 2)
+    R = lat.shape[3]
+    _need(tuple(w.shape) == (H * (nope + dv), R) and v.shape[-1] == dv)
+    kn, kr = _key_parts(k)
+    _need(kn.op == "getitem" and kn.attr["index"] == 0 and kn.inputs[0] is sp)
+    _need(kr.op == "expand")
+    rope = kr.inputs[0]
+    Dr = Dk - nope
+    _need(tuple(rope.shape) == (B, 1, L, Dr) and tuple(kr.shape) == (B, H, L, Dr) and q.shape[-1] == Dk)
+    _need(lat.dtype == rope.dtype == q.dtype)
+    return lat, rope, w, int(nope)
+
+
 def _sdpa(n: Node, constants, counts) -> Node | None:
     a = n.attr
     _need(a.get("attn_mask") and not a.get("is_causal") and float(a.get("dropout_p") or 0.0) == 0.0)
@@ -254,8 +353,13 @@ def _sdpa(n: Node, constants, counts) -> Node | None:
         _need(terms["window"] == 0)
         idx = terms["idx"]
         _need(idx.type.ndim == 3 and idx.shape[1] == q.shape[2] and idx.dtype.startswith("int"))
-        counts[SPARSE] += 1
-        return _make(SPARSE, (q, k, v, terms["qpos"], idx), {"scale": scale}, q, v, n.span)
+        try:
+            lat, rope, w, nope = _mla_operands(q, k, v)
+        except _NoMatch:
+            counts[SPARSE] += 1
+            return _make(SPARSE, (q, k, v, terms["qpos"], idx), {"scale": scale}, q, v, n.span)
+        counts[MLA] += 1
+        return _make(MLA, (q, lat, rope, w, terms["qpos"], idx), {"scale": scale, "nope": nope}, q, v, n.span)
     counts[DENSE] += 1
     return _make(DENSE, (q, k, v, terms["qpos"]), {"scale": scale, "window": terms["window"], "sinks": False},
                  q, v, n.span)
@@ -317,7 +421,7 @@ def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
 
 
 def sparse_attention(g: Graph, ctx) -> Graph:
-    counts = {DENSE: 0, SPARSE: 0}
+    counts = {DENSE: 0, SPARSE: 0, MLA: 0}
 
     def fn(n: Node) -> Node | None:
         try:

@@ -21,7 +21,7 @@ HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 EXPECTED = {  # architecture -> (op, layers, {window: count}, sinks)
     "qwen3_moe": (sa.DENSE, 2, {0: 2}, False),
     "gpt_oss": (sa.DENSE, 2, {8: 1, 0: 1}, True),  # sliding_attention (window 8) + full_attention, both with sinks
-    "deepseek_v32": (sa.SPARSE, 2, {0: 2}, False),  # DSA in both layers (index_topk 4)
+    "deepseek_v32": (sa.MLA, 2, {0: 2}, False),  # DSA in both layers (index_topk 4) over the MLA latent cache
 }
 
 
@@ -55,11 +55,16 @@ def test_pattern_fires(programs, which):
         assert k.shape[2] == 64  # reads the cache (max_len rows) through qpos / idx, never a copy of it
         if op == sa.DENSE:
             assert k.op == "state_index_put" and n.attr["sinks"] == sinks
+        elif op == sa.MLA:  # the latent and rope caches themselves, never an expansion of them
+            assert k.op == n.inputs[2].op == "state_index_put" and n.attr["nope"] == 16
+            assert n.inputs[5].shape[-1] == 4 and n.inputs[5].dtype == "int64"
         else:
             assert n.inputs[4].shape[-1] == 4 and n.inputs[4].dtype == "int64"
         seq = n.inputs[0].shape[2]
         assert (seq == 1) == (which == "decode")
     assert got == windows
+    # nothing is computed over every cache row but the indexer scores: no kv_b_proj over the latent cache
+    assert not [m for m in g.nodes() if m.op == "linear" and m.inputs[0].op == "state_index_put"]
 
 
 # ---- kernels vs references -----------------------------------------------------------------------------------
@@ -161,3 +166,48 @@ def test_cuda_sm90_compiles(op, S):
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()
     assert "__global__" in src and "threadIdx.x" in src  # one thread per query (one block when it fits)
+
+
+def _mla_case(S, start, K, B=1, H=4, L=64, R=32, nope=16, Dr=8, Dv=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, nope + Dr, generator=g)
+    lat, rope = torch.randn(B, 1, L, R, generator=g), torch.randn(B, 1, L, Dr, generator=g)
+    w = torch.randn(H * (nope + Dv), R, generator=g) * R ** -0.5
+    qpos = torch.arange(S) + start
+    idx = torch.stack([torch.stack([_distinct_with(int(qpos[s]), K, L, g) for s in range(S)]) for _ in range(B)])
+    return q, lat, rope, w, qpos, idx
+
+
+@pytest.mark.parametrize("S,start,K,B", [
+    (1, 40, 4, 1),   # decode, some selected rows in the future (masked)
+    (1, 1, 8, 1),    # k larger than the valid length
+    (1, 63, 4, 2),   # last row, batch 2 (each batch row its own cache and indices)
+    (30, 2, 4, 1),   # prefill: per-query indices
+])
+def test_mla_kernel_matches_upstream_expansion(S, start, K, B):
+    """The absorbed kernel equals attention over upstream's expanded K/V (mla_expand) restricted to idx, and
+    reads only the selected latent rows."""
+    q, lat, rope, w, qpos, idx = _mla_case(S, start, K, B=B, seed=S + start + K + B)
+    ins = [q, lat, rope, w, qpos, idx]
+    ref = sa.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
+    read = torch.zeros(B, 64, dtype=torch.bool)
+    for b in range(B):
+        for s in range(S):
+            read[b, idx[b, s][idx[b, s] <= qpos[s]]] = True
+    lat[~read[:, None]], rope[~read[:, None]] = float("nan"), float("nan")
+    p = dict(op=sa.MLA, B=B, H=4, S=S if S == 1 else None, L=64, R=32, Dn=16, Dr=8, Dv=16, K=K,
+             dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64",
+             idx_dtype="int64", scale=0.2)
+    lib = tvm.compile(tvm.IRModule({"main": build(p, "llvm")}), target=HOST)
+    o = torch.full((B, 4, S, 16), float("nan"))
+    lib["main"](*ins, o)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("S", [1, None])
+def test_mla_cuda_sm90_compiles(S):
+    p = dict(op=sa.MLA, B=1, H=4, S=S, L=64, R=32, Dn=16, Dr=8, Dv=16, K=4, dtype="float32", lat_dtype="float32",
+             w_dtype="float32", out_dtype="float32", pos_dtype="int64", idx_dtype="int64", scale=0.2)
+    f = build(p, "cuda").with_attr("tirx.is_scheduled", True)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
+    assert "__global__" in lib.mod.imports[0].inspect_source()

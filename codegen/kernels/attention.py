@@ -34,6 +34,8 @@ NEG = "T.float32(-3.0e38)"
 
 
 def params(n: Node) -> dict:
+    if n.op == "mla_sparse_attention":
+        return mla_params(n)
     q, k, v, qpos = n.inputs[:4]
     B, Hq, S, D = q.shape
     _, Hkv, L, _ = k.shape
@@ -55,6 +57,8 @@ def _i(x) -> str:
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
+    if p["op"] == "mla_sparse_attention":
+        return build_mla(p, kind)
     sparse = p["op"] == "sparse_attention"
     B, Hq, Hkv, L, D, Dv = p["B"], p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep = Hq // Hkv
@@ -157,6 +161,92 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     return tvm.script.from_source(src)
 
 
+def mla_params(n: Node) -> dict:
+    q, lat, rope, w, qpos, idx = n.inputs
+    B, H, S, Dqk = q.shape
+    L, R = lat.shape[2], lat.shape[3]
+    nope = int(n.attr["nope"])
+    return {"op": n.op, "B": int(B), "H": int(H), "S": S if isinstance(S, int) else None, "L": int(L),
+            "R": int(R), "Dn": nope, "Dr": int(Dqk) - nope, "Dv": int(w.shape[0]) // int(H) - nope,
+            "K": int(idx.shape[-1]), "dtype": q.dtype, "lat_dtype": lat.dtype, "w_dtype": w.dtype,
+            "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": idx.dtype, "scale": float(n.attr["scale"])}
+
+
+def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """MLA sparse attention with the up-projection absorbed (see the module docstring): per query (b, h, s)
+
+        qa[r]  = scale * sum_d q[d] W[h(Dn+Dv) + d, r]               (d < Dn: the no-rope part, absorbed)
+        s_j    = qa · latent[j] + scale * q[Dn:] · rope_k[j]          for the selected rows j
+        acc[r] = sum_j softmax_j(s_j) latent[j, r]                    (online softmax, one pass over the rows)
+        o[d]   = sum_r W[h(Dn+Dv) + Dn + d, r] acc[r]                 (the value up-projection, once)
+
+    CPU: parallel over (b, h, s); CUDA: one thread per (b, h, s)."""
+    B, H, L, R, Dn, Dr, Dv, K = (p[x] for x in ("B", "H", "L", "R", "Dn", "Dr", "Dv", "K"))
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    f32 = "T.float32"
+    scope = ', scope="local"' if kind == "cuda" else ""
+    lines = ['    T.func_attr({"tirx.noalias": True})']
+    if p["S"] is None:
+        lines.append("    S = T.int64()")
+    lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(H)}, {S}, {_i(Dn + Dr)}), "{p["dtype"]}")',
+              f'    lat = T.match_buffer(l_, ({_i(B)}, {_i(1)}, {_i(L)}, {_i(R)}), "{p["lat_dtype"]}")',
+              f'    rk = T.match_buffer(r_, ({_i(B)}, {_i(1)}, {_i(L)}, {_i(Dr)}), "{p["lat_dtype"]}")',
+              f'    w = T.match_buffer(w_, ({_i(H * (Dn + Dv))}, {_i(R)}), "{p["w_dtype"]}")',
+              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
+              f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")',
+              f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")']
+    total = f"{_i(B * H)} * {S}"
+    if kind == "cuda":
+        lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
+                  f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
+                  f"    t = bx * {_i(CUDA_THREADS)} + tx",
+                  f"    if t < {total}:"]
+    else:
+        lines.append(f"    for t in T.parallel({total}):")
+    sc = p["scale"]
+    body = [f"b = t // {_i(H)} // {S}", f"h = t // {S} % {_i(H)}", f"s = t % {S}",
+            f"w0 = h * {_i(Dn + Dv)}",
+            f'qa = T.decl_buffer(({_i(R)},), "float32"{scope})',
+            f'qr = T.decl_buffer(({_i(Dr)},), "float32"{scope})',
+            f'acc = T.decl_buffer(({_i(R)},), "float32"{scope})',
+            f'st = T.decl_buffer(({_i(3)},), "float32"{scope})',  # running max, denominator, score
+            f"for r in range({_i(R)}):",
+            f"    qa[r] = {f32}(0)",
+            f"    acc[r] = {f32}(0)",
+            f"for d in range({_i(Dn)}):",
+            f'    qd = T.Cast("float32", q[b, h, s, d]) * {f32}({sc!r})',
+            f"    for r in range({_i(R)}):",
+            f'        qa[r] = qa[r] + qd * T.Cast("float32", w[w0 + d, r])',
+            f"for e in range({_i(Dr)}):",
+            f'    qr[e] = T.Cast("float32", q[b, h, s, {_i(Dn)} + e]) * {f32}({sc!r})',
+            f"st[0] = {NEG}",
+            f"st[1] = {f32}(0)",
+            f"for tk in range({_i(K)}):",
+            '    pos = T.Cast("int64", x[b, s, tk])',
+            f'    if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:',
+            f"        st[2] = {f32}(0)",
+            f"        for r in range({_i(R)}):",
+            '            st[2] = st[2] + qa[r] * T.Cast("float32", lat[b, 0, pos, r])',
+            f"        for e in range({_i(Dr)}):",
+            '            st[2] = st[2] + qr[e] * T.Cast("float32", rk[b, 0, pos, e])',
+            "        mn = T.max(st[0], st[2])",
+            "        corr = T.exp(st[0] - mn)",
+            "        ex = T.exp(st[2] - mn)",
+            "        st[1] = st[1] * corr + ex",
+            f"        for r in range({_i(R)}):",
+            '            acc[r] = acc[r] * corr + ex * T.Cast("float32", lat[b, 0, pos, r])',
+            "        st[0] = mn",
+            f"for d in range({_i(Dv)}):",
+            f"    st[2] = {f32}(0)",
+            f"    for r in range({_i(R)}):",
+            f'        st[2] = st[2] + T.Cast("float32", w[w0 + {_i(Dn)} + d, r]) * acc[r]',
+            f'    o[b, h, s, d] = T.Cast("{p["out_dtype"]}", st[2] / st[1])']
+    ind = "        " + ("    " if kind == "cuda" else "")
+    src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
+           "x_: T.handle, o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
+    return tvm.script.from_source(src)
+
+
 def _prim_func_for(node: Node) -> tvm.tirx.PrimFunc:
     """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters for the target rule."""
     p = params(node)
@@ -174,7 +264,7 @@ def _schedule_rule(kernel, target: tvm.target.Target):
     return tvm.IRModule({"main": f})
 
 
-for _op in ("cache_attention", "sparse_attention"):
+for _op in ("cache_attention", "sparse_attention", "mla_sparse_attention"):
     lower.PRIMFUNCS[_op] = _prim_func_for
     schedule.HAND_SCHEDULED[_op] = _schedule_rule
 
