@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dayzero import UserError
+from dayzero import InternalError, UserError
 
 ID_BASE = 2 ** 40  # far above any value an initialiser writes, exact in float64
 
@@ -118,21 +118,22 @@ def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
 Run = tuple[int, str, int, int]  # (dst offset, checkpoint key, src offset, length), in elements
 
 
-def learn_recipes(ckpt: Checkpoint, load_model) -> tuple[dict[str, list[Run]], set[str]]:
+def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None) -> tuple[dict[str, list[Run]], set[str]]:
     """Recipes for every module tensor transformers fills from the checkpoint.
 
     ``load_model(dir, dtype)`` must load the upstream model from a checkpoint dir (it is called on a stand-in
-    checkpoint of element ids). Returns (recipes by state-dict name, names the checkpoint does not provide).
+    checkpoint of element ids). Returns (recipes by state-dict name, names the checkpoint does not provide);
+    ``shapes``, when given, is filled with every state-dict tensor's shape.
 
     Modules transformers keeps in float32 whatever the load dtype (``_keep_in_fp32_modules``: MoE routers,
     DeepSeek-V4's hyper-connections) receive the ids cast to float32, which cannot hold ``ID_BASE + i`` exactly:
     those tensors are learned again from a second stand-in whose ids start at 2**20 (exact in float32 while the
     checkpoint has under 15M elements), else matched by name and shape."""
-    recipes, missing, lowp = _learn(ckpt, load_model, ID_BASE, None)
+    recipes, missing, lowp = _learn(ckpt, load_model, ID_BASE, None, shapes)
     if lowp:
         total = sum(_numel(i.shape) for i in ckpt.tensors.values())
         if FP32_ID_BASE + total < 2 ** 24:
-            r2, _, _ = _learn(ckpt, load_model, FP32_ID_BASE, lowp)
+            r2, _, _ = _learn(ckpt, load_model, FP32_ID_BASE, lowp, None)
             for name in list(lowp):
                 if name in r2:
                     recipes[name] = r2[name]
@@ -156,7 +157,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None):
+def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None, shapes: dict | None):
     keys = sorted(ckpt.tensors)
     base, ids, sizes = {}, {}, {}
     offset = id_base
@@ -179,6 +180,8 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None):
         model = load_model(tmp, torch.float64)
     recipes, missing, lowp = {}, set(), set()
     for name, t in model.state_dict().items():
+        if shapes is not None:
+            shapes[name] = tuple(int(d) for d in t.shape)
         if only is not None and name not in only:
             continue
         flat = t.detach().reshape(-1)
@@ -219,8 +222,9 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None):
 # NAME_scale_inv) stands in as one fp32 key NAME of its dequantised shape, exactly what
 # ``tools/make_tiny.dequantize_checkpoint`` and transformers' ``Mxfp4Config(dequantize=True)`` produce. A
 # parameter whose runs all come from such keys is then re-expressed over the stored tensors: the blocks / scales
-# get copy runs of their own (rows of [.., out, in] map to rows of [.., out, G, 16] and [.., out, G]), and the
-# frontend rebuilds the fp32 parameter in the graph with an explicit dequant subgraph (``lowprec``).
+# get copy runs of their own (rows of [.., out, in] map to rows of [.., out, G, 16] and [.., out, G]; FP8 scales
+# are re-expressed per row block of the parameter, see ``_fp8_param``), and the frontend rebuilds the fp32
+# parameter in the graph with an explicit dequant subgraph (``lowprec``).
 
 LOWP_METHODS = ("mxfp4", "fp8")
 IN_MAJOR_META = "dayzero.mxfp4_in_major"  # safetensors metadata (make-tiny): fused NAMEs stored input-major
@@ -253,6 +257,7 @@ class LowPrecParam:
     in_major: bool  # parameter = transpose(-1, -2) of the dequantised [.., out, in]
     data_runs: tuple
     scale_runs: tuple
+    row_block: int = 128  # fp8: rows of the parameter sharing one scale row (a power of two dividing 128)
 
     @property
     def data_name(self) -> str:
@@ -273,8 +278,14 @@ class LowPrecParam:
         if self.fmt == "mxfp4":
             G = st[-1] // 32
             return ("uint8", (*st[:-1], G, 16)), ("uint8", (*st[:-1], G))
-        rows = _numel(st[:-1])
-        return ("float8_e4m3fn", st), ("float32", (-(-rows // 128), -(-st[-1] // 128)))
+        return ("float8_e4m3fn", st), ("float32", fp8_scale_shape(st, self.row_block))
+
+
+def fp8_scale_shape(stored, row_block: int) -> tuple[int, ...]:
+    """Shape of an FP8 parameter's bound scales: one fp32 per (row_block rows, 128 columns) block of each [R, C]
+    slice, [.., ceil(R/row_block), ceil(C/128)] (row_block 128: exactly the published weight_scale_inv)."""
+    *lead, r, c = (int(d) for d in stored)
+    return (*lead, -(-r // row_block), -(-c // 128))
 
 
 def quant_method(ckpt: Checkpoint) -> str | None:
@@ -364,13 +375,13 @@ def learn_recipes_low_precision(ckpt: Checkpoint, load_model):
 
     Returns (recipes of the parameters stored in full precision, {param: LowPrecParam}, missing). A parameter
     built from low-precision keys whose runs cannot be re-expressed over the stored rows (a run splitting a
-    row, an input-major parameter assembled from several keys, FP8 rows regrouped across a 128-row scale block)
-    is a UserError naming it: dayzero never falls back to a silent full-precision copy."""
+    row, an input-major parameter assembled from several keys) is a UserError naming it: dayzero never falls back to a silent full-precision copy."""
     groups = low_precision_groups(ckpt)
     if not groups:
         recipes, missing = learn_recipes(ckpt, load_model)
         return recipes, {}, missing
-    recipes, missing = learn_recipes(_Dequantised(ckpt, groups), load_model)
+    shapes: dict = {}
+    recipes, missing = learn_recipes(_Dequantised(ckpt, groups), load_model, shapes)
     dense, lowp = {}, {}
     for param, runs in recipes.items():
         used = {key for _, key, _, _ in runs}
@@ -381,11 +392,11 @@ def learn_recipes_low_precision(ckpt: Checkpoint, load_model):
                 len({groups[k].in_major for k in used}) != 1:
             raise UserError(f"{param}: built from low-precision and other checkpoint tensors at once "
                             f"({', '.join(sorted(used))}); not supported")
-        lowp[param] = _lowp_param(param, runs, groups)
+        lowp[param] = _lowp_param(param, runs, groups, shapes.get(param))
     return dense, lowp, missing
 
 
-def _lowp_param(param: str, runs, groups) -> LowPrecParam:
+def _lowp_param(param: str, runs, groups, shape=None) -> LowPrecParam:
     g0 = groups[runs[0][1]]
     fmt, flip, inner = g0.fmt, g0.in_major, g0.stored[-1]
     if flip:  # transpose(dequant(stored)) of one whole key
@@ -402,14 +413,47 @@ def _lowp_param(param: str, runs, groups) -> LowPrecParam:
             return tuple((d0 // inner * k, getattr(groups[key], r), s0 // inner * k, n // inner * k)
                          for d0, key, s0, n in runs)
         return LowPrecParam(param, fmt, flip, per("data_key", inner // 2), per("scale_key", inner // 32))
-    # fp8: the weight binds element for element; 128-row scale blocks must stay whole (full-size DeepSeek
-    # experts are multiples of 128 rows; a tiny model's 32-row experts are not: see the report)
-    br, nb = 128, -(-inner // 128)
-    scale_runs = []
+    if shape is None or len(shape) < 2 or shape[-1] != inner:
+        raise InternalError(f"{param}: FP8 parameter shape {shape} unknown or not [.., R, {inner}]")
+    return _fp8_param(param, runs, groups, int(shape[-2]), inner)
+
+
+def _fp8_param(param: str, runs, groups, R: int, C: int) -> LowPrecParam:
+    """An FP8 parameter [.., R, C]: the weight binds element for element; its scales are re-expressed per block
+    of ``g`` rows of the parameter, g the largest power of two (<= 128) such that every g-row block of every
+    [R, C] slice comes from the rows of ONE 128-row scale block of one checkpoint tensor. Each such block copies
+    that tensor's scale row, so W[.., r, c] = E4M3(weight[.., r, c]) * scale[.., r // g, c // 128] exactly.
+
+    Published DeepSeek experts (each expert's gate / up / down its own [out, in] tensor with its own
+    weight_scale_inv, out a multiple of 128) give g = 128: the stored scales one to one, as few runs as keys. A
+    tiny model's 32-row experts stacked into [E, 2I, H] give g = 32 (each scale row copied once per 32-row
+    block: 4 bytes per 32 x 128 weights). The runs are split at [R, C]-slice boundaries of the parameter and of
+    each checkpoint tensor first, so stacked [E, ..] keys with their own [E, ., .] scales are handled alike."""
+    nb = -(-C // 128)
+    segs = []  # (dst row, key, src row, rows) within one slice on both sides
     for d0, k, s0, n in runs:
-        r0, rows, rr = s0 // inner, n // inner, groups[k].stored[-2]
-        if (d0 // inner) % br or r0 % br or (rows % br and r0 + rows != rr):
-            raise UserError(f"{param}: FP8 rows regrouped across a {br}-row scale block ({k}); cannot bind it in "
-                            "low precision")
-        scale_runs.append((d0 // inner // br * nb, groups[k].scale_key, r0 // br * nb, -(-rows // br) * nb))
-    return LowPrecParam(param, fmt, False, tuple(runs), tuple(scale_runs))
+        dr, sr, left, rk = d0 // C, s0 // C, n // C, groups[k].stored[-2]
+        while left:
+            take = min(left, R - dr % R, rk - sr % rk)
+            segs.append((dr, k, sr, take))
+            dr, sr, left = dr + take, sr + take, left - take
+
+    def fits(g):
+        return all(dr % R % g == 0 and sr % groups[k].stored[-2] % g == 0 and
+                   (n % g == 0 or (dr + n) % R == 0) for dr, k, sr, n in segs)
+    g = next(g for g in (128, 64, 32, 16, 8, 4, 2, 1) if fits(g))
+    nr = -(-R // g)
+    scale_runs: list = []
+    for dr, k, sr, n in segs:
+        rk = groups[k].stored[-2]
+        for j in range(0, n, g):
+            src_row = sr + j  # scale row of key k: [.., ceil(rk/128), nb] flattened
+            s_idx = (src_row // rk) * -(-rk // 128) + (src_row % rk) // 128
+            d_idx = (dr + j) // R * nr + (dr + j) % R // g
+            run = (d_idx * nb, groups[k].scale_key, s_idx * nb, nb)
+            if scale_runs and scale_runs[-1][1] == run[1] and \
+                    scale_runs[-1][0] + scale_runs[-1][3] == run[0] and scale_runs[-1][2] + scale_runs[-1][3] == run[2]:
+                last = scale_runs.pop()
+                run = (last[0], last[1], last[2], last[3] + nb)
+            scale_runs.append(run)
+    return LowPrecParam(param, "fp8", False, tuple(runs), tuple(scale_runs), g)

@@ -242,28 +242,29 @@ def _mxfp4_module(in_major: bool):
     return MxDequant()
 
 
-def _fp8_module(rows_cols):
+def _fp8_module(row_block: int):
     import torch
 
     class Fp8Dequant(torch.nn.Module):
-        def forward(self, weight, scale_inv):  # DeepSeek-V3's weight_dequant, 128x128 blocks
+        def forward(self, weight, scale_inv):  # DeepSeek-V3's weight_dequant: one scale per (row_block x 128)
             r, c = weight.shape[-2:]
-            s = scale_inv.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)[..., :r, :c]
+            s = scale_inv.repeat_interleave(row_block, dim=-2) if row_block > 1 else scale_inv
+            s = s.repeat_interleave(128, dim=-1)[..., :r, :c]
             return weight.to(torch.float32) * s
     return Fp8Dequant()
 
 
-def _dequant_graph(fmt: str, in_major: bool, data_t, scale_t):
+def _dequant_graph(fmt: str, in_major: bool, data_t, scale_t, row_block: int = 128):
     """The dequant chain as an IR graph over inputs (data, scale) and the weight ``lut`` (MXFP4), cached by
-    shape."""
-    key = (fmt, in_major, data_t, scale_t)
+    shape. FP8: ``row_block`` rows share a scale row (see checkpoint.fp8_scale_shape)."""
+    key = (fmt, in_major, data_t, scale_t, row_block)
     if key not in _GRAPHS:
         import torch
 
         from .torch_export import export_module, to_graph
 
         (dd, ds), (sd, ss) = data_t, scale_t
-        mod = _mxfp4_module(in_major) if fmt == "mxfp4" else _fp8_module(ds)
+        mod = _mxfp4_module(in_major) if fmt == "mxfp4" else _fp8_module(row_block)
         ex = (torch.zeros(ds, dtype=getattr(torch, dd), device="meta"),
               torch.zeros(ss, dtype=getattr(torch, sd), device="meta"))
         _GRAPHS[key] = to_graph(export_module(mod, ex, None)).graph
@@ -288,7 +289,7 @@ def bind_low_precision(traced, params: dict) -> int:
         if n.dtype != "float32":
             raise UserError(f"{p.param}: low-precision storage for a {n.dtype} parameter is not supported")
         data_t, scale_t = p.types(n.shape)
-        sub = _dequant_graph(p.fmt, p.in_major, data_t, scale_t)
+        sub = _dequant_graph(p.fmt, p.in_major, data_t, scale_t, p.row_block)
         span = Span(n.attr["name"].rsplit(".", 1)[0], "dayzero.frontend.lowprec")
         data = Node.make("weight", (), {"name": p.data_name, "zone": LOW_PRECISION_ZONE},
                          [TensorType(*data_t)], span)

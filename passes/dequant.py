@@ -11,9 +11,11 @@ MXFP4 B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ uns
       S uint8 [.., O, G] ─ _to_copy(f32) ─ sub(127) ─ exp2 ─ unsqueeze(-1) ──────────────────────────────────── mul
                                                           mul [.., O, G, 32] ─ view [.., O, 32G] ─ [transpose(-1, -2)]
 
-FP8   Wq float8_e4m3fn [N, K] ─ _to_copy(f32) ────────────────────────────────────────────────────────────┐
-      S f32 [⌈N/128⌉, ⌈K/128⌉] ─ repeat_interleave(128, 0) ─ repeat_interleave(128, 1) ─ [slice] [slice] ─ mul [N, K]
-                                 (unsqueeze ─ expand ─ [clone] ─ view, twice)
+FP8   Wq float8_e4m3fn [.., N, K] ─ _to_copy(f32) ───────────────────────────────────────────────────────────┐
+      S f32 [.., ⌈N/br⌉, ⌈K/bc⌉] ─ [repeat_interleave(br, -2)] ─ [repeat_interleave(bc, -1)] ─ [slice]* ─ mul
+                                   (unsqueeze ─ expand ─ [clone] ─ view each)       [.., N, K]
+      (DeepSeek's 128x128 blocks: br = bc = 128; the frontend binds experts shorter than a scale block with
+      br < 128, one scale row per br rows: see frontend/checkpoint._fp8_param)
 
 INT4  P uint8 (packed, any shape) ─┬─ bitwise_and(15) ─ view [.., 1] ─┐
                                    └─ rshift(4) ─────── view [.., 1] ─ cat(-1) ─ view ─ [xor(8)] ─ _to_copy(f32)
@@ -24,6 +26,8 @@ Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not):
 
     moe_experts(x, ids, w, W_gu, [b_gu], W_d, [b_d])    both W MXFP4 chains (layout nk: untransposed; kn: transposed)
         ==>  moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])
+    moe_experts(x, ids, w, W_gu, [b_gu], W_d, [b_d])    both W FP8 chains [E, .., ..] (either layout; blocks any)
+        ==>  moe_experts_fp8(x, ids, w, Wq_gu, S_gu, [b_gu], Wq_d, S_d, [b_d])   attrs gate_up_block, down_block
 
     linear(x, W [N, K], [b])  |  matmul / mm(x, W [K, N])      W any of the three chains (int4 [R, C] = [N, K] is
         ==>  view [.., N] ( dequant_linear_FMT(view [T, K] (x), stored...) ) [+ b]     layout nk, [K, N] is kn;
@@ -33,7 +37,7 @@ Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not):
 
 Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants`` into
 ``ctx.constants``), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
-(``codegen/kernels/moe.py`` ``wfmt="mxfp4"``; ``codegen/kernels/dequant_linear.py``: decode GEMV for a static
+(``codegen/kernels/moe.py`` ``wfmt="mxfp4"`` / ``"fp8"``; ``codegen/kernels/dequant_linear.py``: decode GEMV for a static
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
 detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
@@ -89,6 +93,46 @@ if ops.REGISTRY.get(OP_MOE) is None:
         doc="moe_experts with MXFP4 expert matrices as published (layout nk): gate_up_blocks uint8 [E,GU,H/32,16], "
             "gate_up_scales uint8 [E,GU,H/32], down_blocks [E,H,I/32,16], down_scales [E,H,I/32]; other args as "
             "moe_experts"))
+
+
+OP_MOE_FP8 = "moe_experts_fp8"
+
+
+def fp8_blocks_dequant_ref(wq: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
+    """fp32 [.., R, C] = E4M3(wq) * s[.., r // br, c // bc] (wq float8_e4m3fn or its uint8 bytes)."""
+    br, bc = block
+    r, c = wq.shape[-2:]
+    v = (wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq).float()
+    return v * s.float().repeat_interleave(br, dim=-2)[..., :r, :].repeat_interleave(bc, dim=-1)[..., :c]
+
+
+def moe_fp8_reference(ins, attrs):
+    from .moe import moe_reference
+
+    it = iter(ins)
+    x, ids, w, gq, gs = (next(it) for _ in range(5))
+    bgu = next(it) if attrs["gate_up_bias"] else None
+    dq_, ds = next(it), next(it)
+    bd = next(it) if attrs["down_bias"] else None
+    if x.device.type == "meta":
+        return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
+    dense = [x, ids, w, fp8_blocks_dequant_ref(gq, gs, attrs["gate_up_block"])] + ([bgu] if bgu is not None else []) \
+        + [fp8_blocks_dequant_ref(dq_, ds, attrs["down_block"])] + ([bd] if bd is not None else [])
+    return moe_reference(dense, attrs)
+
+
+if ops.REGISTRY.get(OP_MOE_FP8) is None:
+    ops.register(ops.OpDef(
+        OP_MOE_FP8, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
+                          ("gate_up_weight", ops.TENSOR), ("gate_up_scale", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR),
+                          ("down_weight", ops.TENSOR), ("down_scale", ops.TENSOR), ("b_down", ops.OPT_TENSOR),
+                          ("layout", ops.ATTR), ("act", ops.ATTR), ("inter", ops.ATTR), ("gate_up_bias", ops.ATTR),
+                          ("down_bias", ops.ATTR), ("gate_up_block", ops.ATTR), ("down_block", ops.ATTR)),
+        reference=moe_fp8_reference,
+        doc="moe_experts with FP8 expert matrices: gate_up_weight float8_e4m3fn [E,GU,H] (nk) or [E,H,GU] (kn), "
+            "gate_up_scale fp32 [E, ceil(d1/br), ceil(d2/bc)] with (br, bc) = gate_up_block; down_weight / "
+            "down_scale / down_block likewise; W[e,i1,i2] = E4M3(weight[e,i1,i2]) * scale[e, i1 // br, i2 // bc]; "
+            "other args as moe_experts"))
 
 
 # ---- dense linear ops ----------------------------------------------------------------------------------------
@@ -275,7 +319,7 @@ def _fuse_moe(n: Node, constants) -> Node | None:
     bd = n.inputs[-1] if a["down_bias"] else None
     gu, d = match_mxfp4(wgu, constants), match_mxfp4(wd, constants)
     if gu is None or d is None:
-        return None
+        return _fuse_moe_fp8(n, x, ids, w, wgu, bgu, wd, bd)
     want_t = a["layout"] == "kn"  # an input-major [E, in, out] weight is the transposed dequant
     if gu[2] != want_t or d[2] != want_t:
         return None
@@ -286,6 +330,25 @@ def _fuse_moe(n: Node, constants) -> Node | None:
         ([bd] if bd is not None else [])
     attrs = {k: a[k] for k in ("act", "inter", "gate_up_bias", "down_bias")}
     return Node.make(OP_MOE, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
+
+
+def _fuse_moe_fp8(n: Node, x, ids, w, wgu, bgu, wd, bd) -> Node | None:
+    """moe_experts whose two expert matrices are FP8 block chains -> moe_experts_fp8 (weights as stored, either
+    layout: the chain's output is the parameter itself, so the scale blocks lie over its last two axes)."""
+    from dayzero.codegen.kernels import moe as kernels
+
+    a = n.attr
+    gu, d = match_fp8_blocks(wgu), match_fp8_blocks(wd)
+    if gu is None or d is None or len(wgu.shape) != 3 or len(wd.shape) != 3:
+        return None
+    if not kernels.supports_fp8(int(x.shape[1]), int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]),
+                                int(a["inter"])):
+        return None
+    ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
+        ([bd] if bd is not None else [])
+    attrs = {k: a[k] for k in ("layout", "act", "inter", "gate_up_bias", "down_bias")}
+    attrs.update(gate_up_block=tuple(gu[2:]), down_block=tuple(d[2:]))
+    return Node.make(OP_MOE_FP8, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
 
 
 def _repeat(n: Node):
@@ -307,30 +370,42 @@ def _repeat(n: Node):
     return src, d, r
 
 
-def match_fp8(w: Node) -> tuple[Node, Node] | None:
-    """W fp32 [N, K] -> (Wq float8_e4m3fn [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]), else None."""
-    if w.op != "mul.Tensor" or len(w.inputs) != 2 or w.dtype != "float32" or len(w.shape) != 2:
+def match_fp8_blocks(w: Node) -> tuple[Node, Node, int, int] | None:
+    """W fp32 [.., N, K] = E4M3(Wq) x scale S repeated (br, bc) times along the last two axes -> (Wq
+    float8_e4m3fn [.., N, K], S fp32 [.., ceil(N/br), ceil(K/bc)], br, bc), else None. A missing repeat is a
+    factor 1 (one scale per row)."""
+    if w.op != "mul.Tensor" or len(w.inputs) != 2 or w.dtype != "float32" or len(w.shape) < 2:
         return None
-    N, K = w.shape
-    if not isinstance(N, int) or not isinstance(K, int):
+    if not all(isinstance(d, int) for d in w.shape):
         return None
+    nd = len(w.shape)
+    *lead, N, K = w.shape
     for a, b in (w.inputs, w.inputs[::-1]):
-        if a.op != "_to_copy" or a.inputs[0].dtype != "float8_e4m3fn" or tuple(a.shape) != (N, K):
+        if a.op != "_to_copy" or a.inputs[0].dtype != "float8_e4m3fn" or tuple(a.shape) != tuple(w.shape):
             continue
         while b.op == "slice.Tensor" and b.attr.get("start") in (0, None) and b.attr.get("step", 1) == 1:
             b = b.inputs[0]
         axes = {}
         for _ in range(2):
             r = _repeat(b)
-            if r is None:
+            if r is None or r[1] in axes:
                 break
             b, d, f = r
             axes[d] = f
-        if axes != {0: 128, 1: 128} or b.dtype != "float32" or \
-                tuple(b.shape) != (-(-N // 128), -(-K // 128)):
+        br, bc = axes.get(nd - 2, 1), axes.get(nd - 1, 1)
+        if set(axes) - {nd - 2, nd - 1} or b.dtype != "float32" or \
+                tuple(b.shape) != (*lead, -(-N // br), -(-K // bc)):
             continue
-        return a.inputs[0], b
+        return a.inputs[0], b, br, bc
     return None
+
+
+def match_fp8(w: Node) -> tuple[Node, Node] | None:
+    """W fp32 [N, K] -> (Wq float8_e4m3fn [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]), else None."""
+    m = match_fp8_blocks(w)
+    if m is None or len(w.shape) != 2 or m[2:] != (128, 128):
+        return None
+    return m[0], m[1]
 
 
 def _bits(n: Node, op_t: str, op_s: tuple, value: int, constants) -> Node | None:

@@ -9,6 +9,12 @@ Arguments (the ``moe_experts`` node's inputs, then its output; see ``passes/moe.
     Wd   [E, H, I]  (layout nk) | [E, I, H]  (kn)       b_d  [E, H]   (if down_bias)
     y    [T, H]
 
+Low-precision variants take each W as stored and decode it in registers where the GEMMs read it (no copy):
+``moe_experts_mxfp4`` (blocks uint8 [E, out, in/32, 16] + E8M0 scales [E, out, in/32], layout nk) and
+``moe_experts_fp8`` (float8_e4m3fn W in either layout + fp32 block scales [E, ceil(d1/br), ceil(d2/bc)]); see
+``moe_experts_func``. Same phases, tiles and chunks: the 1/2-token tiles are the decode GEMV, the MB tiles the
+prefill GEMM.
+
 Phases (a = t*k + j is an assignment, S = T*k of them; p its position once sorted by expert):
 1. counting sort (serial, O(S + E)): cnt[e] -> offs[e] (exclusive prefix sum), order[p] = a, stable in a.
 2. gate/up grouped GEMM: G[p, n] = sum_h x[order[p] // k, h] * Wgu[e, n, h] (+ b_gu[e, n]) for p in
@@ -100,12 +106,20 @@ def _act_builder(expr, G, p):
 
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
-                     out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense") -> tvm.tirx.PrimFunc:
+                     out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",
+                     gate_up_block=(128, 128), down_block=(128, 128)) -> tvm.tirx.PrimFunc:
     """``wfmt="mxfp4"``: the expert matrices arrive as published, blocks uint8 [E, out, in/32, 16] + scales uint8
     [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly
     (``dequant.e2m1_value`` x ``dequant.e8m0_value``): no full-precision copy of any expert exists, the jobs read
-    4.25 bits per weight."""
-    mx = wfmt == "mxfp4"
+    4.25 bits per weight.
+
+    ``wfmt="fp8"``: each expert matrix is float8_e4m3fn in its parameter layout (Wgu [E, GU, H] nk / [E, H, GU]
+    kn, Wd likewise) plus fp32 scales over its last two axes in blocks of ``gate_up_block`` / ``down_block``
+    (rows, cols): Sgu [E, ceil(d1/br), ceil(d2/bc)], W[e, i1, i2] = E4M3(Wq[e, i1, i2]) * S[e, i1 // br, i2 // bc]
+    (``frontend/checkpoint._fp8_param`` binds DeepSeek's 128x128 weight_scale_inv so; br < 128 where a tiny
+    model's experts are shorter than a scale block). Decoded in registers as ``dequant.e4m3_value_div256`` times
+    256 * S (exact: a power of two), so the jobs read 1 byte per weight plus 4 bytes per block."""
+    mx, f8 = wfmt == "mxfp4", wfmt == "fp8"
     if mx and (layout != "nk" or H % 32 or I % 32):
         raise InternalError(f"moe_experts mxfp4 kernel needs layout nk and H, I multiples of 32 (H={H}, I={I})")
     if GU % NB or H % NB or H % L or I % L:
@@ -128,12 +142,20 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         code = T.shift_right(byte, (h % 2) * 4) & 15
         return dequant.e2m1_value(code) * dequant.e8m0_value(S[e, n, h // 32])
 
+    def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
+        return dequant.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
+            (S[e, i1 // blk[0], i2 // blk[1]] * T.float32(256))
+
     def wgu_at(W, S, e, n, h):
+        if S is not None and f8:
+            return fp8_at(W, S, gate_up_block, e, n, h) if nk else fp8_at(W, S, gate_up_block, e, h, n)
         if S is not None:
             return mx_at(W, S, e, n, h)
         return W[e, n, h] if nk else W[e, h, n]
 
     def wd_at(W, S, e, n, i):
+        if S is not None and f8:
+            return fp8_at(W, S, down_block, e, n, i) if nk else fp8_at(W, S, down_block, e, i, n)
         if S is not None:
             return mx_at(W, S, e, n, i)
         return W[e, n, i] if nk else W[e, i, n]
@@ -154,7 +176,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     def prefetch(pf, W, S, e, n, h):
         """Software prefetch (to L2) of the weight line [e, n, h] one n-block ahead: the next block of the same
         routed expert (clamped to its last row), so DRAM latency overlaps the current block's FMAs."""
-        if not pf or S is not None or not nk or cuda:
+        if not pf or (S is not None and not f8) or not nk or cuda:
             return T.evaluate(0)
         return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W[e, n, h]), 0, 2, 1))
 
@@ -336,15 +358,25 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         body(X, IDS, WR, WGU, None, None, WD, None, None, Y, n_tok)
 
     if mx:
-        return _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
+        gu_st = (((E, GU, H // 32, 16), "uint8"), ((E, GU, H // 32), "uint8"))
+        d_st = (((E, H, I // 32, 16), "uint8"), ((E, H, I // 32), "uint8"))
+        return _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
+            (gate_up_bias, down_bias)]
+    if f8:
+        def scale_shape(shape, blk):
+            return (E, -(-shape[1] // blk[0]), -(-shape[2] // blk[1]))
+        gu_st = ((wgu_shape, "float8_e4m3fn"), (scale_shape(wgu_shape, gate_up_block), "float32"))
+        d_st = ((wd_shape, "float8_e4m3fn"), (scale_shape(wd_shape, down_block), "float32"))
+        return _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
             (gate_up_bias, down_bias)]
     return {(True, True): with_both, (True, False): with_gu, (False, True): with_d,
             (False, False): without}[(gate_up_bias, down_bias)]
 
 
-def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype) -> dict:
-    """The four bias variants with MXFP4 expert matrices: (blocks, scales) in place of each weight."""
-    gub, gus, db, ds = (E, GU, H // 32, 16), (E, GU, H // 32), (E, H, I // 32, 16), (E, H, I // 32)
+def _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype) -> dict:
+    """The four bias variants with expert matrices as stored: (data, scales) in place of each weight, each given
+    as ((shape, dtype), (shape, dtype)): MXFP4 (blocks, scales) or FP8 (weight, block scales)."""
+    ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = gu_st, d_st
 
     @T.prim_func
     def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
@@ -354,11 +386,11 @@ def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
         WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
+        GB = T.match_buffer(gub_h, gub, gubt)
+        GS = T.match_buffer(gus_h, gus, gust)
         BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
+        DB = T.match_buffer(db_h, db, dbt)
+        DS = T.match_buffer(ds_h, ds, dst)
         BD = T.match_buffer(bd_h, (E, H), b_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         body(X, IDS, WR, GB, GS, BGU, DB, DS, BD, Y, n_tok)
@@ -371,11 +403,11 @@ def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
         WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
+        GB = T.match_buffer(gub_h, gub, gubt)
+        GS = T.match_buffer(gus_h, gus, gust)
         BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
+        DB = T.match_buffer(db_h, db, dbt)
+        DS = T.match_buffer(ds_h, ds, dst)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         body(X, IDS, WR, GB, GS, BGU, DB, DS, None, Y, n_tok)
 
@@ -387,10 +419,10 @@ def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
         WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
+        GB = T.match_buffer(gub_h, gub, gubt)
+        GS = T.match_buffer(gus_h, gus, gust)
+        DB = T.match_buffer(db_h, db, dbt)
+        DS = T.match_buffer(ds_h, ds, dst)
         BD = T.match_buffer(bd_h, (E, H), b_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         body(X, IDS, WR, GB, GS, None, DB, DS, BD, Y, n_tok)
@@ -403,10 +435,10 @@ def _mxfp4_funcs(body, E, H, GU, I, k, x_dtype, ids_dtype, w_dtype, b_dtype, out
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
         IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
         WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
+        GB = T.match_buffer(gub_h, gub, gubt)
+        GS = T.match_buffer(gus_h, gus, gust)
+        DB = T.match_buffer(db_h, db, dbt)
+        DS = T.match_buffer(ds_h, ds, dst)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         body(X, IDS, WR, GB, GS, None, DB, DS, None, Y, n_tok)
 
@@ -503,7 +535,35 @@ def _prim_func_for_mxfp4(node) -> tvm.tirx.PrimFunc:
     return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
 
 
+def _params_fp8(node) -> dict:
+    """moe_experts_fp8(x, ids, w, gu_weight, gu_scale, [b_gu], d_weight, d_scale, [b_d]) (passes/dequant.py)."""
+    a = node.attr
+    x, ids, w, guw = node.inputs[:4]
+    bias = node.inputs[5] if a["gate_up_bias"] else (node.inputs[-1] if a["down_bias"] else None)
+    nk = a["layout"] == "nk"
+    return dict(E=int(guw.shape[0]), H=int(x.shape[1]), GU=int(guw.shape[1] if nk else guw.shape[2]),
+                I=int(a["inter"]), k=int(ids.shape[1]), layout=a["layout"], act=a["act"],
+                gate_up_bias=a["gate_up_bias"], down_bias=a["down_bias"], x_dtype=x.dtype, ids_dtype=ids.dtype,
+                w_dtype=w.dtype, wt_dtype=bias.dtype if bias is not None else "float32", out_dtype=node.dtype,
+                wd_dtype="float8_e4m3fn", wfmt="fp8", gate_up_block=list(a["gate_up_block"]),
+                down_block=list(a["down_block"]))
+
+
+def supports_fp8(H: int, GU: int, I: int) -> bool:
+    """The FP8 expert kernel has the dense kernel's tiling constraints (any block sizes, nk or kn)."""
+    return not (H % NB or GU % NB or H % L or I % L)
+
+
+def _prim_func_for_fp8(node) -> tvm.tirx.PrimFunc:
+    p = _params_fp8(node)
+    if not supports_fp8(p["H"], p["GU"], p["I"]):
+        raise InternalError(f"moe_experts_fp8 kernel cannot take {p} (the dequant pass checks first)")
+    return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
+
+
 lower.PRIMFUNCS["moe_experts"] = _prim_func_for
 lower.PRIMFUNCS["moe_experts_mxfp4"] = _prim_func_for_mxfp4
+lower.PRIMFUNCS["moe_experts_fp8"] = _prim_func_for_fp8
 schedule.HAND_SCHEDULED["moe_experts_mxfp4"] = _schedule_rule
+schedule.HAND_SCHEDULED["moe_experts_fp8"] = _schedule_rule
 schedule.HAND_SCHEDULED["moe_experts"] = _schedule_rule
