@@ -302,7 +302,11 @@ def resolve_compute_dtype(compute_dtype: str | None, target: dict) -> str:
         return HOST_COMPUTE_DTYPE
     if compute_dtype in COMPUTE_DTYPES:
         return compute_dtype
-    return load_target_spec(compute_dtype).compute_dtype
+    try:
+        return load_target_spec(compute_dtype).compute_dtype
+    except UserError as e:
+        raise UserError(f"--compute-dtype {compute_dtype!r} is neither one of {', '.join(COMPUTE_DTYPES)} nor a "
+                        f"usable target spec ({e})") from None
 
 
 def route_experts(g: Graph, ctx: PassContext, program: str, target: dict, experts: dict,
