@@ -59,6 +59,7 @@ from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
 MLA = "mla_sparse_attention"
+INDEXER = "dsa_indexer_topk"
 
 
 # ---- the ops (torch references) ----------------------------------------------------------------------------
@@ -135,6 +136,19 @@ def mla_sparse_reference(ins, attrs):
     return sparse_reference([q, k, v, qpos, idx], attrs)
 
 
+def indexer_reference(ins, attrs):
+    """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward after the projections): per-head
+    scores, ReLU, weighted head sum, causal mask with ``fill``, torch.topk."""
+    q, w, keys, qpos = ins
+    B, S = q.shape[:2]
+    if q.device.type == "meta":
+        return torch.empty(B, S, attrs["k"], dtype=torch.int64, device="meta")
+    scores = torch.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * attrs["scale"])
+    x = torch.matmul(w.float().unsqueeze(-2), scores).squeeze(-2)
+    x = x.masked_fill(~valid_positions(keys.shape[1], qpos.reshape(-1), 0)[None], attrs["fill"])
+    return x.topk(attrs["k"], dim=-1, sorted=attrs["sorted"]).indices
+
+
 if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
@@ -158,8 +172,16 @@ if ops.REGISTRY.get(DENSE) is None:
             "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
             "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
             "reads only the k selected latent rows; out [B,H,S,Dv]"))
+    ops.register(ops.OpDef(
+        INDEXER, args=(("q", ops.TENSOR), ("w", ops.TENSOR), ("keys", ops.TENSOR), ("qpos", ops.TENSOR),
+                       ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR)),
+        reference=indexer_reference,
+        doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache), "
+            "qpos int [S]; attrs scale, k, sorted, fill; score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
+            "j <= qpos[s] else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie order)"))
 
 from dayzero.codegen.kernels import attention as _kernels  # noqa: E402,F401  (registers the PrimFuncs)
+from dayzero.codegen.kernels import indexer as _indexer_kernels  # noqa: E402,F401
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
@@ -420,11 +442,80 @@ def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
     return Node.make("view", (att,), {"size": tuple(n.shape)}, n.types, n.span)
 
 
+def _strip(n: Node, ops_=("view", "_unsafe_view", "reshape", "clone", "alias")) -> Node:
+    """Through reshapes/clones, expands that keep the shape, and upcasts to float32 (exact)."""
+    while n.inputs and len(n.inputs[0].types) == 1 and (
+            n.op in ops_ or (n.op == "expand" and tuple(n.shape) == tuple(n.inputs[0].shape))
+            or (n.op == "_to_copy" and n.attr.get("dtype") == "float32" and n.inputs[0].dtype in _UPCAST)):
+        n = n.inputs[0]
+    return n
+
+
+_UPCAST = ("float32", "bfloat16", "float16")
+
+
+def _indexer(n: Node, constants, counts) -> Node | None:
+    """getitem(topk(where(~mask, -inf, Σ_h w·relu(scale·q·kᵀ)), k), 1) -> dsa_indexer_topk (shape (d))."""
+    _need(n.attr.get("index") == 1)
+    tk = n.inputs[0]
+    _need(tk.op == "topk" and tk.attr.get("largest", True) and _last_dim(tk.inputs[0], tk.attr.get("dim", -1)))
+    x = tk.inputs[0]
+    _need(x.op == "where.self" and x.type.ndim == 3)
+    B, S, L = x.shape
+    K = tk.attr["k"]
+    _need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
+    cond, fill, sc = x.inputs
+    fv = _const(fill, constants)
+    _need(fv.numel() == 1 and float(fv) == float("-inf"))
+    _need(cond.op == "bitwise_not")
+    m = cond.inputs[0]
+    if m.op == "select.int":
+        _need(m.attr.get("dim") == 1 and m.attr.get("index") == 0 and m.inputs[0].shape[1] == 1)
+        m = m.inputs[0]
+    terms = _mask_terms(m, S, L, constants)
+    _need(terms["idx"] is None and terms["window"] == 0)
+    # weighted head sum: bmm(w [B*S,1,Hi], relu [B*S,Hi,L]) viewed back to [B,S,L]
+    hs = _strip(sc, ("view", "_unsafe_view", "reshape", "squeeze.dim", "squeeze.dims", "clone"))
+    _need(hs.op == "bmm" and tuple(hs.shape) == (B * S, 1, L))
+    wv, rv = hs.inputs
+    w = _strip(wv, ("view", "_unsafe_view", "reshape", "unsqueeze", "clone"))
+    r = _strip(rv)
+    _need(w.type.ndim == 3 and tuple(w.shape[:2]) == (B, S) and r.op == "relu" and r.type.ndim == 4)
+    Hi = w.shape[2]
+    _need(tuple(r.shape) == (B, S, Hi, L) and tuple(wv.shape) == (B * S, 1, Hi))
+    mul = r.inputs[0]
+    _need(mul.op == "mul.Tensor")
+    scale = _const(mul.inputs[1], constants)
+    _need(scale.numel() == 1)
+    qk = _strip(mul.inputs[0])
+    _need(qk.op == "bmm" and tuple(qk.shape) == (B * S, Hi, L))
+    q = _strip(qk.inputs[0])
+    _need(q.type.ndim == 4 and tuple(q.shape[:3]) == (B, S, Hi))
+    Di = q.shape[3]
+    # keys: view(expand(unsqueeze(permute(keys [B,L,Di], (0,2,1)), 1), [B,S,Di,L]), [B*S,Di,L])
+    kv = qk.inputs[1]
+    _need(tuple(kv.shape) == (B * S, Di, L))
+    kn = kv
+    while kn.op in ("view", "_unsafe_view", "reshape", "expand", "clone", "alias"):
+        kn = kn.inputs[0]
+    _need(kn.op == "unsqueeze" and kn.attr.get("dim") == 1)
+    pm = kn.inputs[0]
+    _need(pm.op == "permute" and tuple(pm.attr["dims"]) == (0, 2, 1))
+    keys = _strip(pm.inputs[0])
+    _need(tuple(keys.shape) == (B, L, Di) and keys.dtype in _UPCAST and q.dtype in _UPCAST and w.dtype in _UPCAST)
+    counts[INDEXER] += 1
+    return Node.make(INDEXER, (q, w, keys, terms["qpos"]),
+                     {"scale": float(scale), "k": K, "sorted": bool(tk.attr.get("sorted", True)),
+                      "fill": float("-inf")}, n.types, n.span)
+
+
 def sparse_attention(g: Graph, ctx) -> Graph:
-    counts = {DENSE: 0, SPARSE: 0, MLA: 0}
+    counts = {DENSE: 0, SPARSE: 0, MLA: 0, INDEXER: 0}
 
     def fn(n: Node) -> Node | None:
         try:
+            if n.op == "getitem" and n.inputs[0].op == "topk":
+                return _indexer(n, ctx.constants, counts)
             if n.op == "scaled_dot_product_attention" and len(n.inputs) == 4:
                 return _sdpa(n, ctx.constants, counts)
             if n.op == "bmm" and n.inputs[0].op in ("view", "_unsafe_view", "reshape"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dayzero.codegen.kernels.attention import build
 from dayzero.passes import sparse_attention as sa
@@ -65,6 +67,12 @@ def test_pattern_fires(programs, which):
     assert got == windows
     # nothing is computed over every cache row but the indexer scores: no kv_b_proj over the latent cache
     assert not [m for m in g.nodes() if m.op == "linear" and m.inputs[0].op == "state_index_put"]
+    if op == sa.MLA:  # the indexer is one fused op per layer; no generic top-k over the 64 cache rows is left
+        assert ctx.patterns.get(sa.INDEXER) == layers
+        assert not [m for m in g.nodes() if m.op == "topk" and m.inputs[0].shape[-1] == 64]
+        for m in g.nodes():
+            if m.op == sa.INDEXER:
+                assert m.inputs[2].op == "state_index_put" and m.attr["k"] == 4 and m.attr["sorted"]
 
 
 # ---- kernels vs references -----------------------------------------------------------------------------------
@@ -211,3 +219,65 @@ def test_mla_cuda_sm90_compiles(S):
     f = build(p, "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     assert "__global__" in lib.mod.imports[0].inspect_source()
+
+
+# ---- the indexer kernel vs torch ------------------------------------------------------------------------------
+
+_IX_LIBS: dict = {}
+
+
+def _indexer_lib(B, S, Hi, Di, L, K, sorted_=True, kind="llvm"):
+    from dayzero.codegen.kernels import indexer
+
+    key = (B, S, Hi, Di, L, K, sorted_)
+    if key not in _IX_LIBS:
+        p = dict(op=sa.INDEXER, B=B, S=S if S == 1 else None, Hi=Hi, Di=Di, L=L, K=K, sorted=sorted_, scale=0.25,
+                 fill=float("-inf"), q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+        _IX_LIBS[key] = tvm.compile(tvm.IRModule({"main": indexer.build(p, kind)}), target=HOST)["main"]
+    return _IX_LIBS[key]
+
+
+def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3):
+    """Small-integer q/k/w and a power-of-two scale make every score exact whatever the summation order, so
+    the kernel must return torch.topk's indices exactly: ReLU zeros and equal sums give many ties."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *sh: torch.randint(-values, values + 1, sh, generator=g).float()  # noqa: E731
+    q, w, keys = r(B, S, Hi, Di), r(B, S, Hi), r(B, L, Di)
+    qpos = torch.arange(S) + start
+    ref = sa.indexer_reference([q, w, keys, qpos], {"scale": 0.25, "k": K, "sorted": sorted_, "fill": float("-inf")})
+    out = torch.full((B, S, K), -1, dtype=torch.int64)
+    _indexer_lib(B, S, Hi, Di, L, K, sorted_)(q, w, keys, qpos, out)
+    assert torch.equal(out, ref), (out, ref)
+
+
+@pytest.mark.parametrize("B,S,L,K,start,sorted_", [
+    (1, 1, 64, 4, 40, True),      # decode, nth_element + sort path (k*64 > L)
+    (1, 1, 64, 4, 2, True),       # fewer visible rows than k: -inf ties decide the tail, as in torch
+    (2, 1, 4096, 4, 3000, True),  # partial_sort (heap select) path, batch 2, 4 chunks of key rows
+    (1, 1, 5000, 300, 4999, True),  # large k: introsort of the selected rows with its depth-limited recursion
+    (1, 1, 300, 40, 299, False),  # sorted=False: nth_element order
+    (1, 37, 64, 4, 0, True),      # prefill from 0: 5 query blocks, the last partial
+    (2, 9, 128, 16, 50, False),   # prefill after a cached prefix, batch 2
+])
+def test_indexer_kernel_equals_torch_topk(B, S, L, K, start, sorted_):
+    _indexer_check(B, S, 8, 16, L, K, start, sorted_, seed=B + S + L + K)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), values=st.integers(0, 3), start=st.integers(0, 299))
+def test_indexer_ties_hypothesis(seed, values, start):
+    """Random tie-heavy data (values 0: every score 0; 1: few distinct sums) on both top-k paths."""
+    _indexer_check(1, 1, 4, 8, 300, 4, start, True, seed=seed, values=values)   # nth_element + sort
+    _indexer_check(1, 1, 4, 8, 320, 5, start, True, seed=seed, values=values)   # partial_sort (5*64 <= 320)
+
+
+@pytest.mark.parametrize("S", [1, None])
+def test_indexer_cuda_sm90_compiles(S):
+    from dayzero.codegen.kernels import indexer
+
+    p = dict(op=sa.INDEXER, B=1, S=S, Hi=8, Di=16, L=64, K=4, sorted=True, scale=0.25, fill=float("-inf"),
+             q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+    f = indexer.build(p, "cuda").with_attr("tirx.is_scheduled", True)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
+    src = lib.mod.imports[0].inspect_source()
+    assert "__global__" in src and "threadIdx.x" in src

@@ -1,0 +1,211 @@
+"""The DSA lightning indexer as one kernel: scores over the index-key cache, ReLU, weighted head sum, causal mask
+and torch.topk's exact selection (op ``dsa_indexer_topk`` from passes/sparse_attention.py).
+
+    dsa_indexer_topk(q [B,S,Hi,Di], w [B,S,Hi], keys [B,L,Di], qpos [S]) {scale, k, sorted, fill} -> idx [B,S,k]
+        score[b,s,j] = sum_h w[b,s,h] * relu(scale * q[b,s,h]·keys[b,j])   for j <= qpos[s]
+                     = fill (-inf)                                           otherwise
+        idx[b,s]     = torch.topk(score[b,s], k, sorted=sorted).indices     (ties resolved as torch does)
+
+Why one kernel: upstream materialises [B,S,Hi,L] per-head scores, a weighted [B,S,L] sum, a masked copy and a
+generic top-k. Here each key row is read once and turned into its final score in registers, and the top-k runs on
+the score row in place. The top-k is ``topk_exact``: the same libstdc++ algorithms torch.topk runs on CPU, so
+the indexer keeps exactly the rows upstream keeps, ties (ReLU zeros, -inf rows) included.
+
+Variants:
+* host CPU, decode (S == 1): phase 1, parallel over (b, chunk of CHUNK key rows): a tile of JB rows is
+  transposed into registers ([Di, JB]) and every head's dot products run as JB-wide vector FMAs, then ReLU and
+  the weighted head sum, also JB-wide; the scores go to a workspace row. Phase 2, per (b): top-k on that row.
+  The key cache is streamed once; the top-k touches the [L] score row a few times (introselect).
+* host CPU, prefill (S symbolic or > 1): parallel over (b, block of QB queries): each JB-row key tile is
+  transposed once and used by all QB queries of the block (blocked over queries), scores into a per-block
+  [QB, L] workspace, then each query's top-k.
+* CUDA: phase 1 one thread per (b, s, j) score; phase 2 one thread per (b, s) row running the top-k
+  (compiles for sm_90; not tuned: a warp-parallel radix select would be the next step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import tvm
+
+from dayzero.codegen import lower, schedule
+from dayzero.passes.ir.node import Node
+
+from . import topk_exact
+
+OP = "dsa_indexer_topk"
+JB = 16  # key rows per tile (one AVX-512 fp32 vector)
+QB = 8  # queries per block (prefill)
+CHUNK = 1024  # key rows per parallel task (decode)
+CUDA_THREADS = 64
+
+
+def params(n: Node) -> dict:
+    q, w, keys, qpos = n.inputs
+    B, S, Hi, Di = q.shape
+    return {"op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
+            "L": int(keys.shape[1]), "K": int(n.attr["k"]), "sorted": bool(n.attr["sorted"]),
+            "scale": float(n.attr["scale"]), "fill": float(n.attr["fill"]), "q_dtype": q.dtype, "w_dtype": w.dtype,
+            "k_dtype": keys.dtype, "pos_dtype": qpos.dtype}
+
+
+def _i(x) -> str:
+    return f"T.int64({x})"
+
+
+def _f(x: float) -> str:
+    if math.isinf(x) or math.isnan(x):
+        return f'T.float32("{x}")'
+    return f"T.float32({x!r})"
+
+
+def _topk_row(p: dict, row: str, V: str, I: str, scope: str) -> list[str]:
+    """Top-k of row ``row`` of the flat score/index workspaces ``V``/``I`` (``row * L`` offset), into o."""
+    L, K = p["L"], p["K"]
+    text, nreg = topk_exact.tir_text(_i(L), K, p["sorted"], "")
+    return ([f'V = T.decl_buffer(({_i(L)},), "float32", data={V}.data, elem_offset={row} * {_i(L)})',
+             f'I = T.decl_buffer(({_i(L)},), "int64", data={I}.data, elem_offset={row} * {_i(L)})',
+             f'r = T.decl_buffer(({_i(nreg)},), "int64"{scope})',
+             f'hv = T.decl_buffer(({_i(1)},), "float32"{scope})',
+             f'hv2 = T.decl_buffer(({_i(1)},), "float32"{scope})',
+             f'stk = T.decl_buffer(({_i(3 * topk_exact.STACK)},), "int64"{scope})']
+            + text.rstrip("\n").split("\n")
+            + [f"for tk in range({_i(K)}):",
+               "    o[b, s, tk] = I[tk]"])
+
+
+def _tile(p: dict, S: str, qs: list[str], V: str, I: str, vrow: list[str]) -> list[str]:
+    """Scores of key rows [j0, j0 + JB) for the queries (b, qs[i]) (each guarded by qs[i] < S), written to
+    V[vrow[i] * L + j] / I[...] = j. The tile is transposed into kt [Di, JB] once for all the queries."""
+    L, Hi, Di = p["L"], p["Hi"], p["Di"]
+    out = [f"for d in range({_i(Di)}):",
+           f"    for jj in T.vectorized({_i(JB)}):",
+           f'        kt[d, jj] = T.if_then_else(j0 + jj < {_i(L)}, T.Cast("float32", '
+           f'keys[b, T.min(j0 + jj, {_i(L - 1)}), d]), T.float32(0))']
+    for s, vr in zip(qs, vrow):
+        out += [f"if {s} < {S}:",
+                f"    for jj in T.vectorized({_i(JB)}):",
+                "        tot[jj] = T.float32(0)",
+                f"    for h in range({_i(Hi)}):",
+                f"        for jj in T.vectorized({_i(JB)}):",
+                "            acc[jj] = T.float32(0)",
+                f"        for d in range({_i(Di)}):",
+                f'            qd = T.Cast("float32", q[b, {s}, h, d])',
+                f"            for jj in T.vectorized({_i(JB)}):",
+                "                acc[jj] = acc[jj] + qd * kt[d, jj]",
+                f'        wh = T.Cast("float32", w[b, {s}, h])',
+                f"        for jj in T.vectorized({_i(JB)}):",
+                f"            tot[jj] = tot[jj] + wh * T.max(acc[jj] * {_f(p['scale'])}, T.float32(0))",
+                f"    for jj in range({_i(JB)}):",
+                f"        if j0 + jj < {_i(L)}:",
+                f'            {V}[{vr} * {_i(L)} + j0 + jj] = T.if_then_else(j0 + jj <= T.Cast("int64", pp[{s}]), '
+                f"tot[jj], {_f(p['fill'])})",
+                f"            {I}[{vr} * {_i(L)} + j0 + jj] = j0 + jj"]
+    return out
+
+
+def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
+    B, Hi, Di, L, K = p["B"], p["Hi"], p["Di"], p["L"], p["K"]
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    decode = p["S"] == 1
+    head = ['    T.func_attr({"tirx.noalias": True})']
+    if p["S"] is None:
+        head.append("    S = T.int64()")
+    head += [f'    q = T.match_buffer(q_, ({_i(B)}, {S}, {_i(Hi)}, {_i(Di)}), "{p["q_dtype"]}")',
+             f'    w = T.match_buffer(w_, ({_i(B)}, {S}, {_i(Hi)}), "{p["w_dtype"]}")',
+             f'    keys = T.match_buffer(k_, ({_i(B)}, {_i(L)}, {_i(Di)}), "{p["k_dtype"]}")',
+             f'    pp = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
+             f'    o = T.match_buffer(o_, ({_i(B)}, {S}, {_i(K)}), "int64")']
+    nj = (L + JB - 1) // JB
+    body: list[str] = []
+    if kind == "cuda":
+        rows = f"{_i(B)} * {S}"
+        body += [f'gV = T.alloc_buffer(({rows} * {_i(L)},), "float32")',
+                 f'gI = T.alloc_buffer(({rows} * {_i(L)},), "int64")',
+                 f"for bx in T.thread_binding(({rows} * {_i(L)} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)}, "
+                 'thread="blockIdx.x"):',
+                 f'    for tx in T.thread_binding({_i(CUDA_THREADS)}, thread="threadIdx.x"):',
+                 f"        t = bx * {_i(CUDA_THREADS)} + tx",
+                 f"        if t < {rows} * {_i(L)}:",
+                 f"            b = t // {_i(L)} // {S}",
+                 f"            s = t // {_i(L)} % {S}",
+                 f"            j = t % {_i(L)}",
+                 '            acc = T.decl_buffer((T.int64(2),), "float32", scope="local")',
+                 "            acc[0] = T.float32(0)",
+                 f"            for h in range({_i(Hi)}):",
+                 "                acc[1] = T.float32(0)",
+                 f"                for d in range({_i(Di)}):",
+                 '                    acc[1] = acc[1] + T.Cast("float32", q[b, s, h, d]) * T.Cast("float32", keys[b, j, d])',
+                 f'                acc[0] = acc[0] + T.Cast("float32", w[b, s, h]) * T.max(acc[1] * {_f(p["scale"])}, '
+                 "T.float32(0))",
+                 f'            gV[t] = T.if_then_else(j <= T.Cast("int64", pp[s]), acc[0], {_f(p["fill"])})',
+                 "            gI[t] = j",
+                 f"for bx in T.thread_binding(({rows} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)}, "
+                 'thread="blockIdx.x"):',
+                 f'    for tx in T.thread_binding({_i(CUDA_THREADS)}, thread="threadIdx.x"):',
+                 f"        row = bx * {_i(CUDA_THREADS)} + tx",
+                 f"        if row < {rows}:",
+                 f"            b = row // {S}",
+                 f"            s = row % {S}"]
+        body += ["            " + ln for ln in _topk_row(p, "row", "gV", "gI", ', scope="local"')]
+    elif decode:
+        nch = (L + CHUNK - 1) // CHUNK
+        body += [f'gV = T.alloc_buffer(({_i(B * L)},), "float32")',
+                 f'gI = T.alloc_buffer(({_i(B * L)},), "int64")',
+                 f"for c in T.parallel({_i(B * nch)}):",
+                 f"    b = c // {_i(nch)}",
+                 f'    kt = T.decl_buffer(({_i(Di)}, {_i(JB)}), "float32")',
+                 f'    acc = T.decl_buffer(({_i(JB)},), "float32")',
+                 f'    tot = T.decl_buffer(({_i(JB)},), "float32")',
+                 f"    for jt in range({_i(min(CHUNK, nj * JB) // JB)}):",
+                 f"        j0 = c % {_i(nch)} * {_i(CHUNK)} + jt * {_i(JB)}",
+                 f"        if j0 < {_i(L)}:"]
+        body += ["            " + ln for ln in _tile(p, S, ["T.int64(0)"], "gV", "gI", ["b"])]
+        body += [f"for b in T.parallel({_i(B)}):",
+                 "    s = T.int64(0)"]
+        body += ["    " + ln for ln in _topk_row(p, "b", "gV", "gI", "")]
+    else:
+        nqb = f"({S} + {_i(QB - 1)}) // {_i(QB)}"
+        body += [f"for t in T.parallel({_i(B)} * ({nqb})):",
+                 f"    b = t // ({nqb})",
+                 f"    s0 = t % ({nqb}) * {_i(QB)}",
+                 f'    bV = T.decl_buffer(({_i(QB * L)},), "float32")',
+                 f'    bI = T.decl_buffer(({_i(QB * L)},), "int64")',
+                 f'    kt = T.decl_buffer(({_i(Di)}, {_i(JB)}), "float32")',
+                 f'    acc = T.decl_buffer(({_i(JB)},), "float32")',
+                 f'    tot = T.decl_buffer(({_i(JB)},), "float32")',
+                 f"    for jt in range({_i(nj)}):",
+                 f"        j0 = jt * {_i(JB)}"]
+        body += ["        " + ln for ln in _tile(p, S, [f"s0 + {_i(i)}" for i in range(QB)], "bV", "bI",
+                                               [_i(i) for i in range(QB)])]
+        body += [f"    for i in range({_i(QB)}):",
+                 f"        if s0 + i < {S}:",
+                 "            s = s0 + i"]
+        body += ["            " + ln for ln in _topk_row(p, "i", "bV", "bI", "")]
+    src = ("@T.prim_func\ndef main(q_: T.handle, w_: T.handle, k_: T.handle, p_: T.handle, o_: T.handle):\n"
+           + "\n".join(head) + "\n" + "\n".join("    " + ln for ln in body) + "\n")
+    return tvm.script.from_source(src)
+
+
+def _prim_func_for(node: Node) -> tvm.tirx.PrimFunc:
+    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters for the target rule."""
+    p = params(node)
+    return build(p, "llvm").with_attr("dayzero.indexer_params", json.dumps(p, sort_keys=True))
+
+
+def _schedule_rule(kernel, target: tvm.target.Target):
+    """schedule.HAND_SCHEDULED entry: the kernel written for the target."""
+    attrs = kernel.func.attrs
+    if attrs is None or "dayzero.indexer_params" not in attrs:
+        return None
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    f = build(json.loads(str(attrs["dayzero.indexer_params"])), kind)
+    f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
+    return tvm.IRModule({"main": f})
+
+
+lower.PRIMFUNCS[OP] = _prim_func_for
+schedule.HAND_SCHEDULED[OP] = _schedule_rule
