@@ -217,3 +217,52 @@ def test_random_lifetimes_every_algorithm_is_valid(bufs, alignment):
         offs = fn(bufs, alignment)
         arena = max((offs[b.id] + -(-b.size // alignment) * alignment for b in bufs), default=0)
         verify(bufs, Plan(offs, arena, p.peak_live_bytes, name, {}), alignment)
+
+
+# ---- cross-layer state: classified from which decoder layer wrote and read a buffer ----------------------------
+
+
+def _program():
+    """embedding -> layer 0 (norm, add) -> layer 1 (norm, add) -> head, with a persistent cache read in layer 1.
+    Buffer 2 (layer 0's output) is read by layer 1: cross-layer.  Buffer 1 is written and read inside layer 0,
+    buffer 0 is written outside the stack, buffer 4 (layer 1's output) is read only by the head."""
+    from dayzero.codegen.program import BufferInfo, Program, Step
+
+    p = Program("prefill", [])
+    for i in range(6):
+        p.buffers.append(BufferInfo(i, "float32", (4, 16), "activations"))
+    p.buffers[5] = BufferInfo(5, "float32", (4, 16), "io", name="0")
+    p.buffers.append(BufferInfo(6, "float32", (8, 16), "kv_cache", state="cache_1_keys"))
+    p.buffers.append(BufferInfo(7, "float32", (4, 16), "activations", alias_of=2))  # a view of layer 0's output
+    p.inputs, p.outputs = [], [5]
+    steps = [("embedding at model.embed_tokens (m.py:1)", [0]),
+             ("rms_norm at model.layers.0.input_layernorm (m.py:2)", [0, 1]),
+             ("add.Tensor at model.layers.0 (m.py:3)", [0, 1, 2]),
+             ("rms_norm at model.layers.1.input_layernorm (m.py:2)", [7, 3]),
+             ("add.Tensor at model.layers.1 (m.py:3)", [3, 6, 4]),
+             ("linear at lm_head (m.py:4)", [4, 5])]
+    for node, args in steps:
+        p.steps.append(Step("k", args, node, [], 1))
+    return p
+
+
+def test_step_block_reads_the_repeated_stack_from_the_span():
+    from dayzero.codegen.memory import step_block
+
+    assert step_block("add.Tensor at model.layers.12.mlp.experts (modeling_x.py:40)") == ("layers", 12)
+    assert step_block("linear at visual.blocks.3.attn (v.py:1)") == ("blocks", 3)
+    assert step_block("MatMul at /model/layers.2/self_attn/MatMul (MatMul (opset 17))") == ("layers", 2)
+    assert step_block("embedding at model.embed_tokens (m.py:1)") is None
+    assert step_block("add.Tensor at model (m.py:7)") is None
+
+
+def test_buffer_handed_to_a_later_layer_is_cross_layer_state():
+    from dayzero.codegen.memory import cross_layer_roots, plan_programs
+
+    p = _program()
+    assert cross_layer_roots(p) == {2}
+    m = plan_programs([p], slots=2)["programs"]["prefill"]
+    assert m["zones"]["cross_layer_state"] == 256 == m["peak_live_bytes"]["cross_layer_state"]
+    assert m["zones"]["kv_cache"] == 2 * 512  # persistent state, one copy per slot, in its own zone
+    drawn = {(b[1], b[4]) for b in m["buffers"]}
+    assert (256, "cross_layer_state") in drawn and (512, "kv_cache") in drawn

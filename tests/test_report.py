@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
 from click.testing import CliRunner
 
 from dayzero.tools.cli import main
@@ -74,3 +75,103 @@ def test_report_user_errors(tmp_path):
     (tmp_path / "old" / "report.json").write_text(json.dumps({"programs": {"prefill": {"memory": {}}}}))
     r = CliRunner().invoke(main, ["report", str(tmp_path / "old"), "--plot", str(tmp_path / "x.png")])
     assert r.exit_code == 2 and "recompile" in r.output
+
+
+# ---- KV cache per layer type (issue 6) and cross-layer state (issue 7), on the shared tiny artifacts ------------
+
+def _report(art):
+    r = CliRunner().invoke(main, ["report", str(art), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def _config(ckpt):
+    return json.loads((ckpt / "config.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v32"])
+def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_type):
+    """Per layer type, the cache bytes per token read off the compiled state buffers equal the architecture's
+    arithmetic from config.json (fp32 cache, 4 bytes per value):
+    * dense GQA (Qwen3-MoE): K and V, 2 x num_key_value_heads x head_dim x 4 (head_dim = hidden / heads
+      where the config has none);
+    * gpt-oss: the same on full and on sliding layers -- the sliding layers hold all max_length rows, not the
+      window (transformers' static cache; stored is more than the model needs: window x 2 x kvh x hd x 4 bytes);
+    * DeepSeek-V3.2 (MLA + DSA): the latent and the shared rope key, (kv_lora_rank + qk_rope_head_dim) x 4, plus
+      the indexer's key, index_head_dim x 4."""
+    ckpt, art, _ = tiny_compiled(model_type)
+    c = _config(ckpt)
+    kv = _report(art)["kv_cache"]
+    assert kv["max_length"] == 128 and kv["slots"] == 3 and kv["fixed_bytes"] == 0
+    types = kv["layer_types"]
+    if model_type == "deepseek_v32":
+        per_layer = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 + c["index_head_dim"] * 4
+        assert per_layer == (32 + 8 + 16) * 4
+        assert {t: e["bytes_per_token"] for t, e in types.items()} == {t: per_layer for t in c["layer_types"]}
+    else:
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        per_layer = 2 * c["num_key_value_heads"] * head_dim * 4
+        assert all(e["bytes_per_token"] == per_layer for e in types.values())
+    assert sum(e["layers"] for e in types.values()) == c["num_hidden_layers"]
+    assert kv["bytes_per_token"] == c["num_hidden_layers"] * per_layer
+    if model_type == "gpt_oss":
+        assert set(types) == {"sliding_attention", "full_attention"}
+        sliding = types["sliding_attention"]
+        assert sliding["window"] == c["sliding_window"] < sliding["rows"] == 128  # holds more than the window
+
+
+def _cross_layer_buffers(art, rep):
+    """The prefill program's memory summary and its cross-layer buffers ``[offset, bytes, first, last, zone]``."""
+    stored = json.loads((art / "report.json").read_text())["programs"]["prefill"]["memory"]["buffers"]
+    return rep["programs"]["prefill"]["memory"], [b for b in stored if b[4] == "cross_layer_state"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen3_moe"])
+def test_cross_layer_state_is_its_own_zone(tiny_compiled, model_type):
+    """The stream each decoder layer hands to the next (found from which layer wrote and which later layer read a
+    buffer) is planned in the cross_layer_state zone: DeepSeek-V4's hc_mult hyper-connection streams
+    [1, seq, hc_mult, hidden], the plain residual [1, seq, hidden] elsewhere.  One per layer boundary, at the
+    compiled maximum of 128 tokens, fp32; a stream dies inside the next layer before that layer writes its own,
+    so the zone holds one of them, which is also its peak-live bound."""
+    ckpt, art, _ = tiny_compiled(model_type)
+    c = _config(ckpt)
+    rep = _report(art)
+    m, cross = _cross_layer_buffers(art, rep)
+    stream = 128 * c.get("hc_mult", 1) * c["hidden_size"] * 4
+    assert len(cross) == c["num_hidden_layers"] - 1
+    assert all(b[1] == stream for b in cross)
+    assert m["zones"]["cross_layer_state"] == m["peak_live_bytes"]["cross_layer_state"] == stream
+
+
+@pytest.mark.slow
+def test_plot_colours_the_cross_layer_zone(tiny_compiled, tmp_path):
+    from PIL import Image
+
+    from dayzero.tools.report import ZONE_COLOURS
+
+    _, art, _ = tiny_compiled("deepseek_v4")
+    png = tmp_path / "v4.png"
+    r = CliRunner().invoke(main, ["report", str(art), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    colour = ZONE_COLOURS["cross_layer_state"]
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    drawn = [round(0.8 * v + 0.2 * 255) for v in rgb]  # alpha 0.8 over the white axes
+    pixels = Image.open(png).convert("RGB").getdata()
+    near = sum(1 for p in pixels if all(abs(a - b) <= 3 for a, b in zip(p, drawn)))
+    assert near > 200  # the zone's rectangles (and its legend patch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
+def test_report_gives_each_programs_plan_against_its_bound(tiny_compiled, model_type):
+    """Issue 7: every program (prefill, decode where there is one) is planned within 1.05x its peak-live lower
+    bound, and the report states the figure per program."""
+    _, art, _ = tiny_compiled(model_type)
+    progs = _report(art)["programs"]
+    assert "prefill" in progs and (model_type == "deepseek_v4" or "decode" in progs)
+    for name, p in progs.items():
+        m = p["memory"]
+        assert m["planned_over_peak"] == round(sum(m["planned_bytes"].values()) / m["peak_live_total_bytes"], 4)
+        assert 1.0 <= m["planned_over_peak"] <= 1.05, (name, m["planned_over_peak"])

@@ -3,18 +3,31 @@
     report.json + program.json ──► kernels    kernel -> op, route (hand-scheduled / tuned / default / generic)
                                ──► op counts  steps per op (what the program executes), kernels per route
                                ──► patterns   pattern -> times found; unsupported ops (a list, empty when compiled)
-                               ──► memory     per program: arena vs peak-live lower bound, zones, buffers
+                               ──► memory     per program: arena vs peak-live lower bound, zones (with
+                                              cross_layer_state: the streams one decoder layer hands to a later
+                                              one, see codegen/memory.cross_layer_roots), buffers
+                               ──► kv_cache   per attention layer type: layers, cache bytes per token
     --plot                     ──► the arena over program time: one rectangle per buffer
                                    (x = [first step, last step + 1), y = [offset, offset + bytes)), zone colours
 
 Nothing is recompiled: the buffer lifetimes come from report.json (``programs.<name>.memory.buffers`` =
 ``[offset, bytes, first_step, last_step, zone]``, written by ``tools/driver.plan_memory``).
+
+The KV-cache figures are read off the state buffers the programs share (``program.json``, zone ``kv_cache``),
+one request slot's worth: a state with a dimension of the compiled maximum length (the longest prompt the prefill
+program takes) grows with the context, ``bytes / max_length`` per token; any other state is a per-sequence
+constant (``fixed_bytes``).  States are grouped by the layer index in their name; layers whose caches look the same
+form one layer type, named by the checkpoint config's ``layer_types`` where it has one (else by the states'
+names).  It reports what the cache *holds*: a sliding-window layer that keeps ``max_length`` rows shows it
+(``rows`` against ``window``), it is not corrected to what the model needs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections import Counter
 
 import click
@@ -24,8 +37,8 @@ from dayzero import UserError
 ROUTES = ("hand-scheduled", "tuned", "default", "generic")
 MIB = 1 << 20
 # one fixed colour per zone, so plots of different models read the same way
-ZONE_COLOURS = {"weights": "#4c72b0", "lowprec_weights": "#8172b2", "dequant_workspace": "#ccb974",
-                "kv_cache": "#c44e52", "cross_layer": "#937860", "activations": "#55a868", "io": "#dd8452"}
+ZONE_COLOURS = {"weights": "#4c72b0", "low_precision_weights": "#8172b2", "dequant_workspace": "#ccb974",
+                "kv_cache": "#c44e52", "cross_layer_state": "#937860", "activations": "#55a868", "io": "#dd8452"}
 _FALLBACK_COLOURS = ("#64b5cd", "#da8bc3", "#8c8c8c", "#ff9f9b")
 
 
@@ -41,6 +54,92 @@ def _read_json(path: str, what: str) -> dict:
 
 def _step_op(node: str) -> str:
     return node.split(" at ", 1)[0]
+
+
+_LAYER_IN_NAME = re.compile(r"(?:^|[._])(\d+)(?=[._]|$)")
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+                "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _max_length(prog: dict) -> int | None:
+    """The longest sequence the program takes: the token-id input's length at the symbols' upper bounds."""
+    import sympy
+
+    bounds = {s: hi for s, lo, hi in prog.get("symbols", [])}
+    names = set(prog.get("input_ranges", {}))
+    for b in prog.get("buffers", []):
+        if b.get("zone") == "io" and b.get("name") in names and b["shape"]:
+            d = b["shape"][-1]
+            return d if isinstance(d, int) else int(sympy.sympify(d).subs(bounds))
+    return None
+
+
+def _checkpoint_config(artifact: str) -> dict:
+    """The checkpoint's config.json, where the artifact names a checkpoint directory that still has it."""
+    try:
+        with open(os.path.join(artifact, "weights.json")) as f:
+            ck = json.load(f).get("checkpoint") or {}
+        with open(os.path.join(ck.get("dir", ""), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+
+
+def kv_cache_report(artifact: str, progs: dict) -> dict | None:
+    """``{"max_length", "slots", "bytes_per_token", "fixed_bytes", "layer_types": {type: {"layers",
+    "bytes_per_token", "fixed_bytes", "rows", "window", "states": {...}}}}`` for one request slot, or None when the
+    artifact keeps no KV cache.  ``bytes_per_token`` totals are over all layers."""
+    states: dict[str, dict] = {}
+    for pj in progs.values():
+        for b in pj.get("buffers", []):
+            if b.get("state") and b.get("alias_of") is None and b.get("zone") == "kv_cache":
+                states.setdefault(b["state"], b)
+    prefill = progs.get("prefill") or next(iter(progs.values()), {})
+    length = _max_length(prefill)
+    if not states or not length:
+        return None
+    cfg = _checkpoint_config(artifact)
+    types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
+    window = cfg.get("sliding_window")
+    per_layer: dict = {}  # layer index (or None) -> {pattern: state entry}
+    for name, b in sorted(states.items()):
+        if any(not isinstance(d, int) for d in b["shape"]):
+            raise UserError(f"{artifact}: state {name} has a symbolic shape {b['shape']}; a cache is static")
+        m = _LAYER_IN_NAME.search(name)
+        layer = int(m.group(1)) if m else None
+        pattern = name[:m.start(1)] + "*" + name[m.end(1):] if m else name
+        nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
+        grows = length in b["shape"]
+        per_layer.setdefault(layer, {})[pattern] = {
+            "shape": b["shape"], "dtype": b["dtype"],
+            "bytes_per_token": nbytes / length if grows else 0, "fixed_bytes": 0 if grows else nbytes}
+    groups: dict = {}
+    for layer, sts in sorted(per_layer.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        signature = json.dumps(sts, sort_keys=True)
+        named = types[layer] if layer is not None and layer < len(types) else None
+        g = groups.setdefault((named, signature), {"layers": [], "states": sts})
+        g["layers"].append(layer)
+    out, total, fixed = {}, 0.0, 0
+    for (named, _), g in groups.items():
+        # unnamed: by what the layer's states are called after the layer index ("keys+values")
+        name = named or "+".join((p.split("*", 1)[-1].strip("._") or p.split("*", 1)[0].strip("._"))
+                                 for p in g["states"])
+        while name in out:
+            name += "'"
+        n = len(g["layers"])
+        per_token = sum(e["bytes_per_token"] for e in g["states"].values())
+        const = sum(e["fixed_bytes"] for e in g["states"].values())
+        rows = max((max(d for d in e["shape"] if d == length) for e in g["states"].values()
+                    if e["bytes_per_token"]), default=None)
+        out[name] = {"layers": n, "layer_indices": g["layers"], "bytes_per_token": per_token, "fixed_bytes": const,
+                     "rows": rows, "window": window if named and "sliding" in named else None,
+                     "states": g["states"]}
+        total += n * per_token
+        fixed += n * const
+    slots = prefill.get("memory", {}).get("state_slots", 1)
+    return {"max_length": length, "slots": slots, "bytes_per_token": total, "fixed_bytes": fixed,
+            "layer_types": out}
 
 
 def build_report(artifact: str) -> dict:
@@ -65,6 +164,9 @@ def build_report(artifact: str) -> dict:
         peak = sum(m.get("peak_live_bytes", {}).values())
         mem["peak_live_total_bytes"] = peak
         mem["arena_over_peak"] = round(m.get("arena_bytes", 0) / peak, 4) if peak else None
+        # the program's own plan against its bound (the shared arena also holds the other programs' regions)
+        planned = sum(m.get("planned_bytes", {}).values())
+        mem["planned_over_peak"] = round(planned / peak, 4) if peak and planned else None
         mem["buffers"] = len(m.get("buffers", []))
         programs[name] = {"steps": p.get("steps"), "kernels": p.get("kernels"), "memory": mem}
     return {
@@ -77,6 +179,7 @@ def build_report(artifact: str) -> dict:
         "patterns": dict(rep.get("patterns", {})),
         "unsupported": list(rep.get("unsupported", [])),
         "programs": programs,
+        "kv_cache": kv_cache_report(artifact, progs),
     }
 
 
@@ -155,10 +258,21 @@ def _human(r: dict) -> None:
     click.echo("op counts (steps): " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()))
     click.echo("patterns: " + (", ".join(f"{k} x{v}" for k, v in r["patterns"].items()) or "none"))
     click.echo(f"unsupported: {len(r['unsupported'])}" + "".join(f"\n  {u}" for u in r["unsupported"]))
+    kv = r.get("kv_cache")
+    if kv:
+        click.echo(f"kv cache (one request slot of {kv['max_length']} tokens; {kv['slots']} slot(s)): "
+                   f"{kv['bytes_per_token']:,.0f} B/token over all layers"
+                   + (f" + {kv['fixed_bytes']:,} B fixed" if kv["fixed_bytes"] else ""))
+        for t, e in kv["layer_types"].items():
+            held = f", holds {e['rows']} rows, window {e['window']}" if e["window"] and e["rows"] else ""
+            click.echo(f"  {t}: {e['layers']} layer(s), {e['bytes_per_token']:,.1f} B/token per layer"
+                       + (f" + {e['fixed_bytes']:,} B fixed" if e["fixed_bytes"] else "") + held
+                       + "  [" + ", ".join(f"{k} {v['dtype']}{v['shape']}" for k, v in e["states"].items()) + "]")
     for name, p in r["programs"].items():
         m = p["memory"]
         click.echo(f"{name}: {p['steps']} steps, {p['kernels']} kernels, arena {m['arena_bytes']} B vs peak-live "
-                   f"{m['peak_live_total_bytes']} B (x{m['arena_over_peak']}), zones {m.get('zones')}")
+                   f"{m['peak_live_total_bytes']} B (x{m['arena_over_peak']}; own plan x{m['planned_over_peak']}), "
+                   f"zones {m.get('zones')}")
 
 
 @click.command("report")
