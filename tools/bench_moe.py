@@ -13,6 +13,16 @@ for this host. Cases:
   than the caches), so the routed experts come from memory. bound = routed experts' bytes / read bandwidth
   measured in this run; ``bytes_read`` = what the kernel reads per step (each routed expert's matrices once, by
   its loop structure, plus activations), ``routed_expert_bytes`` = distinct routed experts x bytes per expert.
+MXFP4 routes (``mxfp4_*`` cases; ``--mxfp4-routes`` runs only these): the same expert shapes with random MXFP4
+weights (every FP4 code, scales around 2^-6), the fused kernel (decodes in registers) vs the workspace route
+(``codegen/kernels/expert_workspace.py``: converts each routed expert once into a slot, GEMMs from the slot), side
+by side on the same inputs; ``dayzero`` is the workspace route, ``baselines.fused_in_register`` the fused one,
+``workspace_over_fused`` their ratio (< 1: the workspace route is faster).
+- mxfp4_prefill_T256: fp32 workspace (also bf16 and fp8_e4m3 workspaces, as ``compute_dtypes``).
+- mxfp4_decode_T1: a fresh routing per call, one slot (every routed expert converted).
+- mxfp4_decode_T1_lru_skewed: a decode sequence through 2 layers (their own weights) with a skewed routing (Zipf
+  1.2 over each layer's experts), the workspace with an LRU cache of 16 converted experts shared by both layers;
+  ``hit_rate`` from the kernel's own counters (the cache state).
 TVM's thread pool is set to the target's core count (``tvm_threads`` in the machine info), as torch uses every core;
 each torch baseline is the better of torch on all its threads and on one (``baseline_threads``), see best_torch.
 """
@@ -74,7 +84,125 @@ def _tvm_threads(target: dict) -> int:
     return int(tvm.get_global_func("runtime.NumThreads")())
 
 
-def run_bench(quick: bool = False) -> dict:
+def _mxfp4_weights(gen):
+    import torch
+
+    def mx(O, K):
+        return (torch.randint(0, 256, (E, O, K // 32, 16), dtype=torch.uint8, generator=gen),
+                torch.randint(119, 123, (E, O, K // 32), dtype=torch.uint8, generator=gen))
+    return (*mx(2 * I, H), *mx(H, I))
+
+
+def _zipf_routes(gen, steps: int, s: float = 1.2):
+    """Top-K distinct experts per decode step, drawn from one Zipf(s) popularity over a random order of experts
+    (the order fixed for the whole sequence: a layer's hot experts stay hot)."""
+    import torch
+
+    rank = torch.arange(1, E + 1, dtype=torch.float64)
+    p = rank ** -s
+    perm = torch.randperm(E, generator=gen)
+    return [perm[torch.multinomial(p, K_TOP, replacement=False, generator=gen)][None] for _ in range(steps)]
+
+
+def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
+    """Fused-in-register vs workspace route on MXFP4 experts, side by side (see the module docstring)."""
+    import torch
+    import tvm
+
+    from dayzero.codegen.kernels import expert_workspace as kw
+    from dayzero.codegen.kernels.moe import moe_experts_func
+
+    act = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
+
+    def build(f):
+        return tvm.compile(tvm.IRModule({"main": f}), target=target)["main"]
+    fused = build(moe_experts_func(E, H, 2 * I, I, K_TOP, layout="nk", act=act, gate_up_bias=False,
+                                   down_bias=False, wfmt="mxfp4"))
+    storage = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.uint8}
+
+    def workspace(cd, slots, cache):
+        lib = build(kw.workspace_func(E, H, 2 * I, I, K_TOP, act=act, gate_up_bias=False, down_bias=False,
+                                      compute_dtype=cd, slots=slots, cache=cache))
+        ws = torch.zeros(slots, kw.slot_elems(H, 2 * I, I), dtype=storage[cd])
+        meta = torch.zeros(kw.meta_len(slots), dtype=torch.int64)
+        return lib, ws, meta
+
+    gen = torch.Generator().manual_seed(2)
+    layers = [_mxfp4_weights(gen) for _ in range(2)]
+    w0 = layers[0]
+    r = 2 if quick else 3
+    out = []
+    # prefill
+    T = 64 if quick else 256
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K_TOP] for _ in range(T)])
+    w = torch.rand(T, K_TOP, generator=gen)
+    y_f, y_w = torch.empty(T, H), torch.empty(T, H)
+    fused(x, ids, w, *w0, y_f)
+    t_f = _best(lambda: fused(x, ids, w, *w0, y_f), r)
+    times, errs = {}, {}
+    layer0 = torch.tensor([0], dtype=torch.int32)
+    for cd in ("float32", "bfloat16", "float8_e4m3fn"):
+        lib, ws, meta = workspace(cd, 1, False)
+        lib(x, ids, w, *w0, layer0, ws, meta, y_w)
+        errs[cd] = float((y_w - y_f).abs().max() / y_f.abs().max())
+        times[cd] = _best(lambda: lib(x, ids, w, *w0, layer0, ws, meta, y_w), r)
+    out.append({"case": f"mxfp4_prefill_T{T}", "unit": "s", "dayzero": times["float32"],
+                "baselines": {"fused_in_register": t_f}, "bound": None, "bound_name": None,
+                "workspace_over_fused": times["float32"] / t_f,
+                "compute_dtypes": {cd: {"s": t, "over_fused": t / t_f, "max_rel_err_vs_fused": errs[cd]}
+                                   for cd, t in times.items()},
+                "gflops": 2 * T * K_TOP * 3 * H * I / times["float32"] / 1e9})
+    # decode, fresh routing each call, one slot
+    n_calls = 8 if quick else 16
+    xs = [torch.randn(1, H, generator=gen) for _ in range(n_calls)]
+    rs = [torch.randperm(E, generator=gen)[:K_TOP][None] for _ in range(n_calls)]
+    w1 = torch.rand(1, K_TOP, generator=gen)
+    y1 = torch.empty(1, H)
+    lib, ws, meta = workspace("float32", 1, False)
+
+    def run_f():
+        for a, b in zip(xs, rs):
+            fused(a, b, w1, *w0, y1)
+
+    def run_w():
+        for a, b in zip(xs, rs):
+            lib(a, b, w1, *w0, layer0, ws, meta, y1)
+    run_f(), run_w()
+    t_f, t_w = _best(run_f, r) / n_calls, _best(run_w, r) / n_calls
+    out.append({"case": "mxfp4_decode_T1", "unit": "s", "dayzero": t_w, "baselines": {"fused_in_register": t_f},
+                "bound": None, "bound_name": None, "workspace_over_fused": t_w / t_f})
+    # decode sequence, 2 layers, skewed routing, LRU cache of 16 experts
+    steps = 32 if quick else 64
+    routes = [_zipf_routes(gen, steps) for _ in layers]  # each layer its own popularity order
+    seq = [(torch.randn(1, H, generator=gen), [routes[li][t] for li in range(len(layers))]) for t in range(steps)]
+    slots = 16
+    lib, ws, meta = workspace("float32", slots, True)
+    lids = [torch.tensor([li], dtype=torch.int32) for li in range(2)]
+
+    def seq_f():
+        for a, bs in seq:
+            for b, wl in zip(bs, layers):
+                fused(a, b, w1, *wl, y1)
+
+    def seq_w():
+        for a, bs in seq:
+            for li, (b, wl) in enumerate(zip(bs, layers)):
+                lib(a, b, w1, *wl, lids[li], ws, meta, y1)
+    seq_f()
+    meta.zero_()
+    seq_w()  # first pass from an empty cache: its counters give the hit rate of the sequence
+    hits, conv = int(meta[1]), int(meta[2])
+    t_f, t_w = _best(seq_f, r) / (2 * steps), _best(seq_w, r) / (2 * steps)
+    out.append({"case": "mxfp4_decode_T1_lru_skewed", "unit": "s", "dayzero": t_w,
+                "baselines": {"fused_in_register": t_f}, "bound": None, "bound_name": None,
+                "workspace_over_fused": t_w / t_f, "hit_rate": hits / (hits + conv), "cache_slots": slots,
+                "cache_bytes": slots * kw.slot_bytes(H, 2 * I, I, "float32"),
+                "note": "seconds per layer-call; 2 layers, Zipf(1.2) routing, cache shared by both layers"})
+    return out
+
+
+def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
     import torch
 
     from dayzero.targets.host import host_target_dict
@@ -83,6 +211,10 @@ def run_bench(quick: bool = False) -> dict:
 
     target = host_target_dict()
     tvm_threads = _tvm_threads(target)
+    if mxfp4_routes_only:
+        m = machine_info()
+        m.update({"target": target, "tvm_threads": tvm_threads})
+        return {"suite": "moe", "machine": m, "results": mxfp4_route_cases(target, quick)}
     cfg, blk = _block()
     kern = _kernel(target)
     ex = blk.experts
@@ -166,6 +298,7 @@ def run_bench(quick: bool = False) -> dict:
                         "bytes_read": read, "routed_expert_bytes": routed, "bytes_ratio": read / routed,
                         "achieved_GBps": routed / t_dz / 1e9, "ratio_to_bound": t_dz / (routed / bw),
                         "max_abs_err": errs, "speedup_vs_eager": base["transformers_eager"] / t_dz})
+    results += mxfp4_route_cases(target, quick)
     m = machine_info()
     m.update({"read_bandwidth_GBps": bw / 1e9, "target": target, "tvm_threads": tvm_threads})
     return {"suite": "moe", "machine": m, "results": results}
@@ -174,15 +307,24 @@ def run_bench(quick: bool = False) -> dict:
 @click.command("moe")
 @click.option("--json", "as_json", is_flag=True, help="Print the bench JSON object.")
 @click.option("--quick", is_flag=True, help="Prefill at 64 tokens, fewer repeats.")
-def moe_command(as_json: bool, quick: bool):
-    """Routed experts (64 experts, top-4, 1024 x 512): dayzero vs transformers eager / grouped_mm / batched_mm."""
-    out = run_bench(quick=quick)
+@click.option("--mxfp4-routes", is_flag=True, help="Only the MXFP4 cases: fused-in-register vs workspace route.")
+def moe_command(as_json: bool, quick: bool, mxfp4_routes: bool):
+    """Routed experts (64 experts, top-4, 1024 x 512): dayzero vs transformers eager / grouped_mm / batched_mm, and
+    MXFP4 experts decoded in registers vs converted into a reused workspace (+ LRU cache)."""
+    out = run_bench(quick=quick, mxfp4_routes_only=mxfp4_routes)
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s, "
-               f"torch threads {out['machine']['threads']}, tvm threads {out['machine']['tvm_threads']}")
+    if "read_bandwidth_GBps" in out["machine"]:
+        click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s, "
+                   f"torch threads {out['machine']['threads']}, tvm threads {out['machine']['tvm_threads']}")
     for r in out["results"]:
+        if "workspace_over_fused" in r:
+            extra = f", hit rate {r['hit_rate']:.2f}" if "hit_rate" in r else ""
+            click.echo(f"{r['case']:28s} workspace {r['dayzero'] * 1e3:8.2f} ms  fused "
+                       f"{r['baselines']['fused_in_register'] * 1e3:8.2f} ms  ({r['workspace_over_fused']:.2f}x)"
+                       f"{extra}")
+            continue
         base = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["baselines"].items())
         extra = f"{r['speedup_vs_eager']:.1f}x eager"
         if r["bound"] is not None:

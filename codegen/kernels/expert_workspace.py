@@ -38,14 +38,18 @@ Why a serial expert loop: the slot must be converted before its GEMMs read it an
 they finish; each phase is a parallel region of its own, so the cores split every expert's work whatever the
 routing (decode with 4 experts keeps both cores busy, as in moe.py).
 
-Which route a program takes (``route_for``), measured with ``dayzero bench moe`` on this host (2 znver4 cores),
-64 experts, top-4, H=1024, I=512, MXFP4 (the JSON has the numbers; the ratios below are workspace / fused time):
-- prefill T=256 (16 tokens per expert): converting once and reading fp32 rows beats decoding every element once
-  per 4-token tile -> workspace.
-- decode T=1 with no cache: each routed expert's weights are used by one token, so converting them (a write and a
-  re-read of 4 bytes per weight) costs more than decoding them once in registers -> fused.
-- decode with an LRU cache: a hit reads the converted slot (fp32: 8x the bytes of MXFP4) instead of decoding;
-  whether that wins depends on the hit rate and on the slot staying in cache, so the cache is opt-in
+Which route a program takes (``passes/expert_workspace.route_for``), measured side by side with
+``dayzero bench moe --mxfp4-routes --json`` on this host (2 znver4 cores shared with other jobs, so absolute times
+are noisy; the ratios are from one run each), 64 experts, top-4, H=1024, I=512, MXFP4 (workspace / fused time):
+- prefill T=256 (16 tokens per expert): 0.46x and 0.51x in two loaded runs (83 ms vs 187 ms on a quieter
+  machine); bf16 workspace 0.41x, fp8 0.64x (the fp8 slot is decoded + scaled per element). Converting once and
+  reading the converted rows beats decoding every element once per 4-token tile -> workspace.
+- decode T=1, no cache, a fresh routing per call: 1.24x and 1.76x (slower): each routed expert serves one token,
+  so converting it (writing and re-reading 4 bytes per weight) costs more than decoding it once in registers ->
+  fused.
+- decode with an LRU cache of 16 fp32 experts (96 MiB) shared by 2 layers, Zipf(1.2) routing: hit rate 0.43,
+  0.99x: a hit reads 8x the bytes of MXFP4 (fp32 slot), which on this host costs about what the in-
+  register decode does, so the cache only pays with high hit rates or a narrower compute dtype. It is opt-in
   (``--expert-cache BYTES``) and, when on, every program takes the workspace route (the cache persists across
   steps and programs only if they all read it).
 A target whose compute dtype is not fp32 takes the workspace route in every program (the fused route computes in
