@@ -228,3 +228,51 @@ def test_tiny_model_with_fp8_experts_matches_eager(model_type, tmp_path):
         out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 9, dtype=torch.long),
                            max_new_tokens=12, do_sample=False)
     assert rt.generate(prompt, 12) == out[0, 9:].tolist()
+
+
+# ---- bad FP8 checkpoints through `dayzero compile` ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory):
+    from dayzero.tools.make_tiny import make_tiny
+
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("fp8") / "qwen3_moe", experts="fp8")
+
+
+KEY = "model.layers.0.mlp.experts.3.up_proj.weight"
+
+
+def _rewritten(src, dst, fn):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata()
+    t = load_file(str(f))
+    fn(t)
+    save_file(t, str(f), metadata=meta)
+    return dst
+
+
+@pytest.mark.parametrize("fn,needles", [
+    (lambda t: t[KEY + "_scale_inv"].fill_(float("nan")), (KEY + "_scale_inv", "NaN/Inf")),
+    (lambda t: t[KEY + "_scale_inv"].fill_(float("inf")), (KEY + "_scale_inv", "NaN/Inf")),
+    (lambda t: t.update({KEY + "_scale_inv": torch.ones(2, 1)}), (KEY, "weight_scale_inv", "[1, 1]")),
+    (lambda t: t.pop(KEY + "_scale_inv"), (KEY, "without its block scales")),
+])
+def test_bad_fp8_checkpoint_is_one_line_exit_2(tiny_fp8, tmp_path, fn, needles):
+    from dayzero.tools.cli import main
+
+    ckpt = _rewritten(tiny_fp8, tmp_path / "ck", fn)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(out), "--max-seq", "32"])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "Traceback" not in line and len(line.splitlines()) == 1, line
+    for s in needles:
+        assert s in line, line
+    assert not out.exists()
