@@ -39,8 +39,19 @@ latent cache, i.e. kv_b_proj over all L rows every step (O(L) even though the to
              k*(R+Dr) (selected rows) + Dv*R (up-project once): independent of L (upstream: L*H*(n+Dv)*R).
              The expansion nodes become dead and disappear.
 
-The indexer itself (scores over all L positions and the top-k) stays as generic ops: it is the linear part of a
-DSA step and is reported separately by ``dayzero bench attention``. Both ops have one kernel per target with a
+(d) the DSA lightning indexer (DeepSeek-V3.2), traced as generic ops::
+
+    q [B,S,Hi,Di] ─ view [B*S,Hi,Di] ─┐
+    keys state [B,L,Di] ─ permute(0,2,1) ─ unsqueeze(1) ─ expand ─ view [B*S,Di,L] ─ bmm ─ view ─ mul(scale) ─ relu
+    w [B,S,Hi] ─ unsqueeze(-2) ─ view [B*S,1,Hi] ─ bmm(w, relu) ─ view/squeeze [B,S,L]
+    ─ where(~causal mask, -inf) ─ topk(k) ─ getitem 1
+
+        ==>  dsa_indexer_topk(q, w, keys, qpos) {scale, k, sorted, fill}
+             one kernel (codegen/kernels/indexer.py): each key row read once, scores never materialised per
+             head, and torch.topk's exact selection (ties included) on the score row.
+
+The indexer is the linear part of a DSA step (O(L) per query by design) and is reported separately by
+``dayzero bench attention``. Both ops have one kernel per target with a
 decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
 ``codegen/kernels/attention.py``. Ordering: after fold_constants (the arange, the window, the scale and the
 fill values are read from ``ctx.constants``) and after inplace_state (the cache operands are then the in-place

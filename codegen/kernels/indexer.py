@@ -80,10 +80,10 @@ def _tile(p: dict, S: str, qs: list[str], V: str, I: str, vrow: list[str]) -> li
     """Scores of key rows [j0, j0 + JB) for the queries (b, qs[i]) (each guarded by qs[i] < S), written to
     V[vrow[i] * L + j] / I[...] = j. The tile is transposed into kt [Di, JB] once for all the queries."""
     L, Hi, Di = p["L"], p["Hi"], p["Di"]
-    out = [f"for d in range({_i(Di)}):",
-           f"    for jj in T.vectorized({_i(JB)}):",
-           f'        kt[d, jj] = T.if_then_else(j0 + jj < {_i(L)}, T.Cast("float32", '
-           f'keys[b, T.min(j0 + jj, {_i(L - 1)}), d]), T.float32(0))']
+    row = f"T.min(j0 + jj, {_i(L - 1)})" if L % JB else "j0 + jj"  # a partial last tile only when L % JB
+    out = [f"for jj in range({_i(JB)}):",
+           f"    for d in range({_i(Di)}):",
+           f'        kt[d, jj] = T.Cast("float32", keys[b, {row}, d])']
     for s, vr in zip(qs, vrow):
         out += [f"if {s} < {S}:",
                 f"    for jj in T.vectorized({_i(JB)}):",
@@ -98,8 +98,8 @@ def _tile(p: dict, S: str, qs: list[str], V: str, I: str, vrow: list[str]) -> li
                 f'        wh = T.Cast("float32", w[b, {s}, h])',
                 f"        for jj in T.vectorized({_i(JB)}):",
                 f"            tot[jj] = tot[jj] + wh * T.max(acc[jj] * {_f(p['scale'])}, T.float32(0))",
-                f"    for jj in range({_i(JB)}):",
-                f"        if j0 + jj < {_i(L)}:",
+                f"    for jj in {'range' if L % JB else 'T.vectorized'}({_i(JB)}):",
+                f"        if {'j0 + jj < ' + _i(L) if L % JB else 'True'}:",
                 f'            {V}[{vr} * {_i(L)} + j0 + jj] = T.if_then_else(j0 + jj <= T.Cast("int64", pp[{s}]), '
                 f"tot[jj], {_f(p['fill'])})",
                 f"            {I}[{vr} * {_i(L)} + j0 + jj] = j0 + jj"]
