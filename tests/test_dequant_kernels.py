@@ -19,6 +19,8 @@ from dayzero.frontend import lowprec
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 
 HOST = host_target_dict()
+# x86 without AVX2 (every x86-64 CPU runs it): the portable integer-bit decode ("arith"), run here for real
+GENERIC_X86 = {"kind": "llvm", "mcpu": "x86-64", "num-cores": 2}
 
 
 def _weights(fmt, O, K, E=None, seed=0):
@@ -79,20 +81,57 @@ def test_expert_index(kind):
         _check(y, x, W[e], K)
 
 
-def test_scale_code_zero_and_extremes_exact():
-    # E8M0 code 0 is 2^-127 (a subnormal scale), 254 is 2^127: the GEMV with a one-hot x reads W exactly.
-    O, K = 4, 64
-    blocks = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (O, 2, 16), dtype=np.uint8))
-    sc = np.array([[0, 1], [100, 127], [140, 200], [126, 60]], np.uint8)
+@pytest.mark.parametrize("target", [HOST, GENERIC_X86], ids=["host", "generic_x86"])
+def test_scale_code_zero_and_extremes_exact(target):
+    # E8M0 code 0 is 2^-127 (a subnormal scale), 254 is 2^127 (6 * 2^127 overflows to inf, as in the reference):
+    # the GEMV with a one-hot x reads W exactly, every FP4 code included (16 bytes of each block cover all 256
+    # code pairs across the rows), through the host's lookup and through the portable decode.
+    O, K = 8, 64
+    codes = np.arange(256, dtype=np.uint8).reshape(O * 2, 16)
+    blocks = torch.from_numpy(codes.reshape(O, 2, 16).copy())
+    sc = np.array([[0, 1], [100, 127], [140, 200], [126, 60], [254, 253], [2, 128], [131, 119], [127, 127]],
+                  np.uint8)
     scales = torch.from_numpy(sc)
     W = lowprec.dequant_mxfp4(blocks.numpy(), sc)
-    f = dq.build("mxfp4_gemv", 1, O, K, target=HOST)
-    for k in (0, 5, 33, 63):
+    f = dq.build("mxfp4_gemv", 1, O, K, target=target)
+    for k in range(K):
         x = torch.zeros(1, K)
         x[0, k] = 1.0
         y = torch.empty(1, O)
         f(x, blocks, scales, y)
         np.testing.assert_array_equal(y.numpy()[0], W[:, k])  # exact (a sum with +0 turns -0 into +0)
+
+
+@pytest.mark.parametrize("kind,args", [("mxfp4_gemv", (3, 129, 320)), ("mxfp4_gemm", (129, 320))])
+def test_portable_decode_matches_torch(kind, args):
+    # the decode a CPU without AVX2 (or CUDA) gets: integer bit arithmetic, no table lookups
+    assert dq._lookup_mode(GENERIC_X86) == "arith"
+    O, K = args[-2:]
+    blocks, scales, W = _weights("mxfp4", O, K)
+    f = dq.build(kind, *args, target=GENERIC_X86)
+    for T in ((args[0],) if kind.endswith("gemv") else (1, 70)):
+        x = torch.randn(T, K)
+        y = torch.empty(T, O)
+        f(x, blocks, scales, y)
+        _check(y, x, W, K)
+
+
+@pytest.mark.parametrize("mcpu,mode,must_have", [
+    ("haswell", "pshufb", r"vpshufb"),             # AVX2: byte lookups on xmm, 8-lane ymm FMAs
+    ("znver3", "pshufb", r"vpshufb"),
+    ("skylake-avx512", "permvar16", r"vperm[a-z0-9]*\s[^\n]*zmm"),  # AVX-512: one 16-lane permute per 16 codes
+    ("znver4", "permvar16", r"vperm[a-z0-9]*\s[^\n]*zmm"),
+])
+def test_x86_schedules_compile_vectorised(mcpu, mode, must_have):
+    # every x86 host gets a vectorised decode, whatever this machine is (compile only: AVX-512 may not run here)
+    import re
+
+    tgt = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+    assert dq._lookup_mode(tgt) == mode
+    for f in (dq.mxfp4_gemv(1, 64, 256, target=tgt), dq.mxfp4_gemm(64, 256, target=tgt)):
+        asm = tvm.compile(tvm.IRModule({"main": f}), target=tgt).mod.inspect_source("asm")
+        assert re.search(must_have, asm), mcpu
+        assert not re.search(r"call\w*\s+_*extendhfsf2", asm)  # no software fp16 conversion in the decode
 
 
 def test_bad_shapes_are_user_errors():

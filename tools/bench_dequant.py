@@ -59,13 +59,17 @@ def _torch_dequant_mxfp4(blocks, scales):
     return w.reshape(o, g * 32)
 
 
-def _machine(bw: float) -> dict:
+def _machine(bw: float, tvm_threads: int) -> dict:
+    from ..codegen.kernels import dequant as dq
     from ..targets.host import host_target_dict
 
+    tgt = host_target_dict()
     return {
         "cpu": platform.processor() or platform.machine(),
-        "target": host_target_dict(),
+        "target": tgt,
+        "mxfp4_lookup": dq._lookup_mode(tgt),
         "cores": os.cpu_count(),
+        "tvm_threads": tvm_threads,
         "read_bandwidth_GBps": round(bw / 1e9, 2),
         "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -75,8 +79,11 @@ def run_bench(quick: bool = False) -> dict:
     import torch
 
     from ..codegen.kernels import dequant as dq
+    from ..runtime.executor import use_all_cores
     from ..targets.host import host_target_dict
 
+    # TVM's pool defaults to half the CPUs on x86: size it as the runtime does, before the first kernel call
+    tvm_threads = use_all_cores()
     tgt = host_target_dict()
     pool_bytes = (256 if quick else 1024) << 20
     bw = read_bandwidth(pool_bytes)
@@ -135,7 +142,7 @@ def run_bench(quick: bool = False) -> dict:
                 "baselines": {"torch_matmul_predequantised": t_mm}, "bound": None, "bound_name": None,
                 "gflops": 2 * T * O * K / t_dz / 1e9, "ratio_vs_torch_matmul": t_mm / t_dz, "max_rel_err": err,
             })
-    return {"suite": "dequant", "machine": _machine(bw), "results": results}
+    return {"suite": "dequant", "machine": _machine(bw, tvm_threads), "results": results}
 
 
 @click.command("dequant")

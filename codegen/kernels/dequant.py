@@ -12,22 +12,29 @@ With ``num_experts=E`` the weights carry a leading expert dim ([E, O, G, 16], [E
 [E, ceil(O/128), ceil(K/128)]) and the kernel takes an int32 ``expert`` argument selecting one of them.
 
 Argument order of every PrimFunc:  x fp32 [T, K], weight..., scales..., [expert int32], y fp32 [T, O].
-GEMV kernels have a static T (1..8 decode tokens); GEMM kernels a symbolic T (one compiled kernel serves every T).
+GEMV kernels have a static T (1..64 decode tokens); GEMM kernels a symbolic T (one compiled kernel serves every T).
 
 Decoding, exact in fp32 (checked bit for bit against lowprec in the tests):
-- E2M1 code c -> the fp16 bit pattern ((c & 7) << 9) | ((c & 8) << 12) is c's value times 2^-14 (the code's
-  exponent/mantissa land in fp16's, code exponent 0 becomes an fp16 subnormal that the hardware converts exactly),
-  so value = float32(reinterpret_f16(bits)) * 2^14. Computed for the 16 codes once per call (``lut``).
+- MXFP4: the kernels decode 2 E2M1(c), a small integer (0, 1, 2, 3, 4, 6, 8, 12, signed), and multiply a
+  32-value block's partial dot product by sc2 = 2^(s - 128) once, instead of scaling every weight (exact: the
+  scale is a power of two). How the code becomes a float depends on the target (``_lookup_mode``):
+  AVX2 ``pshufb`` (16 codes per byte shuffle over a 16-entry int8 table, then int8 -> fp32), AVX-512
+  ``vpermps`` zmm over the 16 values, else integer bit arithmetic (``e2m1_x2_value``; CUDA too).
+  ``e2m1_value`` (the fp16 bit trick: ((c & 7) << 9) | ((c & 8) << 12) is c's value times 2^-14 as fp16) is
+  kept for the fused MoE kernel.
 - E8M0 s -> reinterpret_f32(s << 23) = 2^(s-127) for s >= 1, and 0x00400000 (2^-127) for s = 0.
 - E4M3 byte b -> reinterpret_f16(((b & 0x7F) << 7) | ((b & 0x80) << 8)) = value * 2^-8; the 2^8 goes into the
   block scale (exact: a power of two).
 
-Host CPU schedules (AVX-512): per (row, 32-value block) the 16-entry table ``lut * scale`` is built in one
-register and the nibbles are looked up with one ``vpermps`` per 16 values (``_permvar``); GEMV is parallel over
-output rows, 4 rows at a time sharing the activation loads, 16 lanes of partial sums per row. GEMM dequantises an
-[OT, K] weight tile into an L2-resident buffer once and reuses it for every token tile, with a 4-row x 64-token
-register tile over a transposed, zero-padded copy of x. CUDA: the same definitions (table lookup instead of
-vpermps), scheduled by dlight's GPU rules (GEMV / Matmul / Reduction / Fallback, thread-bound); not hand-tuned yet.
+Host CPU schedules (any x86: AVX2 and AVX-512 alike, lanes and tiles from the target's features):
+- GEMV (``mxfp4_gemv``): parallel over groups of output rows (8 at T = 1: 8 independent accumulator chains);
+  per row and block the 16 code bytes are read once, looked up into P vectors of L lanes in registers, each
+  multiplied into every token's block partial sum, which is scaled once into the row's accumulator.
+- GEMM: an [OT, K] weight tile is decoded (scale applied) into an L2-resident buffer once and reused for every
+  token tile, with a rows x (tvec x V) register tile over a transposed, zero-padded copy of x: 4 x 3 ymm on
+  AVX2, 4 x 4 zmm on AVX-512 (``_gemm_tile``).
+CUDA: the same definitions, scheduled by dlight's GPU rules (GEMV / Matmul / Reduction / Fallback,
+thread-bound); not hand-tuned yet.
 
 Compiled kernels need 64-byte-aligned, offset-0 tensors (torch allocations are; numpy views may not be).
 """
@@ -57,6 +64,15 @@ def e2m1_value(code):
     return tirx.reinterpret("float16", bits).astype("float32") * _f32(16384.0)
 
 
+def e2m1_x2_value(code):
+    """uint32 E2M1 code (0..15) -> exact fp32 2 * value, from integer bit arithmetic only (vectorises on any SIMD
+    ISA, no fp16 conversion): magnitude m = code & 7 is 2v = m for m < 2, else the float with exponent and
+    mantissa (m << 22) + bits(1.0), i.e. 2, 3, 4, 6, 8, 12; code bit 3 is the sign."""
+    m = code & _u32(7)
+    mag = tirx.Select(m >= _u32(2), (m << _u32(22)) + _u32(0x3F800000), m * _u32(0x3F800000))
+    return tirx.reinterpret("float32", mag | ((code & _u32(8)) << _u32(28)))
+
+
 def e8m0_value(s):
     """uint8 E8M0 code -> fp32 2^(s-127) (s = 0 gives the subnormal 2^-127; 0xFF is rejected by validators)."""
     u = s.astype("uint32")
@@ -71,11 +87,19 @@ def e4m3_value_div256(b):
 
 
 def _permvar(table_lane, index):
-    """One lane of AVX-512 ``vpermps``: result lane i = table[index_i & 15], table = the 16 lanes of table_lane.
+    """One lane of AVX-512 ``vpermps`` zmm: result lane i = table[index_i & 15], table = the 16 lanes of table_lane.
 
     Only meaningful inside a loop vectorised by exactly 16 whose lane i reads table[i]: the schedules below make
-    sure of it (``_check_permvar_lanes``)."""
+    sure of it (``_check_lookup_lanes``)."""
     return tirx.call_llvm_pure_intrin("float32", "llvm.x86.avx512.permvar.sf.512", table_lane, index)
+
+
+def _pshufb16(table_lane, index):
+    """One lane of SSSE3 ``pshufb`` xmm: result lane i = table[index_i & 15] (index_i < 128), table = the 16 int8
+    lanes of table_lane (same contract as ``_permvar``: a loop vectorised by exactly 16 whose lane i reads
+    table[i])."""
+    return tirx.call_llvm_pure_intrin("int8", "llvm.x86.ssse3.pshuf.b.128", table_lane,
+                                      tirx.reinterpret("int8", index))
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -83,14 +107,47 @@ def _is_cuda(target: dict) -> bool:
     return target.get("kind") == "cuda"
 
 
-def _has_avx512(target: dict) -> bool:
-    import tvm.target.codegen as cg
-
-    return target.get("kind") == "llvm" and bool(cg.target_has_features("avx512f", tvm.target.Target(target)))
-
-
 def _num_threads(target: dict) -> int:
     return int(target.get("num-cores", 1))
+
+
+def _has_feature(target: dict, feature: str) -> bool:
+    import tvm.target.codegen as cg
+
+    return target.get("kind") == "llvm" and bool(cg.target_has_features(feature, tvm.target.Target(target)))
+
+
+def _lookup_mode(target: dict) -> str:
+    """How MXFP4 codes become floats on TARGET (see ``_mxfp4_decode``): ``permvar16`` (AVX-512), ``pshufb``
+    (AVX2: 256-bit FMAs, SSSE3 byte lookups), ``arith`` (anything else, CUDA included)."""
+    if _has_feature(target, "avx512f"):
+        return "permvar16"
+    if _has_feature(target, "avx2") and _has_feature(target, "fma"):
+        return "pshufb"
+    return "arith"
+
+
+def _lookup_lanes(target: dict) -> int:
+    """fp32 vector lanes of the decoded weights and accumulators: 16 on AVX-512 (a zmm), 8 otherwise (a ymm)."""
+    return 16 if _lookup_mode(target) == "permvar16" else 8
+
+
+def _vector_registers(target: dict) -> int:
+    return 32 if _has_feature(target, "avx512f") else 16
+
+
+def _gemv_rows(T: int, O: int) -> int:
+    """Output rows per parallel group of the GEMV: 8 at T = 1 (8 independent accumulator chains hide the FMA
+    latency; measured best on znver3 among 2/4/8/16), then T * rows <= 16 accumulator vectors. Divides O."""
+    rows = max(1, min(8, 16 // T))
+    while O % rows:
+        rows -= 1
+    return rows
+
+
+def _check_lookup_lanes(sch, loop, L: int):
+    if int(sch.get(loop).extent) != L:
+        raise InternalError(f"the vpermps lookup needs its loop vectorised by exactly {L} lanes")
 
 
 # ------------------------------------------------------------------------------------------ definitions
@@ -119,22 +176,38 @@ def _at(e, *idx):
     return (e, *idx) if e is not None else idx
 
 
-def _mxfp4_stages(B, S, e, O: int, G: int, lanes16: bool):
-    """lut[c], sc[o, g], tbl[o, g, c] = lut[c] * sc[o, g], wd[o, g, h, j] = W[o, 32g + 2j + h]."""
-    lut = te.compute((16,), lambda c: e2m1_value(c), name="lut")
-    sc = te.compute((O, G), lambda o, g: e8m0_value(S[_at(e, o, g)]), name="sc")
-    tbl = te.compute((O, G, 16), lambda o, g, c: lut[c] * sc[o, g], name="tbl")
+def _mxfp4_decode(B, S, e, O: int, G: int, L: int, target: dict):
+    """(wd, sc2): wd[o, g, p, l] = 2 E2M1(code of W[o, 32g + 2(qL + l) + h]), h, q = divmod(p, Q), Q = 16 / L,
+    and sc2[o, g] = 2^(scales[o, g] - 128), so W = wd * sc2 exactly (a small integer times a power of two; code 0
+    gives 2^-128, a subnormal, still exact). The kernels apply sc2 once per 32-value block, to the block's partial
+    dot product, not to every weight. How the codes become values depends on the target (``_lookup_mode``):
 
-    def code(o, g, h, j):
-        return tirx.Cast("int32", tirx.shift_right(B[_at(e, o, g, j)], tirx.Cast("uint8", h * 4)))
+    - pshufb (AVX2 / SSSE3): one ``pshufb`` per 16 codes looks the nibbles up in a 16-byte table of the signed
+      integers 2 E2M1(c) (-12..12), then int8 -> fp32 (vpmovsxbd + vcvtdq2ps): no table per block, no permute
+      across lanes, half the shuffle-port work of a vpermps lookup on 32-bit lanes.
+    - permvar16 (AVX-512): one ``vpermps`` zmm per 16 codes over the 16 values 2 E2M1(c) in one register.
+    - arith (anything else, CUDA included): ``e2m1_x2_value``, integer bit arithmetic.
+    """
+    mode = _lookup_mode(target)
+    Q = 16 // L
+    sc2 = te.compute((O, G), lambda o, g: e8m0_value(S[_at(e, o, g)]) * _f32(0.5), name="sc2")
 
-    if lanes16:
-        wd = te.compute((O, G, 2, 16), lambda o, g, h, j: _permvar(tbl[o, g, j], code(o, g, h, j)), name="wd")
+    def code(o, g, h, j, dtype="uint32"):
+        return (tirx.Cast(dtype, B[_at(e, o, g, j)]) >> tirx.Cast(dtype, h * 4)) & tirx.const(15, dtype)
+
+    if mode == "pshufb":
+        q8 = te.compute((16,), lambda c: tirx.Cast("int8", e2m1_x2_value(tirx.Cast("uint32", c))), name="q8")
+        wq = te.compute((O, G, 2, 16), lambda o, g, h, j: _pshufb16(q8[j], code(o, g, h, j, "uint8")), name="wq")
+        wd = te.compute((O, G, 32 // L, L), lambda o, g, p, l: wq[o, g, p // Q, (p % Q) * L + l].astype("float32"),
+                        name="wd")
+    elif mode == "permvar16":
+        v2 = te.compute((16,), lambda c: e2m1_x2_value(tirx.Cast("uint32", c)), name="v2")
+        wd = te.compute((O, G, 2, 16), lambda o, g, p, l: _permvar(
+            v2[l], tirx.Cast("int32", code(o, g, p, l))), name="wd")
     else:
-        wd = te.compute(
-            (O, G, 2, 16), lambda o, g, h, j: tbl[o, g, code(o, g, h, j) & 15], name="wd"
-        )
-    return wd
+        wd = te.compute((O, G, 32 // L, L), lambda o, g, p, l: e2m1_x2_value(
+            code(o, g, p // Q, (p % Q) * L + l)), name="wd")
+    return wd, sc2
 
 
 def _fp8_wd(W, S, e, O: int, K: int):
@@ -161,25 +234,31 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     scales  uint8 [(E,) O, G]
     expert  int32                  only with num_experts: which [O, G, 16] slab to read
     y       fp32  [T, O]
-    Internally xp[t, g, h, j] = x[t, 32g + 2j + h] (the nibble order), part[t, o, j] 16 partial sums per row.
+    Internally, with L fp32 lanes (``_lookup_lanes``), Q = 16 / L, P = 2Q vectors per block, p = h Q + q:
+    xp[t, g, p, l] = x[t, 32g + 2(qL + l) + h] (the nibble order), wd / sc2 from ``_mxfp4_decode``,
+    blk[t, o, g, l] = sum_p xp[t, g, p, l] wd[o, g, p, l] (one block's partial dot product, L lanes),
+    part[t, o, l] = sum_g blk[t, o, g, l] sc2[o, g] (the scale applied once per block), y = sum_l part.
     """
     _check_dims("mxfp4_gemv", out_features, in_features, n_tokens)
     T, O, K, G = n_tokens, out_features, in_features, in_features // 32
     x = te.placeholder((T, K), "float32", name="x")
     B, S, e = _weight_args("mxfp4", O, K, num_experts)
-    avx = _has_avx512(target)
-    wd = _mxfp4_stages(B, S, e, O, G, lanes16=avx)
-    xp = te.compute((T, G, 2, 16), lambda t, g, h, j: x[t, g * 32 + j * 2 + h], name="xp")
-    g_, h_ = te.reduce_axis((0, G), "g"), te.reduce_axis((0, 2), "h")
-    part = te.compute((T, O, 16), lambda t, o, j: te.sum(xp[t, g_, h_, j] * wd[o, g_, h_, j], axis=[g_, h_]),
-                      name="part")
-    jj = te.reduce_axis((0, 16), "jj")
-    y = te.compute((T, O), lambda t, o: te.sum(part[t, o, jj], axis=jj), name="y")
+    cuda = _is_cuda(target)
+    L = 16 if cuda else _lookup_lanes(target)
+    Q, P = 16 // L, 32 // L
+    wd, sc2 = _mxfp4_decode(B, S, e, O, G, L, target)
+    xp = te.compute((T, G, P, L), lambda t, g, p, l: x[t, g * 32 + ((p % Q) * L + l) * 2 + p // Q], name="xp")
+    p_ = te.reduce_axis((0, P), "p")
+    blk = te.compute((T, O, G, L), lambda t, o, g, l: te.sum(xp[t, g, p_, l] * wd[o, g, p_, l], axis=p_),
+                     name="blk")
+    g_ = te.reduce_axis((0, G), "g")
+    part = te.compute((T, O, L), lambda t, o, l: te.sum(blk[t, o, g_, l] * sc2[o, g_], axis=g_), name="part")
+    l_ = te.reduce_axis((0, L), "l")
+    y = te.compute((T, O), lambda t, o: te.sum(part[t, o, l_], axis=l_), name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, B, S, e, y)))
-    if _is_cuda(target):
+    if cuda:
         return _cuda_rules(sch, target)
-    else:
-        _mxfp4_gemv_cpu(sch, O, permvar=avx)
+    _mxfp4_gemv_cpu(sch, _gemv_rows(T, O), L)
     return _done(sch)
 
 
@@ -212,45 +291,82 @@ def fp8_block_gemv(n_tokens: int, out_features: int, in_features: int, *, num_ex
     return _done(sch)
 
 
-def _mxfp4_gemv_cpu(sch, O: int, permvar: bool, rows: int = 4):
-    rows = rows if O % rows == 0 else (2 if O % 2 == 0 else 1)
+def _mxfp4_gemv_cpu(sch, rows: int, L: int):
+    """Parallel over groups of ``rows`` output rows. Per 32-value block g and row o: the block's codes are looked
+    up (``wq``, two 16-byte vectors) and widened vector by vector (``wd``, L lanes, in registers), each vector
+    multiplied into the block partial sums of every token (``blk``), which are then scaled once into the row's
+    accumulators (``part``). Loop nest under the row group: g / o / (p / t / l) then (t / l)."""
     by = sch.get_sblock("y")
-    t, o, jr = sch.get_loops(by)
+    t, o, l = sch.get_loops(by)
     oo, oi = sch.split(o, [None, rows])
-    sch.reorder(oo, oi, t, jr)
+    sch.reorder(oo, oi, t, l)
     sch.parallel(oo)
     bp = sch.get_sblock("part")
     sch.compute_at(bp, oo)
     sch.set_scope(bp, 0, "local")
-    lp = sch.get_loops(bp)
-    sp, pg, ph = lp[1:-2], lp[-2], lp[-1]
-    sch.reorder(pg, ph, *sp)
-    sch.vectorize(sp[-1])
-    for loop in sp[:-1]:
-        sch.unroll(loop)
-    for name in ("wd", "tbl"):
-        blk = sch.get_sblock(name)
-        sch.compute_at(blk, pg)
-        sch.set_scope(blk, 0, "local")
-        loops = sch.get_loops(blk)
-        sch.vectorize(loops[-1])  # 16 lanes: j for wd (the _permvar contract), c for tbl
-        if name == "wd":
-            _check_permvar_lanes(sch, loops[-1], permvar)
-            for loop in loops[-3:-1]:
-                sch.unroll(loop)
-    bs = sch.get_sblock("sc")
+    own = _loops_by_iter(sch, bp, oo)
+    sch.reorder(*[own[n] for n in ("g", "o", "t", "l") if n in own])
+    sch.vectorize(own["l"])
+    for n in ("o", "t"):
+        if n in own:
+            sch.unroll(own[n])
+    at_row = own["o"] if "o" in own else own["g"]
+    bb = sch.get_sblock("blk")
+    sch.compute_at(bb, at_row)
+    sch.set_scope(bb, 0, "local")
+    ob = _loops_by_iter(sch, bb, at_row)
+    sch.reorder(*[ob[n] for n in ("p", "t", "l") if n in ob])
+    sch.vectorize(ob["l"])
+    for n in ("p", "t"):
+        if n in ob:
+            sch.unroll(ob[n])
+    bw = sch.get_sblock("wd")
+    sch.compute_at(bw, ob["p"])
+    sch.set_scope(bw, 0, "local")
+    lw = sch.get_loops(bw)[-1]
+    _check_lookup_lanes(sch, lw, L)
+    sch.vectorize(lw)
+    if _has_block(sch, "wq"):
+        bq = sch.get_sblock("wq")
+        sch.compute_at(bq, at_row)
+        sch.set_scope(bq, 0, "local")
+        lq = sch.get_loops(bq)
+        _check_lookup_lanes(sch, lq[-1], 16)
+        sch.vectorize(lq[-1])
+        sch.unroll(lq[-2])
+    bs = sch.get_sblock("sc2")
     sch.compute_at(bs, oo)
     sch.set_scope(bs, 0, "local")
-    sch.vectorize(sch.get_loops(bs)[-1])
-    sch.unroll(ph)
-    init = sch.decompose_reduction(bp, pg)
+    sch.vectorize(sch.split(sch.get_loops(bs)[-1], [None, 8])[-1])
+    sch.decompose_reduction(bb, ob["p"])
+    init = sch.decompose_reduction(bp, own["g"])
     sch.vectorize(sch.get_loops(init)[-1])
     sch.vectorize(sch.get_loops(sch.get_sblock("xp"))[-1])
 
 
-def _check_permvar_lanes(sch, loop, permvar: bool):
-    if permvar and int(sch.get(loop).extent) != 16:
-        raise InternalError("the vpermps lookup needs its loop vectorised by exactly 16 lanes")
+def _loops_by_iter(sch, block, above) -> dict:
+    """{iter name: loop} for the loops that compute_at created for BLOCK under loop ABOVE, keyed by the block iter
+    each one drives (TE names iters after the compute's axes: v_t -> "t"; unit extents get no loop)."""
+    loops = sch.get_loops(block)
+    top = [sch.get(lp).same_as(sch.get(above)) for lp in loops].index(True)
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, tvm.s_tir.SBlockRealize):
+        raise InternalError(f"expected the block directly under its innermost loop, got {type(realize).__name__}")
+    by_var = {sch.get(lp).loop_var.name: lp for lp in loops[top + 1:]}
+    out = {}
+    for iv, val in zip(realize.block.iter_vars, realize.iter_values):
+        own = [v.name for v in tirx.analysis.undefined_vars(val) if v.name in by_var]
+        if len(own) == 1:
+            out[iv.var.name.removeprefix("v_")] = by_var[own[0]]
+    return out
+
+
+def _has_block(sch, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001 - tvm raises a ScheduleError subclass
+        return False
 
 
 def _fp8_gemv_cpu(sch, K: int, rows: int = 4):
@@ -294,9 +410,10 @@ def mxfp4_gemm(out_features: int, in_features: int, *, num_experts: int | None =
     scales  uint8 [(E,) O, G]
     expert  int32                  only with num_experts
     y       fp32  [T, O]
-    Internally xt[b, g, h, j, i] = x[64b + i, 32g + 2j + h] (0 past T; token tiles of 64 outermost so one tile's
-    activations are contiguous), yt[o, tp] = sum_{g,h,j} wd[o, g, h, j] * xt[tp // 64, g, h, j, tp % 64],
-    y[t, o] = yt[o, t].
+    Internally (L, Q, P, p as in ``mxfp4_gemv``, tt = ``_token_tile``): wdec[o, g, p, l] = wd * sc2 (the exact
+    weight, decoded tile by tile), xt[b, g, p, l, i] = x[tt b + i, 32g + 2(qL + l) + h] (0 past T; token tiles
+    outermost so one tile's activations are contiguous), yt[o, tp] = sum_{g,p,l} wdec[o, g, p, l] xt[tp // tt,
+    g, p, l, tp % tt], y[t, o] = yt[o, t].
     """
     _check_dims("mxfp4_gemm", out_features, in_features)
     O, K, G = out_features, in_features, in_features // 32
@@ -305,19 +422,21 @@ def mxfp4_gemm(out_features: int, in_features: int, *, num_experts: int | None =
     Tp = (T + (tt - 1)) // tt * tt
     x = te.placeholder((T, K), "float32", name="x")
     B, S, e = _weight_args("mxfp4", O, K, num_experts)
-    avx = _has_avx512(target)
-    wd = _mxfp4_stages(B, S, e, O, G, lanes16=avx)
-    xt = te.compute((Tp // tt, G, 2, 16, tt), lambda b, g, h, j, i: tirx.if_then_else(
-        b * tt + i < T, x[tirx.min(b * tt + i, T - 1), g * 32 + j * 2 + h], _f32(0.0)), name="xt")
-    g_, h_, j_ = te.reduce_axis((0, G), "g"), te.reduce_axis((0, 2), "h"), te.reduce_axis((0, 16), "j")
-    yt = te.compute((O, Tp), lambda o, t: te.sum(wd[o, g_, h_, j_] * xt[t // tt, g_, h_, j_, t % tt],
-                                                 axis=[g_, h_, j_]), name="yt")
+    L = 16 if _is_cuda(target) else _lookup_lanes(target)
+    Q, P = 16 // L, 32 // L
+    wd, sc2 = _mxfp4_decode(B, S, e, O, G, L, target)
+    wdec = te.compute((O, G, P, L), lambda o, g, p, l: wd[o, g, p, l] * sc2[o, g], name="wdec")
+    xt = te.compute((Tp // tt, G, P, L, tt), lambda b, g, p, l, i: tirx.if_then_else(
+        b * tt + i < T, x[tirx.min(b * tt + i, T - 1), g * 32 + ((p % Q) * L + l) * 2 + p // Q], _f32(0.0)),
+        name="xt")
+    g_, p_, l_ = te.reduce_axis((0, G), "g"), te.reduce_axis((0, P), "p"), te.reduce_axis((0, L), "l")
+    yt = te.compute((O, Tp), lambda o, t: te.sum(wdec[o, g_, p_, l_] * xt[t // tt, g_, p_, l_, t % tt],
+                                                 axis=[g_, p_, l_]), name="yt")
     y = te.compute((T, O), lambda t, o: yt[o, t], name="y")
     sch = tvm.s_tir.Schedule(te.create_prim_func(_args(x, B, S, e, y)))
     if _is_cuda(target):
         return _cuda_rules(sch, target)
-    else:
-        _gemm_cpu(sch, O, K, fmt="mxfp4", permvar=avx)
+    _gemm_cpu(sch, O, K, "mxfp4", target)
     return _done(sch)
 
 
@@ -350,17 +469,32 @@ def fp8_block_gemm(out_features: int, in_features: int, *, num_experts: int | No
     if _is_cuda(target):
         return _cuda_rules(sch, target)
     else:
-        _gemm_cpu(sch, O, K, fmt="fp8", permvar=False)
+        _gemm_cpu(sch, O, K, "fp8", target)
     return _done(sch)
 
 
+def _gemm_tile(target: dict) -> tuple[int, int, int]:
+    """(weight rows, token vectors, lanes) of the GEMM register tile: rows x tvec accumulator vectors of V lanes,
+    plus tvec activation loads and one broadcast weight, within the vector registers: 4 x 4 zmm on AVX-512,
+    4 x 3 ymm on AVX2 (16 registers; a 4 x 4 ymm tile of 16 accumulators spills)."""
+    if _is_cuda(target) or _has_feature(target, "avx512f"):
+        return 4, 4, 16
+    return 4, 3, 8
+
+
 def _token_tile(target: dict) -> int:
-    return 64
+    """Tokens per GEMM tile: the register tile's token vectors x lanes (64 on AVX-512, 24 on AVX2)."""
+    _, tvec, V = _gemm_tile(target)
+    return tvec * V
 
 
-def _gemm_cpu(sch, O: int, K: int, fmt: str, permvar: bool, orows: int = 4, tvec: int = 4):
-    """yt tile loops: o_outer (parallel, OT rows) / t_outer / o_mid / k... / o_inner(orows) / t (tvec x 16 lanes)."""
-    ot = max(orows, min(64, (768 * 1024) // (4 * K) // orows * orows))  # decoded [OT, K] tile <= 768 KiB (L2)
+def _gemm_cpu(sch, O: int, K: int, fmt: str, target: dict):
+    """yt tile loops: o_outer (parallel, OT rows) / t_outer / o_mid / k... / o_inner(rows) / t (tvec x V lanes).
+
+    The decoded [OT, K] weight tile (``wd`` / ``wdec``) is made once per o_outer and reused for every token tile;
+    OT keeps it within about half of a 512 KiB L2 so the token tile's activations fit beside it."""
+    orows, tvec, V = _gemm_tile(target)
+    ot = max(orows, min(64, (256 * 1024) // (4 * K) // orows * orows))
     while O % ot and ot > orows:
         ot -= orows
     if O % ot:
@@ -369,40 +503,48 @@ def _gemm_cpu(sch, O: int, K: int, fmt: str, permvar: bool, orows: int = 4, tvec
     loops = sch.get_loops(byt)
     o, t, red = loops[0], loops[1], loops[2:]
     o_o, o_m, o_i = sch.split(o, [None, ot // orows, orows])
-    t_o, t_i = sch.split(t, [None, 16 * tvec])
+    t_o, t_i = sch.split(t, [None, V * tvec])
     sch.reorder(o_o, t_o, o_m, *red, o_i, t_i)
     sch.parallel(o_o)
     acc = sch.cache_write(byt, 0, "local")
     sch.reverse_compute_at(acc, o_m)
-    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.vectorize(sch.split(sch.get_loops(acc)[-1], [None, V])[-1])
     sch.unroll(o_i)
-    t_io, t_ii = sch.split(t_i, [tvec, 16])
+    t_io, t_ii = sch.split(t_i, [tvec, V])
     sch.unroll(t_io)
     sch.vectorize(t_ii)
     init = sch.decompose_reduction(byt, red[0])
-    sch.vectorize(sch.get_loops(init)[-1])
-    bw = sch.get_sblock("wd")
-    sch.compute_at(bw, o_o)  # decode the [OT, K] tile once, reuse it for every token tile
+    sch.vectorize(sch.split(sch.get_loops(init)[-1], [None, V])[-1])
     if fmt == "mxfp4":
-        lw = sch.get_loops(bw)
+        bw = sch.get_sblock("wdec")
+        sch.compute_at(bw, o_o)  # decode the [OT, K] tile once, reuse it for every token tile
+        lw = sch.get_loops(bw)  # o_o / o / g / p / l
         sch.vectorize(lw[-1])
-        _check_permvar_lanes(sch, lw[-1], permvar)
         sch.unroll(lw[-2])
-        for name in ("tbl",):
-            blk = sch.get_sblock(name)
-            sch.compute_at(blk, lw[-3])
-            sch.set_scope(blk, 0, "local")
-            sch.vectorize(sch.get_loops(blk)[-1])
-        sch.compute_inline(sch.get_sblock("sc"))
+        sch.compute_inline(sch.get_sblock("sc2"))
+        bd = sch.get_sblock("wd")
+        if _has_block(sch, "wq"):
+            sch.compute_inline(bd)
+            bq = sch.get_sblock("wq")
+            sch.compute_at(bq, lw[-3])
+            sch.set_scope(bq, 0, "local")
+            lq = sch.get_loops(bq)
+            _check_lookup_lanes(sch, lq[-1], 16)
+            sch.vectorize(lq[-1])
+            sch.unroll(lq[-2])
+        else:
+            sch.compute_inline(bd)
     else:
+        bw = sch.get_sblock("wd")
+        sch.compute_at(bw, o_o)
         sch.compute_inline(sch.get_sblock("sc"))
         lw = sch.get_loops(bw)
-        ko, ki = sch.split(lw[-1], [None, 16])
+        ko, ki = sch.split(lw[-1], [None, V])
         sch.vectorize(ki)
     bx = sch.get_sblock("xt")
     lx = sch.get_loops(bx)
     sch.parallel(lx[0])
-    sch.vectorize(sch.split(lx[-1], [None, 16])[-1])
+    sch.vectorize(sch.split(lx[-1], [None, V])[-1])
     by = sch.get_sblock("y")
     ty, oy = sch.get_loops(by)
     sch.parallel(ty)

@@ -16,9 +16,9 @@ separate add) with W decoded from its storage as it is read, never materialised 
 Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, N]. A node whose T is a static
 int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
 each packed byte read once from memory); a symbolic T gets the prefill GEMM (an [OT, K] weight tile decoded
-once into an L2-resident buffer and reused for every 64-token tile; one compiled kernel for every T). The CPU
-schedules are ``dequant.py``'s (``_fp8_gemv_cpu`` / ``_gemm_cpu`` over a ``wd`` decode stage, ``_mxfp4_*`` with
-vpermps lookups); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
+once into an L2-resident buffer and reused for every token tile (``dequant._token_tile``: 24 on AVX2, 64 on
+AVX-512); one compiled kernel for every T). The CPU schedules are ``dequant.py``'s (``_fp8_gemv_cpu`` /
+``_gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``dequant.mxfp4_gemv`` / ``mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
 
 Registration: ``lower.PRIMFUNCS[op]`` gives the unscheduled kernel carrying its parameters, and the
 ``schedule.HAND_SCHEDULED[op]`` rule rebuilds it scheduled for the real target (as ``moe.py`` does).
@@ -142,7 +142,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if T is not None:
         dq._fp8_gemv_cpu(sch, K)
     else:
-        dq._gemm_cpu(sch, N, K, fmt="fp8", permvar=False)
+        dq._gemm_cpu(sch, N, K, "fp8", target)
     return dq._done(sch)
 
 
