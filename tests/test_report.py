@@ -104,6 +104,7 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
     c = _config(ckpt)
     kv = _report(art)["kv_cache"]
     assert kv["max_length"] == 128 and kv["slots"] == 3 and kv["fixed_bytes"] == 0
+    assert kv["described"]  # read with the compile's cache layout (position dim, layer type, window)
     types = kv["layer_types"]
     if model_type == "deepseek_v32":
         per_layer = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 + c["index_head_dim"] * 4
@@ -175,3 +176,42 @@ def test_report_gives_each_programs_plan_against_its_bound(tiny_compiled, model_
         m = p["memory"]
         assert m["planned_over_peak"] == round(sum(m["planned_bytes"].values()) / m["peak_live_total_bytes"], 4)
         assert 1.0 <= m["planned_over_peak"] <= 1.05, (name, m["planned_over_peak"])
+
+
+def test_kv_cache_report_reads_rates_windows_and_fixed_state(tmp_path):
+    """A compressed layout as the compile describes it (DeepSeek-V4-like, written by hand here): a sliding ring of
+    `window` rows is per-sequence constant, compressed entries (one row per 4 tokens) grow at row bytes / 4 per
+    token, a compressor's pending state (no position dim) is constant; a plain full layer grows at row bytes."""
+    L = 64
+    states = {  # name: (shape, dtype, position_dim, layer, layer_type, window, rate)
+        "cache_0_keys": ([1, 8, 32], "float32", 1, 0, "sliding_attention", 8, None),
+        "cache_1_keys": ([1, 8, 32], "float32", 1, 1, "compressed_sparse_attention", 8, None),
+        "cache_1_compressor_entries": ([1, L // 4, 32], "float32", 1, 1, "compressed_sparse_attention", None, 4),
+        "cache_1_compressor_pending": ([1, 4, 64], "float32", None, 1, "compressed_sparse_attention", None, None),
+        "cache_2_keys": ([1, 2, L, 16], "bfloat16", 2, 2, "full_attention", None, None),
+    }
+    buffers = [{"id": 0, "dtype": "int64", "shape": [1, "seq"], "zone": "io", "alias_of": None, "weight": None,
+                "state": None, "name": "input_ids"}]
+    layout = []
+    for i, (name, (shape, dtype, pos, layer, lt, win, rate)) in enumerate(states.items(), 1):
+        buffers.append({"id": i, "dtype": dtype, "shape": shape, "zone": "kv_cache", "alias_of": None,
+                        "weight": None, "state": name, "name": None})
+        layout.append({"layer": layer, "kind": name.split("_", 2)[2], "buffer": name, "shape": shape,
+                       "dtype": dtype, "position_dim": pos, "layer_type": lt, "sliding_window": win,
+                       "compress_rate": rate})
+    prog = {"symbols": [["seq", 1, L]], "input_ranges": {"input_ids": [0, 100]}, "buffers": buffers,
+            "steps": [], "memory": {"state_slots": 2}}
+    (tmp_path / "program.json").write_text(json.dumps({"programs": {"prefill": prog}}))
+    (tmp_path / "report.json").write_text(json.dumps({"programs": {}, "kv_cache_layout": layout}))
+    kv = json.loads(CliRunner().invoke(main, ["report", str(tmp_path), "--json"]).output)["kv_cache"]
+    assert kv["max_length"] == L and kv["slots"] == 2 and kv["described"]
+    t = kv["layer_types"]
+    assert t["sliding_attention"] == {**t["sliding_attention"], "bytes_per_token": 0, "fixed_bytes": 8 * 32 * 4,
+                                      "rows": 8, "window": 8}
+    csa = t["compressed_sparse_attention"]
+    assert csa["bytes_per_token"] == 32 * 4 / 4  # one 32-value fp32 row per 4 tokens
+    assert csa["fixed_bytes"] == 8 * 32 * 4 + 4 * 64 * 4  # its window ring + the compressor's pending rows
+    assert t["full_attention"]["bytes_per_token"] == 2 * 16 * 2 and t["full_attention"]["fixed_bytes"] == 0
+    assert kv["bytes_per_token"] == 32 + 64 and kv["fixed_bytes"] == 1024 + 1024 + 1024
+    text = CliRunner().invoke(main, ["report", str(tmp_path)]).output
+    assert "compressed_sparse_attention: 1 layer(s), 32.0 B/token per layer + 2,048 B fixed" in text

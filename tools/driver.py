@@ -12,7 +12,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class Frontend:
     decode: Traced | None = None  # the decode step (seq = 1), when the model has a KV cache dayzero can own
     extra: dict[str, Traced] = field(default_factory=dict)  # more programs by name (vision_TxHxW: issue 9)
     multimodal: dict | None = None  # what the runtime needs to drive them (artifact multimodal.json)
+    cache_layout: list = field(default_factory=list)  # per cache state: layer, layer type, position dim, rate
 
 
 def resolve_target(target: str | dict) -> dict:
@@ -71,7 +72,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) ->
             return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend)
         # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
         recipes, lowp, _ = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
-        traced, decode = _trace_with_cache(ckpt, max_seq)
+        traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq)
         if traced is None:  # no static cache for this architecture: a stateless prefill only
             module, _ = hf.meta_model(ckpt)
             ep = export_seq_dynamic(hf.CausalLMPrefill(module), "input_ids", max_seq)
@@ -91,7 +92,8 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) ->
         traced.weights = own
         if decode is not None:
             decode.weights = own
-        return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode)
+        return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode,
+                        cache_layout=cache_layout)
     if isinstance(model, str):
         if ":" not in model:
             raise UserError(f"{model}: neither a checkpoint directory nor module.path:factory")
@@ -184,14 +186,16 @@ def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, a
     raise last if last is not None else UserError("torch.export failed")
 
 
-def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Traced | None]:
+def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Traced | None, list[dict]]:
     """Prefill and decode as two traces of one stateful step that writes transformers' own static KV cache.
 
-    The cache tensors become ``state`` nodes (zone kv_cache) shared by both programs. Architectures whose cache
-    has no static form (DeepSeek-V4's compressed caches) get (None, None): prefill only, see README."""
+    The cache tensors become ``state`` nodes (zone kv_cache) shared by both programs; the third value describes
+    each (``decode_export.CacheTensor``: layer, layer type, token-position dim, compression rate), which
+    ``dayzero report`` turns into KV bytes per token per layer type. Architectures whose cache has no static form
+    get (None, None, []): prefill only, see README."""
     from transformers import AutoModelForCausalLM
 
-    from dayzero.frontend.decode_export import CacheStep
+    from dayzero.frontend.decode_export import CacheStep, describe
 
     cfg = hf._config(ckpt)
     with hf._quiet():
@@ -199,8 +203,9 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Tr
     try:
         step = CacheStep(cpu, max_cache_len=max_seq)
     except UserError:
-        return None, None
+        return None, None, []
     ep = export_seq_dynamic(step, "input_ids", max_seq, with_positions=True)
+    cache_layout = [asdict(c) for c in describe(ep, step, max_seq).cache]
     names = symbol_names_from(ep, {"input_ids": {1: "seq"}, "cache_position": {0: "seq"}})
     prefill = to_graph(ep, names, strip_prefix="model.")
     with torch.no_grad():
@@ -208,7 +213,7 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Tr
     decode = to_graph(ep1, {}, strip_prefix="model.")
     for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
         t.graph = _rename_states(t.graph)
-    return prefill, decode
+    return prefill, decode, cache_layout
 
 
 def _rename_states(g: Graph) -> Graph:
@@ -388,6 +393,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
                                                          if k.op.startswith("moe_experts_mxfp4")}) for p in progs}),
         "unsupported": [],
         "build": build_stats,
+        "kv_cache_layout": fe.cache_layout,
     }
     pjs = {}
     for p in progs:

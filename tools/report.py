@@ -86,10 +86,30 @@ def _checkpoint_config(artifact: str) -> dict:
     return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
 
 
-def kv_cache_report(artifact: str, progs: dict) -> dict | None:
+def _state_entry(b: dict, length: int, desc: dict | None) -> dict:
+    """One cache state's bytes: per token of context when it covers the whole context, else a per-sequence
+    constant.  ``desc`` (report.json ``kv_cache_layout``, from the compile) names the token-position dim and the
+    compression rate (one row per ``compress_rate`` tokens); without it a dim equal to ``length`` is taken as the
+    position dim (older artifacts)."""
+    nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
+    if desc is not None:
+        pos, rate = desc.get("position_dim"), desc.get("compress_rate") or 1
+    else:
+        pos, rate = (b["shape"].index(length) if length in b["shape"] else None), 1
+    rows = b["shape"][pos] if pos is not None else None
+    grows = rows is not None and rows * rate >= length  # a ring of the last rows (a window) does not grow
+    entry = {"shape": b["shape"], "dtype": b["dtype"], "rows": rows, "compress_rate": rate,
+             "bytes_per_token": nbytes / rows / rate if grows else 0, "fixed_bytes": 0 if grows else nbytes}
+    if desc is not None and desc.get("sliding_window"):
+        entry["window"] = desc["sliding_window"]
+    return entry
+
+
+def kv_cache_report(artifact: str, progs: dict, layout: list | None = None) -> dict | None:
     """``{"max_length", "slots", "bytes_per_token", "fixed_bytes", "layer_types": {type: {"layers",
     "bytes_per_token", "fixed_bytes", "rows", "window", "states": {...}}}}`` for one request slot, or None when the
-    artifact keeps no KV cache.  ``bytes_per_token`` totals are over all layers."""
+    artifact keeps no KV cache.  ``bytes_per_token`` totals are over all layers.  ``layout`` is report.json's
+    ``kv_cache_layout`` (layer, layer type, position dim, window, rate per state) where the compile wrote one."""
     states: dict[str, dict] = {}
     for pj in progs.values():
         for b in pj.get("buffers", []):
@@ -99,26 +119,27 @@ def kv_cache_report(artifact: str, progs: dict) -> dict | None:
     length = _max_length(prefill)
     if not states or not length:
         return None
-    cfg = _checkpoint_config(artifact)
+    described = {d["buffer"]: d for d in layout or [] if isinstance(d, dict) and "buffer" in d}
+    cfg = {} if described else _checkpoint_config(artifact)
     types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
-    window = cfg.get("sliding_window")
     per_layer: dict = {}  # layer index (or None) -> {pattern: state entry}
+    layer_type: dict = {}
     for name, b in sorted(states.items()):
         if any(not isinstance(d, int) for d in b["shape"]):
             raise UserError(f"{artifact}: state {name} has a symbolic shape {b['shape']}; a cache is static")
         m = _LAYER_IN_NAME.search(name)
-        layer = int(m.group(1)) if m else None
+        desc = described.get(name)
+        layer = desc["layer"] if desc else int(m.group(1)) if m else None
         pattern = name[:m.start(1)] + "*" + name[m.end(1):] if m else name
-        nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
-        grows = length in b["shape"]
-        per_layer.setdefault(layer, {})[pattern] = {
-            "shape": b["shape"], "dtype": b["dtype"],
-            "bytes_per_token": nbytes / length if grows else 0, "fixed_bytes": 0 if grows else nbytes}
+        per_layer.setdefault(layer, {})[pattern] = _state_entry(b, length, desc)
+        if desc and desc.get("layer_type"):
+            layer_type[layer] = desc["layer_type"]
+        elif layer is not None and layer < len(types):
+            layer_type[layer] = types[layer]
     groups: dict = {}
     for layer, sts in sorted(per_layer.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         signature = json.dumps(sts, sort_keys=True)
-        named = types[layer] if layer is not None and layer < len(types) else None
-        g = groups.setdefault((named, signature), {"layers": [], "states": sts})
+        g = groups.setdefault((layer_type.get(layer), signature), {"layers": [], "states": sts})
         g["layers"].append(layer)
     out, total, fixed = {}, 0.0, 0
     for (named, _), g in groups.items():
@@ -128,18 +149,20 @@ def kv_cache_report(artifact: str, progs: dict) -> dict | None:
         while name in out:
             name += "'"
         n = len(g["layers"])
-        per_token = sum(e["bytes_per_token"] for e in g["states"].values())
-        const = sum(e["fixed_bytes"] for e in g["states"].values())
-        rows = max((max(d for d in e["shape"] if d == length) for e in g["states"].values()
-                    if e["bytes_per_token"]), default=None)
+        sts = g["states"].values()
+        per_token = sum(e["bytes_per_token"] for e in sts)
+        const = sum(e["fixed_bytes"] for e in sts)
+        rows = max((e["rows"] for e in sts if e["rows"] is not None), default=None)
+        window = next((e["window"] for e in sts if e.get("window")), None)
+        if window is None and named and "sliding" in named and not described:
+            window = cfg.get("sliding_window")
         out[name] = {"layers": n, "layer_indices": g["layers"], "bytes_per_token": per_token, "fixed_bytes": const,
-                     "rows": rows, "window": window if named and "sliding" in named else None,
-                     "states": g["states"]}
+                     "rows": rows, "window": window, "states": g["states"]}
         total += n * per_token
         fixed += n * const
     slots = prefill.get("memory", {}).get("state_slots", 1)
     return {"max_length": length, "slots": slots, "bytes_per_token": total, "fixed_bytes": fixed,
-            "layer_types": out}
+            "layer_types": out, "described": bool(described)}
 
 
 def build_report(artifact: str) -> dict:
@@ -179,7 +202,7 @@ def build_report(artifact: str) -> dict:
         "patterns": dict(rep.get("patterns", {})),
         "unsupported": list(rep.get("unsupported", [])),
         "programs": programs,
-        "kv_cache": kv_cache_report(artifact, progs),
+        "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout")),
     }
 
 
