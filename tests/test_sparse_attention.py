@@ -281,3 +281,41 @@ def test_indexer_cuda_sm90_compiles(S):
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()
     assert "__global__" in src and "threadIdx.x" in src
+
+
+class _UpstreamIndexer(torch.nn.Module):
+    """DeepseekV32Indexer.forward's scoring and selection, on explicit inputs (``act`` is ReLU upstream)."""
+
+    def __init__(self, L, act):
+        super().__init__()
+        self.L, self.act = L, act
+
+    def forward(self, q, w, keys, pos):
+        mask = torch.arange(self.L)[None, None, None, :] <= pos[None, None, :, None]
+        scores = self.act(torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1)) * 0.25)
+        x = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+        x = x.masked_fill(~mask[:, 0], float("-inf"))
+        return x.topk(4, dim=-1).indices
+
+
+@pytest.mark.parametrize("B,act,fires", [(1, torch.relu, True), (2, torch.relu, True),
+                                         (1, torch.nn.functional.gelu, False)])
+def test_indexer_pattern_on_a_traced_module(B, act, fires):
+    """The match is on graph shape: upstream's formula traced from any module fuses (batch 1 and 2); with another
+    activation it is left alone. Either way the graph computes what the module does (same indices)."""
+    from dayzero.frontend.torch_export import export_module, to_graph
+    from dayzero.passes.ir.interp import run_graph
+    from dayzero.passes.pipeline import PassContext, run_pipeline
+
+    g = torch.Generator().manual_seed(B)
+    r = lambda *sh: torch.randint(-2, 3, sh, generator=g).float()  # noqa: E731  (exact scores, many ties)
+    ins = (r(B, 5, 8, 16), r(B, 5, 8), r(B, 32, 16), torch.arange(5) + 10)
+    m = _UpstreamIndexer(32, act)
+    t = to_graph(export_module(m, ins))
+    ctx = PassContext()
+    gr = run_pipeline(t.graph, ctx, verify=True)
+    assert ctx.patterns.get(sa.INDEXER, 0) == int(fires)
+    assert bool([n for n in gr.nodes() if n.op == "topk"]) != fires
+    out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)),
+                    lambda name: t.weights.get(name, ctx.constants.get(name)))[0]
+    assert torch.equal(out, m(*ins))
