@@ -18,8 +18,9 @@ Decoding, exact in fp32 (checked bit for bit against lowprec in the tests):
 - MXFP4: the kernels decode 2 E2M1(c), a small integer (0, 1, 2, 3, 4, 6, 8, 12, signed), and multiply a
   32-value block's partial dot product by sc2 = 2^(s - 128) once, instead of scaling every weight (exact: the
   scale is a power of two). How the code becomes a float depends on the target (``_lookup_mode``):
-  AVX2 ``pshufb`` (16 codes per byte shuffle over a 16-entry int8 table, then int8 -> fp32), AVX-512
-  ``vpermps`` zmm over the 16 values, else integer bit arithmetic (``e2m1_x2_value``; CUDA too).
+  AVX2 ``pshufb`` (the GEMV: ``_mxfp4_gemv_avx2``, 8 codes per ymm shuffle straight into fp32 bits plus one
+  subtraction; the GEMM's tile decode: 16 codes per xmm shuffle over an int8 table, then int8 -> fp32),
+  AVX-512 ``vpermps`` zmm over the 16 values, else integer bit arithmetic (``e2m1_x2_value``; CUDA too).
   ``e2m1_value`` (the fp16 bit trick: ((c & 7) << 9) | ((c & 8) << 12) is c's value times 2^-14 as fp16) is
   kept for the fused MoE kernel.
 - E8M0 s -> reinterpret_f32(s << 23) = 2^(s-127) for s >= 1, and 0x00400000 (2^-127) for s = 0.
@@ -138,7 +139,8 @@ def _vector_registers(target: dict) -> int:
 
 def _gemv_rows(T: int, O: int) -> int:
     """Output rows per parallel group of the GEMV: 8 at T = 1 (8 independent accumulator chains hide the FMA
-    latency; measured best on znver3 among 2/4/8/16), then T * rows <= 16 accumulator vectors. Divides O."""
+    latency; measured best on znver3 among 2/4/8/16), then T * rows <= 16 accumulator vectors (at T = 4, 2 rows
+    ran 1.7x slower than 4 and 8 rows the same). Divides O."""
     rows = max(1, min(8, 16 // T))
     while O % rows:
         rows -= 1
@@ -241,6 +243,8 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     """
     _check_dims("mxfp4_gemv", out_features, in_features, n_tokens)
     T, O, K, G = n_tokens, out_features, in_features, in_features // 32
+    if _lookup_mode(target) == "pshufb":
+        return _mxfp4_gemv_avx2(T, O, K, num_experts).with_attr("tirx.is_scheduled", True)
     x = te.placeholder((T, K), "float32", name="x")
     B, S, e = _weight_args("mxfp4", O, K, num_experts)
     cuda = _is_cuda(target)
@@ -260,6 +264,100 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
         return _cuda_rules(sch, target)
     _mxfp4_gemv_cpu(sch, _gemv_rows(T, O), L)
     return _done(sch)
+
+
+_MAGIC = 0x4B  # pshufb table offset: 0x4B4B4B4B as fp32 is 2^23 + 0x4B4B4B, whose unit in the last place is 1.0
+
+
+def _mxfp4_gemv_avx2(T_: int, O: int, K: int, E: int | None) -> tirx.PrimFunc:
+    """The AVX2 decode GEMV, hand-vectorised (same arguments and numerics as ``mxfp4_gemv``; the TE form cannot
+    regroup byte lanes into float lanes, which is what saves the int8 -> int32 widening and the conversion here).
+
+    Per row and 32-value block: the 16 code bytes are widened once to two uint32x8 (vpmovzxbd from memory); each
+    lane's nibble (``& 15`` / ``>> 4``) indexes ``vpshufb`` over a 32-byte table holding 0x4B + 2 E2M1(c), whose
+    other three bytes come back as table[0] = 0x4B, so the lane's bits are 0x4B4B4B4B + 2 E2M1(c): the float
+    2^23 + 0x4B4B4B + 2 E2M1(c) exactly, and one subtraction leaves 2 E2M1(c) (exact: integers below 2^24).
+    The four vectors meet the activations (permuted into nibble order once per call) in a sum tree, the block's
+    partial sum is scaled by sc2 once, into one accumulator per (token, row); rows per group from ``_gemv_rows``.
+    """
+    import struct
+
+    from tvm.script import tirx as T
+
+    G = K // 32
+    R = _gemv_rows(T_, O)
+    C = struct.unpack("<f", struct.pack("<I", _MAGIC * 0x01010101))[0]
+
+    def codes(B, e, o, g, j):
+        """uint32x8: blocks[(e,) o, g, j:j + 8] widened (bound once and used for both nibbles: with one use, LLVM
+        narrows the nibble ops to bytes and widens each nibble separately, twice the widening work)"""
+        return T.Cast("uint32x8", B[(e, o, g, T.Ramp(j, 1, 8)) if E else (o, g, T.Ramp(j, 1, 8))])
+
+    def weights(LUT, u, h):
+        """float32x8: 2 E2M1 of nibble h of the widened bytes u"""
+        idx = u >> T.Broadcast(T.uint32(4), 8) if h else u & T.Broadcast(T.uint32(15), 8)
+        bits = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", LUT[T.Ramp(0, 1, 32)],
+                                       T.reinterpret("int8x32", idx))
+        return T.reinterpret("float32x8", bits) - T.Broadcast(T.float32(C), 8)
+
+    def scale(S, e, o, g):
+        return e8m0_value(S[(e, o, g) if E else (o, g)]) * T.float32(0.5)
+
+    def table(i):
+        return T.Cast("int8", T.Cast("int32", e2m1_x2_value(T.Cast("uint32", i % 16))) + _MAGIC)
+
+    def xv(XP, t, g, p):
+        return XP[t, g, p, T.Ramp(0, 1, 8)]
+
+    @T.macro(hygienic=True)
+    def body(X, B, S, e, Y):
+        XP = T.alloc_buffer((T_, G, 4, 8), "float32")
+        LUT = T.alloc_buffer((32,), "int8")
+        for i in range(32):
+            LUT[i] = table(i)
+        for t, g, p in T.grid(T_, G, 4):
+            for l in T.vectorized(8):
+                XP[t, g, p, l] = X[t, g * 32 + ((p % 2) * 8 + l) * 2 + p // 2]
+        for oo in T.parallel(O // R):
+            SC = T.alloc_buffer((R, G), "float32", scope="local")
+            ACC = T.alloc_buffer((T_ * R, 8), "float32", scope="local")
+            for r in range(R):
+                for g in T.vectorized(G):
+                    SC[r, g] = scale(S, e, oo * R + r, g)
+            for i in T.unroll(T_ * R):
+                for l in T.vectorized(8):
+                    ACC[i, l] = T.float32(0)
+            for g in range(G):
+                for r in T.unroll(R):
+                    u0 = codes(B, e, oo * R + r, g, 0)
+                    u1 = codes(B, e, oo * R + r, g, 8)
+                    w00 = weights(LUT, u0, 0)  # (h, q) = (0, 0): xp p = 0
+                    w10 = weights(LUT, u0, 1)  # (1, 0): p = 2
+                    w01 = weights(LUT, u1, 0)  # (0, 1): p = 1
+                    w11 = weights(LUT, u1, 1)  # (1, 1): p = 3
+                    for t in T.unroll(T_):
+                        ACC[t * R + r, T.Ramp(0, 1, 8)] = ACC[t * R + r, T.Ramp(0, 1, 8)] + (
+                            (xv(XP, t, g, 0) * w00 + xv(XP, t, g, 1) * w01)
+                            + (xv(XP, t, g, 2) * w10 + xv(XP, t, g, 3) * w11)) * T.Broadcast(SC[r, g], 8)
+            for t, r in T.grid(T_, R):
+                Y[t, oo * R + r] = T.float32(0)
+                for l in range(8):
+                    Y[t, oo * R + r] = Y[t, oo * R + r] + ACC[t * R + r, l]
+
+    if E:
+        @T.prim_func
+        def with_expert(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((E, O, G, 16), "uint8"),
+                        scales: T.Buffer((E, O, G), "uint8"), expert: T.int32, y: T.Buffer((T_, O), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            body(x, blocks, scales, expert, y)
+        return with_expert
+
+    @T.prim_func
+    def one(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((O, G, 16), "uint8"),
+            scales: T.Buffer((O, G), "uint8"), y: T.Buffer((T_, O), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        body(x, blocks, scales, None, y)
+    return one
 
 
 def fp8_block_gemv(n_tokens: int, out_features: int, in_features: int, *, num_experts: int | None = None,
