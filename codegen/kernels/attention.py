@@ -6,6 +6,9 @@
     sparse_attention(q, k, v, qpos [S], idx [B,S,K]) -> o [B,Hq,S,Dv]
         query (b, h, s) reads rows j = idx[b, s, t], t < K, kept where 0 <= j <= qpos[s] (and j < L); the
         indices of one query are distinct (they come from a top-k), so each row is counted once
+    mla_sparse_attention(q [B,H,S,n+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], W [H*(n+Dv),R], qpos, idx) -> o
+        sparse_attention over the MLA expansion K = [latent W_uk^T | rope_k], V = latent W_uv^T, computed with
+        the up-projection absorbed into the query and the output (``build_mla``): O(k) per query, never O(L)
 
 Both are one pass of online softmax per query (running max m, denominator l, fp32 accumulator acc[Dv]), so a
 decode step costs O(rows read), never O(L). Variants, chosen from the shapes and the target:
