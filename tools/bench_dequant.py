@@ -9,6 +9,8 @@ Cases (out x in, real expert shapes: gpt-oss 2880x2880, DeepSeek-V3 2048x7168 bo
   baselines.torch_eager = dequantise (LUT + ldexp, transformers' way) then matmul, same rotation.
 - prefill_gemm_mxfp4_<O>x<K>_T<T>: dayzero = dequant-GEMM from MXFP4; baselines.torch_matmul = x @ W.T on
   pre-dequantised fp32 weights (the bar: dayzero <= 2x of it); bound = flops / nothing measured -> null.
+- decode_moe_fp8_* / prefill_moe_fp8_*: FP8-block routed experts through the fused moe kernel
+  (``tools/bench_fp8_experts.py``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def run_bench(quick: bool = False) -> dict:
                 "baselines": {"torch_matmul_predequantised": t_mm}, "bound": None, "bound_name": None,
                 "gflops": 2 * T * O * K / t_dz / 1e9, "ratio_vs_torch_matmul": t_mm / t_dz, "max_rel_err": err,
             })
+    from .bench_fp8_experts import fp8_expert_cases  # FP8-block experts (moe_experts_fp8), same bandwidth
+
+    results += fp8_expert_cases(bw, quick)
     return {"suite": "dequant", "machine": _machine(bw, tvm_threads), "results": results}
 
 
