@@ -186,16 +186,21 @@ def _mla_case(S, start, K, B=1, H=4, L=64, R=32, nope=16, Dr=8, Dv=16, seed=0):
     return q, lat, rope, w, qpos, idx
 
 
-@pytest.mark.parametrize("S,start,K,B", [
-    (1, 40, 4, 1),   # decode, some selected rows in the future (masked)
-    (1, 1, 8, 1),    # k larger than the valid length
-    (1, 63, 4, 2),   # last row, batch 2 (each batch row its own cache and indices)
-    (30, 2, 4, 1),   # prefill: per-query indices
+@pytest.mark.parametrize("S,start,K,B,H", [
+    (1, 40, 4, 1, 4),   # decode, some selected rows in the future (masked)
+    (1, 1, 8, 1, 4),    # k larger than the valid length
+    (1, 63, 4, 2, 4),   # last row, batch 2 (each batch row its own cache and indices)
+    (30, 2, 4, 1, 4),   # prefill: per-query indices
+    (1, 50, 8, 1, 32),  # 32 heads: 8 tasks of 4 heads, each selected row read once per group
+    (9, 20, 4, 2, 32),  # prefill with head groups, batch 2
 ])
-def test_mla_kernel_matches_upstream_expansion(S, start, K, B):
+def test_mla_kernel_matches_upstream_expansion(S, start, K, B, H):
     """The absorbed kernel equals attention over upstream's expanded K/V (mla_expand) restricted to idx, and
     reads only the selected latent rows."""
-    q, lat, rope, w, qpos, idx = _mla_case(S, start, K, B=B, seed=S + start + K + B)
+    from dayzero.codegen.kernels.attention import mla_head_group
+
+    assert mla_head_group(H, "llvm") == (4 if H == 32 else 1)
+    q, lat, rope, w, qpos, idx = _mla_case(S, start, K, B=B, H=H, seed=S + start + K + B)
     ins = [q, lat, rope, w, qpos, idx]
     ref = sa.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
     read = torch.zeros(B, 64, dtype=torch.bool)
@@ -203,11 +208,11 @@ def test_mla_kernel_matches_upstream_expansion(S, start, K, B):
         for s in range(S):
             read[b, idx[b, s][idx[b, s] <= qpos[s]]] = True
     lat[~read[:, None]], rope[~read[:, None]] = float("nan"), float("nan")
-    p = dict(op=sa.MLA, B=B, H=4, S=S if S == 1 else None, L=64, R=32, Dn=16, Dr=8, Dv=16, K=K,
+    p = dict(op=sa.MLA, B=B, H=H, S=S if S == 1 else None, L=64, R=32, Dn=16, Dr=8, Dv=16, K=K,
              dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64",
              idx_dtype="int64", scale=0.2)
     lib = tvm.compile(tvm.IRModule({"main": build(p, "llvm")}), target=HOST)
-    o = torch.full((B, 4, S, 16), float("nan"))
+    o = torch.full((B, H, S, 16), float("nan"))
     lib["main"](*ins, o)
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 

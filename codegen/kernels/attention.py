@@ -175,6 +175,19 @@ def mla_params(n: Node) -> dict:
             "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": idx.dtype, "scale": float(n.attr["scale"])}
 
 
+MLA_TASKS = 8  # parallel tasks a decode query's heads are split into (head groups), CPU
+
+
+def mla_head_group(H: int, kind: str) -> int:
+    """Heads per task: every head of a DSA query reads the same selected latent rows, so a task handles a group
+    of heads and reads each row once for all of them (as FlashMLA batches heads); groups are powers of two that
+    divide H, leaving at least MLA_TASKS tasks per query on the CPU. CUDA: one thread per head."""
+    g = 1
+    while kind != "cuda" and H % (2 * g) == 0 and H // (2 * g) >= MLA_TASKS:
+        g *= 2
+    return g
+
+
 def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """MLA sparse attention with the up-projection absorbed (see the module docstring): per query (b, h, s)
 
@@ -183,7 +196,8 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         acc[r] = sum_j softmax_j(s_j) latent[j, r]                    (online softmax, one pass over the rows)
         o[d]   = sum_r W[h(Dn+Dv) + Dn + d, r] acc[r]                 (the value up-projection, once)
 
-    CPU: parallel over (b, h, s); CUDA: one thread per (b, h, s)."""
+    CPU: parallel over (b, head group, s), each selected row read once per group (mla_head_group); CUDA: one
+    thread per (b, h, s)."""
     B, H, L, R, Dn, Dr, Dv, K = (p[x] for x in ("B", "H", "L", "R", "Dn", "Dr", "Dv", "K"))
     S = _i(p["S"]) if p["S"] is not None else "S"
     f32 = "T.float32"
@@ -198,7 +212,9 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
               f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
               f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")',
               f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")']
-    total = f"{_i(B * H)} * {S}"
+    HG = mla_head_group(H, kind)
+    NG = H // HG
+    total = f"{_i(B * NG)} * {S}"
     if kind == "cuda":
         lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
                   f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
@@ -207,43 +223,47 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     else:
         lines.append(f"    for t in T.parallel({total}):")
     sc = p["scale"]
-    body = [f"b = t // {_i(H)} // {S}", f"h = t // {S} % {_i(H)}", f"s = t % {S}",
-            f"w0 = h * {_i(Dn + Dv)}",
-            f'qa = T.decl_buffer(({_i(R)},), "float32"{scope})',
-            f'qr = T.decl_buffer(({_i(Dr)},), "float32"{scope})',
-            f'acc = T.decl_buffer(({_i(R)},), "float32"{scope})',
-            f'st = T.decl_buffer(({_i(3)},), "float32"{scope})',  # running max, denominator, score
-            f"for r in range({_i(R)}):",
-            f"    qa[r] = {f32}(0)",
-            f"    acc[r] = {f32}(0)",
-            f"for d in range({_i(Dn)}):",
-            f'    qd = T.Cast("float32", q[b, h, s, d]) * {f32}({sc!r})',
+    body = [f"b = t // {_i(NG)} // {S}", f"h0 = t // {S} % {_i(NG)} * {_i(HG)}", f"s = t % {S}",
+            f'qa = T.decl_buffer(({_i(HG)}, {_i(R)}), "float32"{scope})',
+            f'qr = T.decl_buffer(({_i(HG)}, {_i(Dr)}), "float32"{scope})',
+            f'acc = T.decl_buffer(({_i(HG)}, {_i(R)}), "float32"{scope})',
+            f'st = T.decl_buffer(({_i(HG)}, {_i(3)}), "float32"{scope})',  # running max, denominator, score
+            f"for hh in range({_i(HG)}):",
+            f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
             f"    for r in range({_i(R)}):",
-            f'        qa[r] = qa[r] + qd * T.Cast("float32", w[w0 + d, r])',
-            f"for e in range({_i(Dr)}):",
-            f'    qr[e] = T.Cast("float32", q[b, h, s, {_i(Dn)} + e]) * {f32}({sc!r})',
-            f"st[0] = {NEG}",
-            f"st[1] = {f32}(0)",
+            f"        qa[hh, r] = {f32}(0)",
+            f"        acc[hh, r] = {f32}(0)",
+            f"    for d in range({_i(Dn)}):",
+            f'        qd = T.Cast("float32", q[b, h0 + hh, s, d]) * {f32}({sc!r})',
+            f"        for r in range({_i(R)}):",
+            f'            qa[hh, r] = qa[hh, r] + qd * T.Cast("float32", w[w0 + d, r])',
+            f"    for e in range({_i(Dr)}):",
+            f'        qr[hh, e] = T.Cast("float32", q[b, h0 + hh, s, {_i(Dn)} + e]) * {f32}({sc!r})',
+            f"    st[hh, 0] = {NEG}",
+            f"    st[hh, 1] = {f32}(0)",
             f"for tk in range({_i(K)}):",
             '    pos = T.Cast("int64", x[b, s, tk])',
             f'    if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:',
-            f"        st[2] = {f32}(0)",
+            f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
+            f"            st[hh, 2] = {f32}(0)",
+            f"            for r in range({_i(R)}):",
+            '                st[hh, 2] = st[hh, 2] + qa[hh, r] * T.Cast("float32", lat[b, 0, pos, r])',
+            f"            for e in range({_i(Dr)}):",
+            '                st[hh, 2] = st[hh, 2] + qr[hh, e] * T.Cast("float32", rk[b, 0, pos, e])',
+            "            mn = T.max(st[hh, 0], st[hh, 2])",
+            "            corr = T.exp(st[hh, 0] - mn)",
+            "            ex = T.exp(st[hh, 2] - mn)",
+            "            st[hh, 1] = st[hh, 1] * corr + ex",
+            f"            for r in range({_i(R)}):",
+            '                acc[hh, r] = acc[hh, r] * corr + ex * T.Cast("float32", lat[b, 0, pos, r])',
+            "            st[hh, 0] = mn",
+            f"for hh in range({_i(HG)}):",
+            f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
+            f"    for d in range({_i(Dv)}):",
+            f"        st[hh, 2] = {f32}(0)",
             f"        for r in range({_i(R)}):",
-            '            st[2] = st[2] + qa[r] * T.Cast("float32", lat[b, 0, pos, r])',
-            f"        for e in range({_i(Dr)}):",
-            '            st[2] = st[2] + qr[e] * T.Cast("float32", rk[b, 0, pos, e])',
-            "        mn = T.max(st[0], st[2])",
-            "        corr = T.exp(st[0] - mn)",
-            "        ex = T.exp(st[2] - mn)",
-            "        st[1] = st[1] * corr + ex",
-            f"        for r in range({_i(R)}):",
-            '            acc[r] = acc[r] * corr + ex * T.Cast("float32", lat[b, 0, pos, r])',
-            "        st[0] = mn",
-            f"for d in range({_i(Dv)}):",
-            f"    st[2] = {f32}(0)",
-            f"    for r in range({_i(R)}):",
-            f'        st[2] = st[2] + T.Cast("float32", w[w0 + {_i(Dn)} + d, r]) * acc[r]',
-            f'    o[b, h, s, d] = T.Cast("{p["out_dtype"]}", st[2] / st[1])']
+            f'            st[hh, 2] = st[hh, 2] + T.Cast("float32", w[w0 + {_i(Dn)} + d, r]) * acc[hh, r]',
+            f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
     src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
            "x_: T.handle, o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
