@@ -20,7 +20,7 @@ slot) and zeroed when the artifact is loaded, never when a request starts (``cod
 and decode graphs number their layers the same way.
 
 Slots: without a cache, one (every routed expert is converted into it, computed, and the slot reclaimed); with a
-cache budget of B bytes, max(1, B // slot bytes) slots under LRU. The resident bytes are the MXFP4 experts as
+cache budget of B bytes, max(1, B // slot bytes) slots under LRU, at most one per (layer, expert) of the shape. The resident bytes are the MXFP4 experts as
 stored (4.25 bits per weight, zone low_precision_weights) + S slots, never a converted copy of every expert.
 """
 
@@ -114,7 +114,9 @@ def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_byt
         key = gb.attr["name"] if gb.op == "weight" else f"#{nodes.index(n)}"
         layer = names.index(key)
         cache = cache_bytes > 0
-        slots = max(1, cache_bytes // kw.slot_bytes(H, GU, I, compute_dtype)) if cache else 1
+        # no more slots than there are (layer, expert) keys of this shape: a larger budget could never be used
+        keys = E * sum(1 for m in nodes if tuple(m.inputs[3].shape[:2]) == (E, GU) and int(m.attr["inter"]) == I)
+        slots = min(max(1, cache_bytes // kw.slot_bytes(H, GU, I, compute_dtype)), keys) if cache else 1
         tag = f"{compute_dtype}.gu{GU}.h{H}.i{I}.s{slots}"
         lname = f"expert_workspace.layer{layer}"
         ctx.constants[lname] = torch.tensor([layer], dtype=torch.int32)

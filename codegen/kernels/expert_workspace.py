@@ -29,9 +29,10 @@ Compute dtypes (``CD``; a target property, targets/spec.py ``compute_dtype``):
   no fp8 FMA); half the workspace bytes of bf16.
 
 Phases: 1. counting sort of the (token, slot) assignments by expert (serial, as moe.py). 2. one SERIAL loop over
-the experts with tokens, ascending: LRU lookup (serial, O(S)); on a miss, convert the expert into the victim slot
-(parallel over rows, 32 values per scale byte, vectorised); gate/up GEMM of its tokens reading the slot (parallel
-over n-block chunks, 4 tokens x 4 rows x 16 fp32 lanes per tile as moe.py); activation; down GEMM (same).
+the experts with tokens, ascending: LRU lookup (serial, O(S)); gate/up GEMM of its tokens reading the slot
+(parallel over n-block chunks, 4 tokens x 4 rows x 16 fp32 lanes per tile as moe.py), on a miss each chunk first
+converting its 4-row block into the victim slot (32 values per scale byte, vectorised), so the GEMM reads the rows
+it just wrote from L1; activation; down GEMM (same).
 3. weighted combine in token order (deterministic, no atomics). Experts nobody routed are never read or converted.
 
 Why a serial expert loop: the slot must be converted before its GEMMs read it and must not be reclaimed before
@@ -39,19 +40,20 @@ they finish; each phase is a parallel region of its own, so the cores split ever
 routing (decode with 4 experts keeps both cores busy, as in moe.py).
 
 Which route a program takes (``passes/expert_workspace.route_for``), measured side by side with
-``dayzero bench moe --mxfp4-routes --json`` on this host (2 znver4 cores shared with other jobs, so absolute times
-are noisy; the ratios are from one run each), 64 experts, top-4, H=1024, I=512, MXFP4 (workspace / fused time):
-- prefill T=256 (16 tokens per expert): 0.46x and 0.51x in two loaded runs (83 ms vs 187 ms on a quieter
-  machine); bf16 workspace 0.41x, fp8 0.64x (the fp8 slot is decoded + scaled per element). Converting once and
-  reading the converted rows beats decoding every element once per 4-token tile -> workspace.
-- decode T=1, no cache, a fresh routing per call: 1.24x and 1.76x (slower): each routed expert serves one token,
-  so converting it (writing and re-reading 4 bytes per weight) costs more than decoding it once in registers ->
-  fused.
-- decode with an LRU cache of 16 fp32 experts (96 MiB) shared by 2 layers, Zipf(1.2) routing: hit rate 0.43,
-  0.99x: a hit reads 8x the bytes of MXFP4 (fp32 slot), which on this host costs about what the in-
-  register decode does, so the cache only pays with high hit rates or a narrower compute dtype. It is opt-in
-  (``--expert-cache BYTES``) and, when on, every program takes the workspace route (the cache persists across
-  steps and programs only if they all read it).
+``dayzero bench moe --mxfp4-routes --json`` on this host (2 znver4 cores shared with other jobs, load average 5-7,
+so absolute times are noisy; the ratios below are workspace / fused time from two runs of the same bench), 64
+experts, top-4, H=1024, I=512, MXFP4:
+- prefill T=256 (16 tokens per expert): 0.58x / 0.57x (fp32 slot), bf16 slot 0.64x / 0.60x, fp8 slot 0.54x /
+  0.69x. Converting once and reading the converted rows beats decoding every element once per 4-token tile ->
+  workspace.
+- decode T=1, no cache, a fresh routing per call: 0.97x / 0.98x, i.e. parity: each routed expert serves one token,
+  and converting a 4-row block into the slot and reading it back from L1 costs what decoding in registers does
+  (before the convert was fused into the GEMM's n-blocks, a separate convert pass made this 1.2x-1.8x slower).
+  No gain, and the fused route needs no workspace -> fused.
+- decode with an LRU cache of 96 MiB shared by 2 layers, Zipf(1.2) routing: fp32 slots (16 experts, hit rate
+  0.44) 0.70x / 0.74x; bf16 slots (32 experts, hit rate 0.67) 0.56x / 0.64x. The cache pays with hot experts,
+  but its budget is the user's to give, so it is opt-in (``--expert-cache BYTES``) and, when on, every program
+  takes the workspace route (the cache persists across steps and programs only if they all read it).
 A target whose compute dtype is not fp32 takes the workspace route in every program (the fused route computes in
 fp32). CUDA: not written for it; CUDA targets keep the fused route.
 """
@@ -142,15 +144,15 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
 
     @T.macro(hygienic=True)
-    def convert(B, SC, WS, slot, e, rows, K, base):
-        """WS[slot, base + n*K + j] = E2M1(B[e, n, j]) * 2^(SC[e, n, j/32] - 127), all rows n in parallel."""
-        for n in T.parallel(rows):
+    def convert(B, SC, WS, slot, e, n0, K, base):
+        """WS[slot, base + n*K + j] = E2M1(B[e, n, j]) * 2^(SC[e, n, j/32] - 127) for the NB rows n0 + [0, NB)."""
+        for n in range(NB):
             for g in range(K // 32):
                 for j in T.vectorized(32):
-                    WS[slot, base + n * K + g * 32 + j] = stored(
-                        dequant.e2m1_value(T.shift_right(T.Cast("int32", B[e, n, g, j // 2]), (j % 2) * 4) & 15)
-                        * dequant.e8m0_value(SC[e, n, g]),
-                        T.shift_right(T.Cast("int32", B[e, n, g, j // 2]), (j % 2) * 4) & 15)
+                    WS[slot, base + (n0 + n) * K + g * 32 + j] = stored(
+                        dequant.e2m1_value(T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4)
+                                           & 15) * dequant.e8m0_value(SC[e, n0 + n, g]),
+                        T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4) & 15)
 
     @T.macro(hygienic=True)
     def tile(SRC, row_of, WS, SC, BIAS, OUT, acc, rows, p0, slot, e, n0, K, base):
@@ -174,11 +176,15 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
             OUT[p0 + m, n0 + n] = bias(BIAS, e, n0 + n) + (acc[m, n, 0] + acc[m, n, 1])
 
     @T.macro(hygienic=True)
-    def gemm(SRC, row_of, WS, SC, BIAS, OUT, p_lo, p_hi, slot, e, N, K, base, P):
-        """Expert e's sorted positions [p_lo, p_hi) x all N output rows, split into P chunks of n-blocks."""
+    def gemm(SRC, row_of, B, WS, SC, BIAS, OUT, p_lo, p_hi, slot, hit, e, N, K, base, P):
+        """Expert e's sorted positions [p_lo, p_hi) x all N output rows, split into P chunks of n-blocks. On a miss
+        (``hit`` 0) each n-block is converted into the slot just before its token tiles read it, so the converted
+        rows are read back from L1 (the convert is split over the cores as the GEMM is)."""
         for c in T.parallel(P):
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
             for nbi in range(N // NB // P):
+                if hit == 0:
+                    convert(B, SC, WS, slot, e, (c * (N // NB // P) + nbi) * NB, K, base)
                 if p_hi - p_lo >= MB:
                     for mt in range((p_hi - p_lo) // MB):
                         tile(SRC, row_of, WS, SC, BIAS, OUT, acc, MB, p_lo + mt * MB, slot, e,
@@ -238,14 +244,13 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                     META[1] = META[1] + T.int64(1)
                 else:
                     META[2] = META[2] + T.int64(1)
-                    convert(GB, GS, WS, cur[0], e, GU, H, 0)
-                    convert(DB, DS, WS, cur[0], e, H, I, GUH)
-                gemm(XC, lambda p: order[p] // k, WS, GS, BGU, G, offs[e], offs[e + 1], cur[0], e, GU, H, 0, PGU)
+                gemm(XC, lambda p: order[p] // k, GB, WS, GS, BGU, G, offs[e], offs[e + 1], cur[0], cur[1], e, GU,
+                     H, 0, PGU)
                 for p in T.parallel(offs[e + 1] - offs[e]):
                     for io in range(I // L):
                         for l in T.vectorized(L):
                             A[offs[e] + p, io * L + l] = xin(_act_builder(act, G, offs[e] + p)(act, io * L + l))
-                gemm(A, lambda p: p, WS, DS, BD, D, offs[e], offs[e + 1], cur[0], e, H, I, GUH, PD)
+                gemm(A, lambda p: p, DB, WS, DS, BD, D, offs[e], offs[e + 1], cur[0], cur[1], e, H, I, GUH, PD)
         # 3. weighted combine in token order
         for t in T.parallel(n_tok):
             for ho in range(H // L):
