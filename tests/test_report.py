@@ -215,3 +215,18 @@ def test_kv_cache_report_reads_rates_windows_and_fixed_state(tmp_path):
     assert kv["bytes_per_token"] == 32 + 64 and kv["fixed_bytes"] == 1024 + 1024 + 1024
     text = CliRunner().invoke(main, ["report", str(tmp_path)]).output
     assert "compressed_sparse_attention: 1 layer(s), 32.0 B/token per layer + 2,048 B fixed" in text
+
+
+def test_plot_draws_every_request_slot_of_the_cache():
+    """The arena holds the KV cache once per request slot, state_stride bytes apart: slots 1.. are drawn too."""
+    from dayzero.tools.report import MIB, _state_replicas
+
+    pj = {"memory": {"state_slots": 3, "state_stride": 4096, "offsets": {"1": 1024, "2": 64}},
+          "buffers": [{"id": 1, "state": "cache_0_keys", "alias_of": None, "zone": "kv_cache", "shape": [1, 2, 8, 4],
+                       "dtype": "float32"},
+                      {"id": 2, "state": None, "alias_of": None, "zone": "activations", "shape": [4],
+                       "dtype": "float32"}]}
+    rects = _state_replicas(pj, steps=10)["kv_cache"]
+    assert [(r.get_x(), r.get_y() * MIB, r.get_width(), r.get_height() * MIB) for r in rects] == [
+        (0, 1024 + 4096, 10, 256), (0, 1024 + 2 * 4096, 10, 256)]
+    assert _state_replicas({**pj, "memory": {**pj["memory"], "state_slots": 1}}, 10) == {}

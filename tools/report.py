@@ -206,6 +206,29 @@ def build_report(artifact: str) -> dict:
     }
 
 
+def _state_replicas(pj: dict, steps: int) -> dict:
+    """Rectangles of the request slots 1.. of every per-request state buffer (KV cache), ``state_stride`` bytes
+    above slot 0's (codegen/memory.plan_programs lays the state zones out once per slot)."""
+    from matplotlib.patches import Rectangle
+
+    mem = pj.get("memory", {})
+    slots, stride = mem.get("state_slots", 1), mem.get("state_stride", 0)
+    out: dict[str, list] = {}
+    if slots <= 1 or not stride:
+        return out
+    for b in pj.get("buffers", []):
+        if not b.get("state") or b.get("alias_of") is not None or b.get("zone") not in ("kv_cache",
+                                                                                        "cross_layer_state"):
+            continue
+        if any(not isinstance(d, int) for d in b["shape"]) or str(b["id"]) not in mem.get("offsets", {}):
+            continue
+        size = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
+        for k in range(1, slots):
+            off = mem["offsets"][str(b["id"])] + k * stride
+            out.setdefault(b["zone"], []).append(Rectangle((0, off / MIB), steps, size / MIB))
+    return out
+
+
 def plot_arena(artifact: str, png: str) -> dict:
     """Draw every program's arena over time into PNG; returns ``{program: buffers drawn}``."""
     import matplotlib
@@ -219,6 +242,8 @@ def plot_arena(artifact: str, png: str) -> dict:
     progs = {n: p["memory"] for n, p in rep.get("programs", {}).items() if p.get("memory", {}).get("buffers")}
     if not progs:
         raise UserError(f"{artifact}: report.json has no buffer lifetimes (compiled by an older dayzero: recompile)")
+    pfile = os.path.join(artifact, "program.json")
+    pjs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
     fig, axes = plt.subplots(1, len(progs), figsize=(11 * len(progs), 6.5), squeeze=False)
     drawn = {}
     extra = iter(_FALLBACK_COLOURS * 4)
@@ -233,9 +258,14 @@ def plot_arena(artifact: str, png: str) -> dict:
             # x: the steps the buffer is live in, [first, last + 1), clipped to the program
             x0, x1 = first, min(last + 1, steps)
             by_zone.setdefault(zone, []).append(Rectangle((x0, off / MIB), max(x1 - x0, 0.6), size / MIB))
+        replicas = _state_replicas(pjs.get(name, {}), steps)
+        slots = pjs.get(name, {}).get("memory", {}).get("state_slots", 1)
         for zone, rects in by_zone.items():
             c = colours.setdefault(zone, next(extra))
             ax.add_collection(PatchCollection(rects, facecolor=c, edgecolor="black", linewidth=0.25, alpha=0.8))
+            if replicas.get(zone):  # the other request slots' copies of the per-request state, lighter
+                ax.add_collection(PatchCollection(replicas[zone], facecolor=c, edgecolor="black", linewidth=0.25,
+                                                  alpha=0.35))
         # zones in layout order (bottom up, from the buffers' offsets): a dashed line at each zone's base
         lo = {z: min(off for off, size, _, _, zz in bufs if zz == z) for z in by_zone}
         order = sorted(by_zone, key=lambda z: lo[z])
@@ -253,7 +283,9 @@ def plot_arena(artifact: str, png: str) -> dict:
                      + ", ".join(f"{s}={v}" for s, v in m.get("bounds", {}).items()), fontsize=10)
         zones, live = m.get("zones", {}), m.get("peak_live_bytes", {})
         handles = [Patch(facecolor=colours[z], edgecolor="black",
-                         label=f"{z}: {zones.get(z, 0) / MIB:.2f} MiB\n(peak-live {live.get(z, 0) / MIB:.2f})")
+                         label=f"{z}: {zones.get(z, 0) / MIB:.2f} MiB"
+                               + (f", {slots} request slots" if replicas.get(z) else "")
+                               + f"\n(peak-live {live.get(z, 0) / MIB:.2f}" + (" per slot)" if replicas.get(z) else ")"))
                    for z in reversed(order)]  # the top zone first, as drawn
         ax.legend(handles=handles, title="zone (size)", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                   title_fontsize=8, frameon=False)
