@@ -3,8 +3,9 @@
 ``export_with_cache(model, max_cache_len, batch_size=1, max_seq=32)`` returns ``(ep, info)``: ``ep`` is a
 decomposed (``frontend.torch_export.decompose``) ExportedProgram of
 ``(input_ids [B, seq] int64, cache_position [seq] int64) -> logits [B, seq, V]`` whose KV cache tensors are buffers
-``cache_{layer}_{keys|values|indexer_keys}``; after decomposition every cache write is an out-of-place
-``aten.index_put`` whose result is a ``BUFFER_MUTATION`` graph output (``info.buffer_mutations``: buffer -> output
+``cache_{layer}_{keys|values|indexer_keys}`` (DeepSeek-V4: ``keys`` and ``{compressor|indexer}_*``, v4_cache.py);
+after decomposition every cache write is an out-of-place ``aten.index_put`` (V4's pending / overlap windows: a
+whole-buffer ``copy``) whose result is a ``BUFFER_MUTATION`` graph output (``info.buffer_mutations``: buffer -> output
 node; ``info.mutation_output_index``: buffer -> flat output index; mutations come first, the logits last).
 ``info.cache`` gives per layer the buffer name, shape, dtype, position dim and layer type (+ sliding window).
 Prefill: ``cache_position = arange(P)``; decode step i: ``cache_position = [P + i]``. ``seq`` is a symbolic dim in
@@ -53,15 +54,24 @@ Per architecture (tiny checkpoints, transformers 5.24, fp32; tests/test_decode_e
   (``slice_scatter``); the indexer scores all 48 positions (``bmm`` [1,8,16]x[1,16,48], relu, weighted head sum
   [1,1,48]), ``topk`` 4, ``scatter`` into a bool mask, then dense ``scaled_dot_product_attention`` q [1,4,1,24] over
   k [1,4,48,24] with mask [1,1,1,48] = causal & selected.
-* deepseek_v4: not exportable this way. Its cache layers (``DeepseekV4HCACache`` / ``DeepseekV4CSACache``) subclass
-  ``DynamicSlidingWindowLayer``; ``StaticCache(config)`` raises ``KeyError: 'heavily_compressed_attention'`` (upstream
-  sets ``_can_compile_fullgraph = False`` for this reason). Their state is cat-grown (sliding K=V, ``compressed_kv``),
-  the pending-window buffers hold ``position mod compress_rate`` tokens, ``entry_count`` is a Python int, and the
-  compressors branch on those lengths (``chunk_kv.shape[1] > 0``, ``seq_len == 1`` returns no block bias,
-  ``prior_kv is None``), so one traced graph is valid only for the compressor phase (and compressed length) seen at
-  trace time. ``export_with_cache`` raises a UserError naming the layer type. A V4 path needs dayzero-owned static
-  state (fixed-size compressed caches + valid-length masks, pending-window ring, overlap state) and a rewrite of the
-  compressor's length branches, or per-phase decode programs with the compressed length symbolic.
+* deepseek_v4: works through dayzero-owned fixed-size cache layers (``frontend/v4_cache.py``), chosen when the
+  config's layer types include compressed attention. Upstream's own layers (``DeepseekV4HCACache`` /
+  ``DeepseekV4CSACache``) subclass ``DynamicSlidingWindowLayer`` and cannot be static (``StaticCache(config)`` raises
+  ``KeyError: 'heavily_compressed_attention'``; upstream sets ``_can_compile_fullgraph = False``): their state is
+  cat-grown (sliding K=V, ``compressed_kv``), the pending-window buffers hold ``position mod compress_rate`` tokens,
+  ``entry_count`` is a Python int and the compressors branch on those lengths (``chunk_kv.shape[1] > 0``,
+  ``seq_len == 1`` returns no block bias, ``prior_kv is None``). dayzero's layers implement the same cache-side
+  API (``update``, ``store_compression_weights``, ``update_overlap_state``, ``update_compressor_states``) over
+  fixed tensors: a full-length K=V buffer (window by mask), per compressor a one-window pending ring, E + 1
+  entry rows (validity = upstream's causal rule ``entry < (p + 1) // rate``) and the CSA overlap; the compressor
+  always pools the open window into a would-be entry at its own row, so one decode graph serves every phase. The
+  upstream compressor / indexer / attention code runs unmodified; for one query the HCA compressor returns no
+  block bias, so a pre-hook adds upstream's causal bias over the entries to the mask. The prefill exports with a
+  free ``seq`` in [1, max] (no padding to the compression rate, and none is allowed: a padded tail would be taken
+  for the open window's tokens). Tiny V4 (3 layers: HCA, CSA, sliding; max_cache_len 48): 16 state tensors;
+  decode writes one row of each layer's K=V and of each compressor's entries, and copies the pending / overlap
+  windows (rate rows each); greedy tokens == ``generate()``; logits over chunked prefills (mid-window second
+  turns) + single steps match the cache-less forward to ~3e-6.
 
 Decode attention is dense: at seq=1 every architecture above attends over all ``max_cache_len`` cache positions,
 with invalid (and, for V3.2, unselected; for gpt-oss, out-of-window) positions masked, and the GQA / MLA expansion
@@ -92,13 +102,14 @@ class CacheTensor:
     """One cache tensor: the exported program's buffer, its shape and which dim is the token position."""
 
     layer: int
-    kind: str  # "keys" | "values" | "indexer_keys"
+    kind: str  # "keys" | "values" | "indexer_keys" | compressor state ("compressor_entries", ...: v4_cache.py)
     buffer: str  # buffer name in the ExportedProgram's state_dict
     shape: tuple[int, ...]
     dtype: str
-    position_dim: int
+    position_dim: int | None  # None: not indexed by token position (a compressor's pending window / overlap)
     layer_type: str  # the config's layer type ("full_attention", "sliding_attention", "indexed_attention", ...)
     sliding_window: int | None = None  # set when only the last `sliding_window` positions are attended
+    compress_rate: int | None = None  # compressed entries: one row per `compress_rate` positions (position_dim)
 
 
 @dataclass
@@ -132,20 +143,29 @@ class CacheStep(torch.nn.Module):
         super().__init__()
         from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
+        from dayzero.frontend import v4_cache
+
         self.model = model
         cfg = model.config.get_text_config(decoder=True)
-        try:
-            cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
-        except KeyError as e:
-            raise UserError(f"{cfg.model_type}: no static cache layer for layer type {e}: its cache is dynamic "
-                            f"(see frontend/decode_export.py)") from None
-        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(cache.layers))
-        for i, layer in enumerate(cache.layers):
-            if isinstance(layer, StaticSlidingWindowLayer):
-                # a full-length static layer: the window is applied by the sliding-window mask instead
-                cache.layers[i] = StaticLayer(max_cache_len)
-            elif type(layer).__name__ not in ("StaticLayer", "StaticIndexedLayer"):
-                raise UserError(f"layer {i}: cache layer {type(layer).__name__} has no static export path")
+        self.layer_types = list(getattr(cfg, "layer_types", None) or [])
+        if v4_cache.is_compressed_cache_config(cfg):
+            # compressed attention (DeepSeek-V4): transformers' caches for it are dynamic; dayzero's fixed-size
+            # counterpart runs the same upstream compressor code at every position (frontend/v4_cache.py)
+            cache = v4_cache.CompressedAttentionCache(cfg, max_cache_len)
+            self._hooks = v4_cache.install_decode_validity_bias(model)
+        else:
+            try:
+                cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+            except KeyError as e:
+                raise UserError(f"{cfg.model_type}: no static cache layer for layer type {e}: its cache is dynamic "
+                                f"(see frontend/decode_export.py)") from None
+            for i, layer in enumerate(cache.layers):
+                if isinstance(layer, StaticSlidingWindowLayer):
+                    # a full-length static layer: the window is applied by the sliding-window mask instead
+                    cache.layers[i] = StaticLayer(max_cache_len)
+                elif type(layer).__name__ not in ("StaticLayer", "StaticIndexedLayer"):
+                    raise UserError(f"layer {i}: cache layer {type(layer).__name__} has no static export path")
+        self.layer_types += ["full_attention"] * (len(cache.layers) - len(self.layer_types))
         self.cache = cache
         self.max_cache_len = max_cache_len
         self.batch_size = batch_size
@@ -153,21 +173,24 @@ class CacheStep(torch.nn.Module):
 
     @torch.no_grad()
     def _allocate(self, batch_size: int) -> None:
-        # Let every layer allocate its tensors at their real shapes (MLA latents, indexer keys...) by running one
-        # token eagerly, then zero them: simpler and more general than early_initialization, which assumes one
-        # head_dim for keys and values and knows nothing of indexer keys.
+        # Let every layer allocate its tensors at their real shapes (MLA latents, indexer keys, compressor state...)
+        # by running one token eagerly, then zero them: simpler and more general than early_initialization, which
+        # assumes one head_dim for keys and values and knows nothing of indexer keys.
         ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
         self._bind_offset(torch.zeros(1, dtype=torch.long))
         self.model(input_ids=ids, cache=self.cache, use_cache=True)
         self.names: list[tuple[int, str, str]] = []  # (layer, attribute, buffer name)
+        self.position_dims: dict[str, int | None] = {}  # buffer name -> its token-position dim (None: not one)
         for i, layer in enumerate(self.cache.layers):
-            for attr, suffix, _ in _LAYER_TENSORS:
+            attrs = layer.state_attrs() if hasattr(layer, "state_attrs") else [(a, d) for a, _, d in _LAYER_TENSORS]
+            for attr, pos_dim in attrs:
                 t = getattr(layer, attr, None)
                 if isinstance(t, torch.Tensor):
                     t.zero_()
-                    name = f"cache_{i}_{suffix}"
+                    name = f"cache_{i}_{attr}"
                     self.register_buffer(name, t, persistent=False)
                     self.names.append((i, attr, name))
+                    self.position_dims[name] = pos_dim
 
     def _bind_offset(self, cache_position: torch.Tensor) -> None:
         for layer in self.cache.layers:
@@ -175,6 +198,8 @@ class CacheStep(torch.nn.Module):
             layer.cumulative_length = start
             if hasattr(layer, "indexer_cumulative_length"):
                 layer.indexer_cumulative_length = start.clone()
+            if hasattr(layer, "bind_positions"):  # compressed-attention layers (v4_cache.py)
+                layer.bind_positions(cache_position)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for i, attr, name in self.names:
@@ -192,17 +217,20 @@ def _decompose(ep: ExportedProgram) -> ExportedProgram:
 
 
 def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: int = 1, max_seq: int = 32,
-                      *, min_seq: int = 1, decompose: bool = True) -> tuple[ExportedProgram, DecodeExportInfo]:
+                      *, min_seq: int = 1, decompose: bool = True,
+                      step: CacheStep | None = None) -> tuple[ExportedProgram, DecodeExportInfo]:
     """Export ``model`` as one stateful step ``(input_ids [B, seq], cache_position [seq]) -> logits``.
 
     ``seq`` is a symbolic dimension in ``[min_seq, max_seq]``; the cache tensors are buffers mutated by the program
     (``BUFFER_MUTATION`` outputs after decomposition). Prefill: ``cache_position = arange(P)``; decode:
-    ``cache_position = [P + i]``. ``ep.module()`` keeps the cache state between calls.
+    ``cache_position = [P + i]``. ``ep.module()`` keeps the cache state between calls. Programs exported from one
+    ``step`` (a :class:`CacheStep` of ``model``) share its cache tensors, and so does running ``step`` eagerly.
     """
     if max_seq > max_cache_len:
         raise UserError(f"max_seq {max_seq} exceeds max_cache_len {max_cache_len}")
     model = model.eval()
-    step = CacheStep(model, max_cache_len, batch_size)
+    if step is None:
+        step = CacheStep(model, max_cache_len, batch_size)
     if max_seq == min_seq:  # a fixed-length step (max_seq=1: the decode program); no symbol
         dynamic = None
         ex_len = max_seq
@@ -238,11 +266,13 @@ def describe(ep: ExportedProgram, step: CacheStep, max_seq: int) -> DecodeExport
     info = DecodeExportInfo(step.max_cache_len, step.batch_size, max_seq, ("input_ids", "cache_position"))
     for i, attr, name in step.names:
         t = getattr(step, name)
-        pos_dim = dict((a, d) for a, _, d in _LAYER_TENSORS)[attr]
-        lt = step.layer_types[i] if i < len(step.layer_types) else "full_attention"
-        window = getattr(cfg, "sliding_window", None) if lt == "sliding_attention" else None
-        info.cache.append(CacheTensor(i, attr, name, tuple(t.shape), str(t.dtype).replace("torch.", ""), pos_dim,
-                                      lt, window))
+        lt = step.layer_types[i]
+        layer = step.cache.layers[i]
+        window = getattr(layer, "sliding_window", None) or (
+            getattr(cfg, "sliding_window", None) if lt == "sliding_attention" else None)
+        info.cache.append(CacheTensor(i, attr, name, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                      step.position_dims[name], lt, window,
+                                      getattr(layer, "compress_rate", None) if attr.endswith("_entries") else None))
     sig = ep.graph_signature
     out_nodes = list(ep.graph.output_node().args[0])
     for k, spec in enumerate(sig.output_specs):

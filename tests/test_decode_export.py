@@ -8,8 +8,6 @@ import pytest
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from dayzero import UserError
-
 PROMPT = 12  # > gpt-oss's sliding window (8) and > V3.2's index_topk (4): both sparse paths are live
 NEW = 16
 MAX_CACHE = 48
@@ -122,26 +120,81 @@ def test_decode_program_attends_over_whole_cache(tiny):
     assert torch.ops.aten.index_copy_.default not in counts
 
 
-def test_deepseek_v4_has_no_static_cache(tiny):
-    """DeepSeek-V4's caches (DeepseekV4HCACache / DeepseekV4CSACache) are dynamic: a clear error, not a bad graph."""
-    from dayzero.frontend.decode_export import export_with_cache
+V4_PROMPT = 32  # past 4 HCA (8) and 8 CSA (4) windows and the sliding window (8)
+
+
+def _v4_step(tiny):
+    from dayzero.frontend.decode_export import CacheStep
 
     model = _upstream(tiny("deepseek_v4"))
-    with pytest.raises(UserError, match="heavily_compressed_attention"):
-        export_with_cache(model, max_cache_len=MAX_CACHE, max_seq=16)
+    return model, CacheStep(model, MAX_CACHE)
 
 
-@pytest.mark.xfail(strict=True, raises=UserError, reason=(
-    "DeepSeek-V4 compressed caches are not static: DeepseekV4HCACache/CSACache subclass DynamicSlidingWindowLayer, "
-    "grow compressed_kv by torch.cat, keep pending tokens (buffer_kv, length = position mod compress_rate) and "
-    "entry_count as Python ints, and the compressors branch on those lengths (chunk_kv.shape[1] > 0, seq_len == 1, "
-    "prior_kv is None); transformers has no static layer for them (StaticCache raises KeyError), so one exported "
-    "decode graph cannot cover all positions"))
-def test_deepseek_v4_prefill_then_decode(tiny):
-    from dayzero.frontend.decode_export import export_with_cache
+def _zero(step):
+    for name, buf in step.named_buffers():
+        if name.startswith("cache_"):
+            buf.zero_()
 
-    torch.manual_seed(0)
-    model = _upstream(tiny("deepseek_v4"))
-    ep, _ = export_with_cache(model, max_cache_len=MAX_CACHE, max_seq=24)
-    ids = torch.randint(2, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-    assert _greedy_exported(ep, ids, NEW) == _greedy_upstream(model, ids, NEW)
+
+def _v4_logits(step, ids, chunks):
+    """Prefill ``chunks`` (lengths, each continuing the previous), then one token at a time to the end."""
+    _zero(step)
+    got, s = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            got.append(step(ids[:, s:s + n], torch.arange(s, s + n)))
+            s += n
+        for p in range(s, ids.shape[1]):
+            got.append(step(ids[:, p:p + 1], torch.tensor([p])))
+    return torch.cat(got, 1)
+
+
+def test_deepseek_v4_fixed_size_cache_equals_forward(tiny):
+    """DeepSeek-V4 on dayzero's fixed-size compressed cache (frontend/v4_cache.py), run eagerly: prefills that start
+    and end mid-window (a later chunk resumes from the pending ring and the CSA overlap), then single tokens across
+    CSA (4) / HCA (8) window boundaries and past the sliding window (8), give upstream's cache-less forward; the
+    state keeps its shapes at every position."""
+    model, step = _v4_step(tiny)
+    shapes = {n: tuple(b.shape) for n, b in step.named_buffers()}
+    kinds = {(step.layer_types[i], attr) for i, attr, _ in step.names}
+    assert kinds == {(lt, "keys") for lt in ("heavily_compressed_attention", "compressed_sparse_attention",
+                                               "sliding_attention")} | {
+        ("heavily_compressed_attention", f"compressor_{p}") for p in ("pending_kv", "pending_gate", "entries")} | {
+        ("compressed_sparse_attention", f"{name}_{p}") for name in ("compressor", "indexer")
+        for p in ("pending_kv", "pending_gate", "entries", "overlap_kv", "overlap_gate")}
+    rows = {attr: getattr(step, n).shape[1] for i, attr, n in step.names if i == 0 and attr.endswith("entries")}
+    assert rows == {"compressor_entries": MAX_CACHE // 8 + 1}  # one per HCA window + the scratch row
+
+    ids = torch.randint(0, model.config.vocab_size, (1, V4_PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    for chunks in ((13,), (2, 5, 16)):
+        torch.testing.assert_close(_v4_logits(step, ids, chunks), ref, atol=1e-4, rtol=1e-4)
+    assert {n: tuple(b.shape) for n, b in step.named_buffers()} == shapes
+
+
+def test_deepseek_v4_greedy_equals_generate(tiny):
+    model, step = _v4_step(tiny)
+    for n in (3,):  # shorter than any compression window
+        ids = torch.randint(2, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        _zero(step)
+        toks = []
+        with torch.no_grad():
+            logits = step(ids, torch.arange(n))
+            for i in range(NEW):
+                toks.append(int(logits[0, -1].argmax()))
+                logits = step(torch.tensor([[toks[-1]]]), torch.tensor([n + i]))
+        assert [toks] == _greedy_upstream(model, ids, NEW)
+
+
+def test_deepseek_v4_single_query_needs_the_hca_validity_bias(tiny):
+    """With one query upstream's HCA compressor returns no block bias: its running list holds only closed windows.
+    The fixed-size entries also hold open and unwritten ones, so a pre-hook adds upstream's causal rule to the
+    mask; without it decode attends to them and the logits move."""
+    model, step = _v4_step(tiny)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    for h in step._hooks:
+        h.remove()
+    assert float((_v4_logits(step, ids, (13,)) - ref).abs().max()) > 1e-2

@@ -1,7 +1,8 @@
 """Prefill + decode from one artifact: generation equals upstream's own cached greedy generation, token for token.
 
 Each architecture is compiled once (module fixture) from a make-tiny checkpoint; the reference is transformers'
-``generate(do_sample=False)`` with its own KV cache on the same weights.
+``generate(do_sample=False)`` with its own KV cache on the same weights. DeepSeek-V4 runs on dayzero's fixed-size
+compressed cache (frontend/v4_cache.py) against upstream's dynamic one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ MAX_SEQ = 128  # the shared session artifacts (conftest.tiny_compiled)
 NEW = 32
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
 def served(request, tiny_compiled):
     ckpt, art, _ = tiny_compiled(request.param)
     rt = load(art)
@@ -121,3 +122,30 @@ def test_second_turn_reuses_the_cache(served):
     assert cached == 7 + 5  # the prompt and the 5 tokens decoded (the 6th is written with the next turn)
     assert [s[-1] for s in prefill_calls] in ([6], [8])  # only the new turn (+ the pending token), maybe padded
     assert out2 == _upstream(ref, first + out1 + second, 6)
+
+
+@pytest.mark.slow
+def test_deepseek_v4_cache_is_fixed_size_and_written_per_row(tiny_compiled):
+    """DeepSeek-V4's compressed cache (frontend/v4_cache.py) in the artifact: prefill takes any length with no
+    padding (a padded tail would be read as the open window's tokens); a decode step writes one row of each
+    layer's K=V and of each compressor's entries, and copies only the compressors' pending / overlap windows
+    (compress_rate rows, independent of the cache length)."""
+    _, art, _ = tiny_compiled("deepseek_v4")
+    rt = load(art)
+    assert rt.programs["prefill"].symbols == {"seq": (1, MAX_SEQ)}
+    dec = rt.programs["decode"]
+    state_of = {bid: name for name, bid in dec.states.items()}
+    written = {}
+    for _, args, _, node, _ in dec.steps:
+        op = node.split(" at ")[0]
+        if args and args[0] in state_of and op in ("state_index_put", "assign"):
+            name, shape = state_of[args[0]], dec.shape(args[0], ())
+            written[name] = op
+            if op == "state_index_put":  # (state, positions, rows)
+                assert dec.shape(args[1], ()) == (1,), name
+            else:
+                assert MAX_SEQ not in shape and shape[1] <= 8, (name, shape)
+    assert set(written) == set(dec.states)
+    per_row = {n for n, op in written.items() if op == "state_index_put"}
+    assert per_row == {f"cache_{i}_keys" for i in range(3)} | {
+        "cache_0_compressor_entries", "cache_1_compressor_entries", "cache_1_indexer_entries"}
