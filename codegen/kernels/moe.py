@@ -160,6 +160,28 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             return mx_at(W, S, e, n, i)
         return W[e, n, i] if nk else W[e, i, n]
 
+    # FP8 prefill: an expert with >= MB tokens has its job's [NB, K] block decoded once into a per-thread fp32
+    # buffer that every MB-token tile then reads (dense FMAs); fewer tokens (decode) decode in registers
+    staged = f8 and nk and not cuda
+
+    def gu_w(WB, W, S, e, n0, n, h):
+        return WB[n, h] if WB is not None else wgu_at(W, S, e, n0 + n, h)
+
+    def d_w(WB, W, S, e, n0, n, i):
+        return WB[n, i] if WB is not None else wd_at(W, S, e, n0 + n, i)
+
+    def staged_buf(wb):
+        return wb if staged else None
+
+    @T.macro(hygienic=True)
+    def stage(wb, W, S, w_at, e, n0, K):
+        """wb[n, kk] = W[e, n0 + n, kk] decoded (FP8 staged kernels only; nothing otherwise)."""
+        if staged:
+            for n in range(NB):
+                for ko in range(K // L):
+                    for l in vec(L):
+                        wb[n, ko * L + l] = w_at(None, W, S, e, n0, n, ko * L + l)
+
     f32 = "float32"
     PGU, PD = _chunks(GU // NB), _chunks(H // NB)
     wgu_shape = (E, GU, H) if nk else (E, H, GU)
@@ -181,7 +203,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W[e, n, h]), 0, 2, 1))
 
     @T.macro(hygienic=True)
-    def gu_tile(pf, X, order, WGU, WGUS, BGU, G, acc, rows, p0, e, n0):
+    def gu_tile(pf, X, order, WGU, WGUS, BGU, G, acc, WB, rows, p0, e, n0):
         for m, n in T.grid(rows, NB):
             for l in vec(L):
                 acc[m, n, l] = T.float32(0)
@@ -192,7 +214,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 for n in T.unroll(NB):
                     for l in vec(L):
                         acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[p0 + m] // k, ho * L + l]) * \
-                            T.Cast(f32, wgu_at(WGU, WGUS, e, n0 + n, ho * L + l))
+                            T.Cast(f32, gu_w(WB, WGU, WGUS, e, n0, n, ho * L + l))
         for m, n in T.grid(rows, NB):  # lanes reduced as a halving tree (vector adds), not 16 scalar adds
             for l in vec(L // 2):
                 acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 2]
@@ -203,7 +225,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             G[p0 + m, n0 + n] = gu_bias(BGU, e, n0 + n) + (acc[m, n, 0] + acc[m, n, 1])
 
     @T.macro(hygienic=True)
-    def d_tile(pf, A, WD, WDS, BD, D, acc2, rows, p0, e, n0):
+    def d_tile(pf, A, WD, WDS, BD, D, acc2, WB, rows, p0, e, n0):
         for m, n in T.grid(rows, NB):
             for l in vec(L):
                 acc2[m, n, l] = T.float32(0)
@@ -214,7 +236,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 for n in T.unroll(NB):
                     for l in vec(L):
                         acc2[m, n, l] = acc2[m, n, l] + A[p0 + m, io * L + l] * \
-                            T.Cast(f32, wd_at(WD, WDS, e, n0 + n, io * L + l))
+                            T.Cast(f32, d_w(WB, WD, WDS, e, n0, n, io * L + l))
         for m, n in T.grid(rows, NB):
             for l in vec(L // 2):
                 acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 2]
@@ -225,28 +247,31 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             D[p0 + m, n0 + n] = d_bias(BD, e, n0 + n) + (acc2[m, n, 0] + acc2[m, n, 1])
 
     @T.macro(hygienic=True)
-    def gu_block(X, order, WGU, WGUS, BGU, G, acc, p_lo, p_hi, e, n0):
+    def gu_block(X, order, WGU, WGUS, BGU, G, acc, wb, p_lo, p_hi, e, n0):
         """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB): MB-token tiles, the
-        first one prefetching the next block's rows, then a 2-token and a 1-token tile for the remainder."""
+        first one prefetching the next block's rows, then a 2-token and a 1-token tile for the remainder. FP8
+        (``staged``): with >= MB tokens the block is decoded once into ``wb`` and the MB tiles read it."""
         if p_hi - p_lo >= MB:
-            gu_tile(PF[0], X, order, WGU, WGUS, BGU, G, acc, MB, p_lo, e, n0)
+            stage(wb, WGU, WGUS, gu_w, e, n0, H)
+            gu_tile(PF[0], X, order, WGU, WGUS, BGU, G, acc, staged_buf(wb), MB, p_lo, e, n0)
         for mt in range(1, (p_hi - p_lo) // MB):
-            gu_tile(PF[1], X, order, WGU, WGUS, BGU, G, acc, MB, p_lo + mt * MB, e, n0)
+            gu_tile(PF[1], X, order, WGU, WGUS, BGU, G, acc, staged_buf(wb), MB, p_lo + mt * MB, e, n0)
         if (p_hi - p_lo) % MB >= 2:
-            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
+            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, None, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
         if (p_hi - p_lo) % 2 == 1:  # the last token alone (decode: 1 row of work, not MB)
-            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, 1, p_hi - 1, e, n0)
+            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, None, 1, p_hi - 1, e, n0)
 
     @T.macro(hygienic=True)
-    def d_block(A, WD, WDS, BD, D, acc2, p_lo, p_hi, e, n0):
+    def d_block(A, WD, WDS, BD, D, acc2, wb, p_lo, p_hi, e, n0):
         if p_hi - p_lo >= MB:
-            d_tile(PF[0], A, WD, WDS, BD, D, acc2, MB, p_lo, e, n0)
+            stage(wb, WD, WDS, d_w, e, n0, I)
+            d_tile(PF[0], A, WD, WDS, BD, D, acc2, staged_buf(wb), MB, p_lo, e, n0)
         for mt in range(1, (p_hi - p_lo) // MB):
-            d_tile(PF[1], A, WD, WDS, BD, D, acc2, MB, p_lo + mt * MB, e, n0)
+            d_tile(PF[1], A, WD, WDS, BD, D, acc2, staged_buf(wb), MB, p_lo + mt * MB, e, n0)
         if (p_hi - p_lo) % MB >= 2:
-            d_tile(PF[2], A, WD, WDS, BD, D, acc2, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
+            d_tile(PF[2], A, WD, WDS, BD, D, acc2, None, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
         if (p_hi - p_lo) % 2 == 1:
-            d_tile(PF[2], A, WD, WDS, BD, D, acc2, 1, p_hi - 1, e, n0)
+            d_tile(PF[2], A, WD, WDS, BD, D, acc2, None, 1, p_hi - 1, e, n0)
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok):
@@ -275,9 +300,10 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # the routing (decode with 4 experts keeps every core busy)
         for c in par(PGU):
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
+            wbg = T.alloc_buffer((NB, H if staged else 1), f32)
             for e in range(E):
                 for nbi in range(GU // NB // PGU):
-                    gu_block(X, order, WGU, WGUS, BGU, G, acc, offs[e], offs[e + 1], e,
+                    gu_block(X, order, WGU, WGUS, BGU, G, acc, wbg, offs[e], offs[e + 1], e,
                              (c * (GU // NB // PGU) + nbi) * NB)
         # 3. activation
         for p in par(n_tok * k):
@@ -287,9 +313,10 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # 4. down grouped GEMM, same structure
         for c in par(PD):
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
+            wbd = T.alloc_buffer((NB, I if staged else 1), f32)
             for e in range(E):
                 for nbi in range(H // NB // PD):
-                    d_block(A, WD, WDS, BD, D, acc2, offs[e], offs[e + 1], e, (c * (H // NB // PD) + nbi) * NB)
+                    d_block(A, WD, WDS, BD, D, acc2, wbd, offs[e], offs[e + 1], e, (c * (H // NB // PD) + nbi) * NB)
         # 5. weighted combine in token order
         for t in par(n_tok):
             for ho in range(H // L):
