@@ -169,6 +169,63 @@ def test_lru_cache_hits_and_tags(weights, cd):
     assert torch.equal(st.ws[s].float(), want)
 
 
+def _two_layer_graph(seq):
+    """x -> moe_experts_mxfp4 (blocks "model.layers.1...") -> moe_experts_mxfp4 (blocks "model.layers.0..."): the
+    layer numbering must follow the blocks' names, not the order the nodes run in."""
+    from dayzero.passes.ir.node import Graph, Node, TensorType
+
+    def inp(name, dt, shape):
+        return Node.make("input", (), {"name": name}, [TensorType(dt, shape)])
+
+    def wt(name, dt, shape):
+        return Node.make("weight", (), {"name": name, "zone": "low_precision_weights"}, [TensorType(dt, shape)])
+    x, ids, w = inp("x", "float32", (seq, H)), inp("ids", "int64", (seq, K)), inp("w", "float32", (seq, K))
+    y = x
+    for layer in (1, 0):
+        p = f"model.layers.{layer}.mlp.experts."
+        ins = [y, ids, w, wt(p + "gate_up_proj_blocks", "uint8", (E, 2 * I, H // 32, 16)),
+               wt(p + "gate_up_proj_scales", "uint8", (E, 2 * I, H // 32)),
+               wt(p + "down_proj_blocks", "uint8", (E, H, I // 32, 16)),
+               wt(p + "down_proj_scales", "uint8", (E, H, I // 32))]
+        y = Node.make(ew.OP_IN, ins, {"act": ACT, "inter": I, "gate_up_bias": False, "down_bias": False},
+                      [TensorType("float32", (seq, H))])
+    return Graph("main", (x, ids, w), (y,), (("seq", 1, 32),))
+
+
+def test_rewrite_shares_one_workspace_placed_once():
+    from dayzero.codegen.kernels import expert_workspace as kw
+    from dayzero.codegen.memory import plan_programs
+    from dayzero.codegen.program import build_program
+    from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
+    from dayzero.passes.ir.verify import verify
+    from dayzero.passes.pipeline import PassContext
+
+    seq = make_symbol("seq")
+    ctx = PassContext()
+    g = ew.expert_workspace(_two_layer_graph(seq), ctx, compute_dtype="bfloat16", cache_bytes=1 << 40)
+    verify(g)
+    assert print_graph(parse_graph(print_graph(g))) == print_graph(g)
+    nodes = [n for n in g.nodes() if n.op == ew.OP]
+    assert len(nodes) == 2 and ctx.patterns["expert_workspace"] == 2
+    # run order: layer 1's experts first; the keys follow the names
+    assert [n.inputs[-3].attr["name"] for n in nodes] == ["expert_workspace.layer1", "expert_workspace.layer0"]
+    assert [int(ctx.constants[n.inputs[-3].attr["name"]][0]) for n in nodes] == [1, 0]
+    # one workspace for both layers: state nodes of one name are one buffer (codegen/memory.py)
+    assert len({n.inputs[-2].attr["name"] for n in nodes}) == len({n.inputs[-1].attr["name"] for n in nodes}) == 1
+    ws, meta = nodes[0].inputs[-2], nodes[0].inputs[-1]
+    slots = 2 * E  # a huge budget is capped at the (layer, expert) keys
+    assert ws.attr["zone"] == meta.attr["zone"] == "dequant_workspace"
+    assert ws.dtype == "bfloat16" and tuple(ws.shape) == (slots, kw.slot_elems(H, 2 * I, I))
+    # planned once, beside the weights, not per request slot; the same bytes in every program
+    prog = build_program(g, "prefill", {})
+    layout = plan_programs([prog], slots=3)
+    mem = layout["programs"]["prefill"]
+    want = slots * kw.slot_bytes(H, 2 * I, I, "bfloat16") + -(-kw.meta_len(slots) * 8 // 64) * 64
+    assert mem["zones"]["dequant_workspace"] == want and layout["state_stride"] == 0
+    offs = {mem["offsets"][b.id] for b in prog.buffers if b.state == ws.attr["name"]}
+    assert len(offs) == 1
+
+
 def test_route_policy():
     # measured (kernel docstring): prefill converts, decode decodes in registers unless a cache or a non-fp32
     # compute dtype asks every program to read the workspace
