@@ -217,6 +217,8 @@ def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
 # stored dtype/shape, zone low_precision_weights) followed by the dequantisation written as plain ATen ops, traced
 # by torch.export from the functions below: the graph computes exactly the fp32 tensor transformers would have
 # loaded, and passes/dequant.py recognises the chain by its shape and fuses it into the consumer's kernel.
+# FP8 parameters stacked from several checkpoint tensors (per-expert gate/up/down) get one scale per row_block rows
+# (checkpoint._fp8_param; 128 for published DeepSeek experts), so the chain repeats the scale row_block x 128.
 
 LOW_PRECISION_ZONE = "low_precision_weights"
 
