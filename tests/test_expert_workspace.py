@@ -301,6 +301,8 @@ def test_gpt_oss_bf16_workspace_with_cache(tmp_path):
     assert 4.25 <= zones["low_precision_weights"] * 8 / n_w < 4.3
     assert zones["dequant_workspace"] == 6 * slot + -(-kw.meta_len(6) * 8 // 64) * 64
     assert zones["dequant_workspace"] < n_w * 2 / cfg["num_hidden_layers"]  # < one layer's experts in bf16
+    shown = CliRunner().invoke(main, ["report", str(art)])
+    assert shown.exit_code == 0 and f"{zones['dequant_workspace']:,} B workspace" in shown.output, shown.output
 
     m = AutoModelForCausalLM.from_pretrained(str(ck), quantization_config=Mxfp4Config(dequantize=True),
                                              dtype=torch.float32).eval()

@@ -203,6 +203,7 @@ def build_report(artifact: str) -> dict:
         "unsupported": list(rep.get("unsupported", [])),
         "programs": programs,
         "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout")),
+        "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
     }
 
 
@@ -323,6 +324,13 @@ def _human(r: dict) -> None:
             click.echo(f"  {t}: {e['layers']} layer(s), {e['bytes_per_token']:,.1f} B/token per layer"
                        + (f" + {e['fixed_bytes']:,} B fixed" if e["fixed_bytes"] else "") + held
                        + "  [" + ", ".join(f"{k} {v['dtype']}{v['shape']}" for k, v in e["states"].items()) + "]")
+    ex = r.get("experts")
+    if ex and any(ex.get("routes", {}).values()):
+        zones = next(iter(r["programs"].values()))["memory"].get("zones", {})
+        click.echo(f"low-precision experts: compute {ex['compute_dtype']}, cache budget {ex['cache_bytes']:,} B; "
+                   + ", ".join(f"{p} {'+'.join(ops) or '-'}" for p, ops in ex["routes"].items())
+                   + f"; resident {zones.get('low_precision_weights', 0):,} B as stored + "
+                     f"{zones.get('dequant_workspace', 0):,} B workspace")
     for name, p in r["programs"].items():
         m = p["memory"]
         click.echo(f"{name}: {p['steps']} steps, {p['kernels']} kernels, arena {m['arena_bytes']} B vs peak-live "
