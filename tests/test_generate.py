@@ -149,3 +149,20 @@ def test_deepseek_v4_cache_is_fixed_size_and_written_per_row(tiny_compiled):
     per_row = {n for n, op in written.items() if op == "state_index_put"}
     assert per_row == {f"cache_{i}_keys" for i in range(3)} | {
         "cache_0_compressor_entries", "cache_1_compressor_entries", "cache_1_indexer_entries"}
+
+
+@pytest.mark.slow
+def test_cli_run_generates(served):
+    """`dayzero run OUT --input-ids ... --max-new-tokens N --json` prints upstream's greedy tokens."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+
+    rt, ref = served
+    prompt = _prompt(10, 10)
+    r = CliRunner().invoke(main, ["run", str(rt.path), "--input-ids", ",".join(map(str, prompt)),
+                                  "--max-new-tokens", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["tokens"] == _upstream(ref, prompt, 8)

@@ -1,8 +1,7 @@
 """Tiny upstream MoE checkpoints compile once and match transformers' eager forward at several lengths.
 
 One artifact per architecture serves seq 1, 16 and 100: lengths the traced graph does not accept directly
-(DeepSeek-V3.2's seq >= index_topk, DeepSeek-V4's multiple of its compression rate) are padded on the right by the
-runtime and the logits sliced back.
+(DeepSeek-V3.2's seq >= index_topk) are padded on the right by the runtime and the logits sliced back.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ def test_deepseek_v32(tiny_compiled):
 
 @pytest.mark.slow
 def test_deepseek_v4(tiny_compiled):
-    # compressed attention (CSA every 4, HCA every 8 tokens): seq 1 and 100 are padded to 16 and 104; 16 and 100
-    # see complete compression blocks, whose CSA overlap half is an open-ended slice_scatter (new_kv[:, 1:, :4])
+    # compressed attention (CSA every 4, HCA every 8 tokens) on dayzero's fixed-size cache (frontend/v4_cache.py):
+    # any length, no padding; 16 and 100 close compression windows (100 leaves one open), whose CSA overlap half is
+    # an open-ended slice_scatter (new_kv[:, 1:, :4])
     _check(tiny_compiled, "deepseek_v4")
