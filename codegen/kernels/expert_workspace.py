@@ -44,8 +44,9 @@ Which route a program takes (``passes/expert_workspace.route_for``), measured si
 so absolute times are noisy; the ratios below are workspace / fused time from two runs of the same bench), 64
 experts, top-4, H=1024, I=512, MXFP4:
 - prefill T=256 (16 tokens per expert): 0.58x / 0.57x (fp32 slot), bf16 slot 0.64x / 0.60x, fp8 slot 0.54x /
-  0.69x. Converting once and reading the converted rows beats decoding every element once per 4-token tile ->
-  workspace.
+  0.69x; at T=64 (4 tokens per expert, ``--quick``) 0.94x. Converting once and reading the converted rows beats
+  decoding every element once per 4-token tile, by more the more tokens an expert has, and short prompts fall
+  back to the decode case below (parity), never worse -> workspace.
 - decode T=1, no cache, a fresh routing per call: 0.97x / 0.98x, i.e. parity: each routed expert serves one token,
   and converting a 4-row block into the slot and reading it back from L1 costs what decoding in registers does
   (before the convert was fused into the GEMM's n-blocks, a separate convert pass made this 1.2x-1.8x slower).
