@@ -20,8 +20,9 @@ slot) and zeroed when the artifact is loaded, never when a request starts (``cod
 and decode graphs number their layers the same way.
 
 Slots: without a cache, one (every routed expert is converted into it, computed, and the slot reclaimed); with a
-cache budget of B bytes, max(1, B // slot bytes) slots under LRU, at most one per (layer, expert) of the shape. The resident bytes are the MXFP4 experts as
-stored (4.25 bits per weight, zone low_precision_weights) + S slots, never a converted copy of every expert.
+cache budget of B bytes, max(1, B // slot bytes) slots under LRU, at most one per (layer, expert) of the shape.
+The resident bytes are the MXFP4 experts as stored (4.25 bits per weight, zone low_precision_weights) + S slots,
+never a converted copy of every expert.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
     """The kernel for one expert shape (host CPU). ``cache=False``: one slot, every routed expert converted on
     every call (meta counts conversions); ``cache=True``: ``slots`` slots under LRU."""
     if not supports(H, GU, I):
-        raise InternalError(f"expert workspace kernel needs H, I multiples of 32 and GU of {NB} (H={H}, GU={GU}, I={I})")
+        raise InternalError(f"expert workspace kernel needs H, I multiples of 32 and GU of {NB} "
+                            f"(H={H}, GU={GU}, I={I})")
     if compute_dtype not in STORAGE:
         raise InternalError(f"expert workspace: compute dtype {compute_dtype!r} is not one of {sorted(STORAGE)}")
     if slots < 1 or (not cache and slots != 1):
