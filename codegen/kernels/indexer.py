@@ -18,7 +18,8 @@ Variants:
   The key cache is streamed once; the top-k touches the [L] score row a few times (introselect).
 * host CPU, prefill (S symbolic or > 1): parallel over (b, block of QB queries): each JB-row key tile is
   transposed once and used by all QB queries of the block (blocked over queries), scores into a per-block
-  [QB, L] workspace, then each query's top-k.
+  [QB, L] workspace, then each query's top-k. Tiles past the block's last visible row are not read (their
+  scores are the fill value): a causal prefill reads about half the key tiles.
 * CUDA: phase 1 one thread per (b, s, j) score; phase 2 one thread per (b, s) row running the top-k
   (compiles for sm_90; not tuned: a warp-parallel radix select would be the next step).
 """
@@ -177,10 +178,22 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f'    kt = T.decl_buffer(({_i(Di)}, {_i(JB)}), "float32")',
                  f'    acc = T.decl_buffer(({_i(JB)},), "float32")',
                  f'    tot = T.decl_buffer(({_i(JB)},), "float32")',
+                 '    hi = T.decl_buffer((T.int64(1),), "int64")',  # the block's last visible row
+                 "    hi[0] = T.int64(-1)",
+                 f"    for i in range({_i(QB)}):",
+                 f"        if s0 + i < {S}:",
+                 '            hi[0] = T.max(hi[0], T.Cast("int64", pp[s0 + i]))',
                  f"    for jt in range({_i(nj)}):",
-                 f"        j0 = jt * {_i(JB)}"]
-        body += ["        " + ln for ln in _tile(p, S, [f"s0 + {_i(i)}" for i in range(QB)], "bV", "bI",
-                                               [_i(i) for i in range(QB)])]
+                 f"        j0 = jt * {_i(JB)}",
+                 "        if j0 <= hi[0]:"]
+        body += ["            " + ln for ln in _tile(p, S, [f"s0 + {_i(i)}" for i in range(QB)], "bV", "bI",
+                                                   [_i(i) for i in range(QB)])]
+        # tiles past every query of the block (causal prefill: about half) are the fill value, no key read
+        body += ["        else:",
+                 f"            for i, jj in T.grid({_i(QB)}, {_i(JB)}):",
+                 f"                if j0 + jj < {_i(L)}:",
+                 f"                    bV[i * {_i(L)} + j0 + jj] = {_f(p['fill'])}",
+                 f"                    bI[i * {_i(L)} + j0 + jj] = j0 + jj"]
         body += [f"    for i in range({_i(QB)}):",
                  f"        if s0 + i < {S}:",
                  "            s = s0 + i"]
