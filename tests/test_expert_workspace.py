@@ -338,3 +338,10 @@ def test_gpt_oss_bf16_workspace_with_cache(tmp_path):
         want = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)[0, 16:]
     assert np.array_equal(np.asarray(out).reshape(-1), want.numpy()), (out, want)
     assert meta()[0] > second[0]
+    # two requests in flight (two KV-cache slots, one shared workspace): each gets the tokens it gets alone
+    from dayzero.runtime import generate_batch
+
+    other = torch.randint(0, 256, (1, 5), generator=gen)
+    alone = rt.generate(other, 4)
+    res = generate_batch(rt, [ids, other], max_new_tokens=4)
+    assert [r["tokens"] for r in res] == [list(out[:4]), list(alone)], res
