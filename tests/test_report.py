@@ -122,6 +122,39 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
         assert sliding["window"] == c["sliding_window"] < sliding["rows"] == 128  # holds more than the window
 
 
+@pytest.mark.slow
+def test_kv_cache_of_deepseek_v4_compressed_layers(tiny_compiled):
+    """DeepSeek-V4's caches (dayzero's fixed-size form, frontend/v4_cache.py), fp32, per layer type from config.json:
+    * every layer keeps K = V in one tensor of head_dim per token -- all max_length rows, not the sliding window;
+    * a compressed_sparse_attention layer adds one head_dim entry and one index_head_dim indexer entry per m
+      tokens (compress_rates), plus per-sequence constants: the compressor's and the indexer's pending window
+      (kv and gate, m rows of 2 x width each, the overlap doubles it) and overlap slice (m rows of width each);
+    * a heavily_compressed_attention layer adds one head_dim entry per m' tokens and its pending window (m' rows
+      of kv and gate, head_dim each).
+    The constants are capacity.kv_layout's ``state_bytes`` for the same config."""
+    from dayzero.tools.capacity import kv_layout
+
+    ckpt, art, _ = tiny_compiled("deepseek_v4")
+    c = _config(ckpt)
+    hd, ihd, rates, win = c["head_dim"], c["index_head_dim"], c["compress_rates"], c["sliding_window"]
+    csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+    kv = _report(art)["kv_cache"]
+    assert kv["described"] and kv["max_length"] == 128
+    got = {t: (e["layers"], e["bytes_per_token"], e["fixed_bytes"]) for t, e in kv["layer_types"].items()}
+    n = {t: c["layer_types"].count(t) for t in set(c["layer_types"])}
+    assert got == {
+        "sliding_attention": (n["sliding_attention"], hd * 4, 0),
+        "compressed_sparse_attention": (n["compressed_sparse_attention"], hd * 4 + (hd + ihd) * 4 / csa,
+                                        csa * (2 * 2 * hd + 2 * hd) * 4 + csa * (2 * 2 * ihd + 2 * ihd) * 4),
+        "heavily_compressed_attention": (n["heavily_compressed_attention"], hd * 4 + hd * 4 / hca,
+                                         hca * 2 * hd * 4),
+    }
+    plan = kv_layout(c, "fp32")
+    assert {t: e["state_bytes"] for t, e in plan.items()} == {t: g[2] for t, g in got.items()}
+    for e in kv["layer_types"].values():
+        assert e["window"] == win < e["rows"] == 128  # K=V holds every position, more than the window needs
+
+
 def _cross_layer_buffers(art, rep):
     """The prefill program's memory summary and its cross-layer buffers ``[offset, bytes, first, last, zone]``."""
     stored = json.loads((art / "report.json").read_text())["programs"]["prefill"]["memory"]["buffers"]
@@ -171,7 +204,7 @@ def test_report_gives_each_programs_plan_against_its_bound(tiny_compiled, model_
     bound, and the report states the figure per program."""
     _, art, _ = tiny_compiled(model_type)
     progs = _report(art)["programs"]
-    assert "prefill" in progs and (model_type == "deepseek_v4" or "decode" in progs)
+    assert {"prefill", "decode"} <= set(progs)
     for name, p in progs.items():
         m = p["memory"]
         assert m["planned_over_peak"] == round(sum(m["planned_bytes"].values()) / m["peak_live_total_bytes"], 4)
