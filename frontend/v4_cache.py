@@ -20,14 +20,15 @@ fixed shape, so the upstream compressor, indexer and attention code runs unmodif
 
 How a call at positions ``[s, s + n)`` maps onto upstream's (``store_compression_weights`` and friends below):
 the chunk handed to the compressor always starts at the open window ``a = s // R`` and spans the
-``W = (n + R - 2) // R + 1`` windows the new tokens touch (``W = 1`` in decode; a traced prefill takes one
-spare window): positions before ``s`` come from
-the pending ring, the rest from the new tokens. Upstream hands over only the *closed* windows; here the last window
-may still be open, and the compressor pools it anyway into a "would-be" entry. Every entry is written at its own
-row ``a + k`` unconditionally; an entry is *valid* for a query at position p iff ``e < (p + 1) // R`` — exactly
-upstream's causal rule for its compressed entries (``block_bias`` / the indexer's ``future_mask``), which therefore
-hides open windows, and the entry is rewritten when its window closes (the step at its last position pools the
-complete window). So one graph serves every phase; no ``where(position % R == R - 1, new, old)`` is even needed.
+``W = (n + R - 2) // R + 1`` windows the new tokens touch (``W = 1`` in decode; a traced prefill takes one spare
+window): positions before ``s`` come from the pending ring, the rest from the new tokens. Upstream hands over only
+the *closed* windows; here the last window may still be open, and the compressor pools it anyway into a "would-be"
+entry. The pending ring and the overlap are then rewritten whole (R rows each, a copy independent of L). Every
+entry is written at its own row ``a + k`` unconditionally; an entry is *valid* for a query at position p iff
+``e < (p + 1) // R`` — exactly upstream's causal rule for its compressed entries (``block_bias`` / the indexer's
+``future_mask``), which therefore hides open windows, and the entry is rewritten when its window closes (the step
+at its last position pools the complete window). So one graph serves every phase; no
+``where(position % R == R - 1, new, old)`` is even needed.
 
 The one upstream branch that is not position-generic: for ``seq_len == 1`` the HCA compressor returns no block bias
 (upstream's running list then holds only valid entries). A forward pre-hook on the HCA attention modules
@@ -35,9 +36,10 @@ The one upstream branch that is not position-generic: for ``seq_len == 1`` the H
 -inf) to the attention mask in that case; CSA's bias always comes from the indexer's top-k scatter, which applies
 the same causal rule. The math of the attention, compressors and indexer stays upstream's.
 
-Prefill of any length ``n >= 2`` at any start ``s`` works (no padding to the compression rate): a second turn starts
-mid-window and continues from the pending ring. Right padding would *not* be harmless here (a padded tail would
-be taken for the open window's tokens), so the runtime runs a 1-token prefill as a decode step instead.
+Prefill of any length ``n`` at any start ``s`` works (no padding to the compression rate; the prefill program
+exports with ``seq`` in [1, max]): a second turn starts mid-window and continues from the pending ring. Right
+padding would *not* be harmless here (a padded tail would be taken for the open window's tokens and its overlap), so
+it must stay that way: tests/test_generate.py checks the compiled prefill's range.
 """
 
 from __future__ import annotations

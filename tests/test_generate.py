@@ -166,3 +166,15 @@ def test_cli_run_generates(served):
                                   "--max-new-tokens", "8", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["tokens"] == _upstream(ref, prompt, 8)
+
+
+@pytest.mark.slow
+def test_compare_reads_the_prefill_of_a_stateful_artifact(tiny_compiled):
+    """`dayzero compare CKPT OUT` on an artifact with a KV cache checks its prefill from an empty cache, step by step
+    against the IR interpreter and against upstream's forward."""
+    from dayzero.tools.compare import compare
+
+    ckpt, art, _ = tiny_compiled("qwen3_moe")
+    r = compare(str(ckpt), art, seq_len=12)
+    assert r["program"] == "prefill" and r["input_shapes"] == [[1, 12], [12]]
+    assert r["ok"] and r["trace_ok"] and r["first_divergence"] is None, r.get("first_divergence")

@@ -229,7 +229,9 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     if not (art / "program.json").is_file():
         raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
     rt = load(art)
-    pname, prog = next(iter(rt.programs.items()))
+    # a stateful artifact (prefill + decode sharing a KV cache) is compared on its prefill, from an empty cache
+    pname = "prefill" if "prefill" in rt.programs else next(iter(rt.programs))
+    prog = rt.programs[pname]
     pj = rt.program_json["programs"][pname]
     max_seq = length_bound(pj)
     seq = min(seq_len or DEFAULT_SEQ, max_seq)
@@ -238,11 +240,14 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     inputs = fixed_inputs(pj, seq)
     if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
         inputs, _ = prog.pad(inputs)
+    for k, bid in enumerate(pj["inputs"]):  # the prefill of a stateful artifact fills the cache from position 0
+        if pj["buffers"][bid]["name"] == "cache_position":
+            inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
 
     run_upstream, tensors, fe = upstream(model, max_seq)
     tensors.update(fe.traced.weights)
     g, _ = optimize(fe)
-    compute = [n for n in g.nodes() if n.op not in ("input", "weight") and not ops.get(n.op).view]
+    compute = [n for n in g.nodes() if n.op not in ("input", "weight", "state") and not ops.get(n.op).view]
     steps = pj["steps"]
     for k, (n, st) in enumerate(zip(compute, steps)):
         if st["node"] != f"{n.op} at {n.span}":
@@ -254,9 +259,12 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     # weights: upstream's own tensors first, the artifact's bound copy only for what upstream does not hold
     wbid = {b["weight"]: b["id"] for b in pj["buffers"] if b.get("weight") and b.get("alias_of") is None}
     wnode = {n.attr["name"]: n for n in g.nodes() if n.op == "weight"}
+    snode = {n.attr["name"]: n for n in g.nodes() if n.op == "state"}  # a KV cache: empty (zeros) at the start
     source = {"upstream": 0, "artifact": 0}
 
     def weight(name: str) -> torch.Tensor:
+        if name in snode:  # a fresh empty cache for each run (the interpreter writes it in place)
+            return torch.zeros(snode[name].shape, dtype=torch_dtype(snode[name].dtype))
         n = wnode[name]
         t = tensors.get(name)
         # upstream's tensor only where it holds the same numbers: a loader that dequantised an FP8/MXFP4 weight
@@ -286,7 +294,7 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
             for n in pending:
                 if n.op == "input":
                     v = feed[n.attr["name"]]
-                elif n.op == "weight":
+                elif n.op in ("weight", "state"):
                     v = wcache.setdefault(n.attr["name"], weight(n.attr["name"]))
                 else:
                     v = ops.get(n.op).call([vals[id(i)] for i in n.inputs], n.attr, env)
@@ -315,6 +323,10 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
                     row["tie"] = True
             if n.op.split(".")[0] in UNDEFINED_OPS:  # uninitialised memory on both sides: nothing to compare
                 row.update(abs_diff=0.0, rel_diff=0.0, bad=0, undefined=True)
+                rows.append(row)
+                return
+            if not views:  # an in-place cache write (no output of its own): its readers are compared
+                row.update(abs_diff=0.0, rel_diff=0.0, bad=0)
                 rows.append(row)
                 return
             ds = [diff(v, r, atol, rtol, skip_ref_nan=has_undefined) for v, r in zip(views, refs)]

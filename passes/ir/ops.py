@@ -174,8 +174,8 @@ register(OpDef("state", args=(("name", ATTR), ("zone", ATTR)), reference=_no_ref
 register(OpDef("assign", reference=lambda ins, a: ins[0].copy_(ins[1]), inplace=True, meta_ok=False,
                doc="state := value (whole tensor), at the end of the program; output aliases the state"))
 register(OpDef("state_index_put", args=(("indices", ATTR),), inplace=True, meta_ok=False,
-               reference=lambda ins, a: ins[0].index_put_(
-                   [ins[1 + a["indices"][:k + 1].count(True) - 1] if p else None
+               reference=lambda ins, a: torch.ops.aten.index_put_(  # the ATen op takes None for an open dim
+                   ins[0], [ins[1 + a["indices"][:k + 1].count(True) - 1] if p else None
                     for k, p in enumerate(a["indices"])], ins[-1]),
                doc="state[..., idx, ...] = values in place (index_put into a state buffer); attr indices: which "
                    "dims are indexed; inputs: state, index tensors, values; output aliases the state"))
