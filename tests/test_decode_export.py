@@ -149,7 +149,6 @@ def _v4_logits(step, ids, chunks):
     return torch.cat(got, 1)
 
 
-@pytest.mark.slow
 def test_deepseek_v4_fixed_size_cache_equals_forward(tiny):
     """DeepSeek-V4 on dayzero's fixed-size compressed cache (frontend/v4_cache.py), run eagerly: prefills that start
     and end mid-window (a later chunk resumes from the pending ring and the CSA overlap), then single tokens across
