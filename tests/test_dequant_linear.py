@@ -98,7 +98,6 @@ ONNX_CASES = {
 
 @pytest.mark.parametrize("case", sorted(ONNX_CASES))
 def test_onnx_4bit_matmul_fuses_and_matches_onnxruntime(tmp_path, case):
-    pytest.importorskip("onnxruntime")
     path = ONNX_CASES[case](tmp_path / "q.onnx")
     fe = trace_onnx(str(path), 16)
     ctx = PassContext()

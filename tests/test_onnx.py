@@ -19,8 +19,6 @@ from dayzero.passes.ir.verify import verify
 from dayzero.runtime.executor import load
 from dayzero.tools.driver import compile_model
 
-pytest.importorskip("onnxruntime")
-
 TOL = 1e-4
 
 
