@@ -1,8 +1,9 @@
 """Memory layout of an artifact: one arena shared by all its programs (prefill, decode).
 
-    [ weights | dequant workspace | kv_cache / cross-layer state ]  persistent, named: every program sees the
-                                                same bytes; the state zones are replicated per request slot, the
-                                                workspace (converted experts + their cache) is shared by all
+    [ weights | dequant workspace | kv_pages | kv_cache / cross-layer state ]  persistent, named: every program
+                                                sees the same bytes; the state zones are replicated per request slot;
+                                                the workspace (converted experts + their cache) and the paged KV
+                                                pools (blocks handed to requests by the runtime) are shared by all
     [ activations + io of prefill ]             \\  programs never run at the same time, so their
     [ activations + io of decode  ]             /   regions start at the same base and overlap
 
@@ -22,7 +23,7 @@ from dayzero.passes.memory_plan import Buffer, ZonedPlan, align_up, plan_zones
 from .program import Program
 
 ALIGN = 64
-PERSISTENT = ("weights", "kv_cache", "cross_layer_state")
+PERSISTENT = ("weights", "kv_cache", "cross_layer_state", "kv_pages")
 
 
 def _root(prog: Program, b: int) -> int:

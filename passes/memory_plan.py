@@ -51,6 +51,7 @@ ZONES = (
     "kv_cache",
     "cross_layer_state",
     "dequant_workspace",
+    "kv_pages",
     "activations",
     "io",
 )

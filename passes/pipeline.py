@@ -25,6 +25,9 @@ from .moe import moe
 class PassContext:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     patterns: dict[str, int] = field(default_factory=dict)  # pattern name -> matches
+    # paged KV cache (passes/paged_kv.py): {"block_size", "blocks" (None: max_batch requests' worth), "max_batch"};
+    # None or block_size 0: caches stay contiguous per request
+    kv_pages: dict | None = None
 
 
 Pass = Callable[[Graph, PassContext], Graph]
@@ -45,6 +48,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     # -- state -------------------------------------------------------------------------------------------------
     ("inplace_state", _inplace_state),
     ("sparse_attention", __import__("dayzero.passes.sparse_attention", fromlist=["x"]).sparse_attention),  # after inplace_state
+    ("paged_kv", __import__("dayzero.passes.paged_kv", fromlist=["x"]).paged_kv),  # after the attention ops exist
 ]
 
 

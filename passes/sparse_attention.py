@@ -66,6 +66,7 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.paged_kv import unpage
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
@@ -108,6 +109,7 @@ def _out(q, v):
 
 def dense_reference(ins, attrs):
     """out[b,h,s] = softmax_j(q[b,h,s]·k[b,h//r,j]·scale [, sink_h]) v[b,h//r,j] over visible j (valid_positions)."""
+    ins = unpage(ins, attrs, DENSE)
     q, k, v, qpos = ins[:4]
     if q.device.type == "meta":
         return _out(q, v)
@@ -118,7 +120,7 @@ def dense_reference(ins, attrs):
 
 def sparse_reference(ins, attrs):
     """As dense_reference (window 0), over visible j that are also in idx[b, s, :]."""
-    q, k, v, qpos, idx = ins
+    q, k, v, qpos, idx = unpage(ins, attrs, SPARSE)
     if q.device.type == "meta":
         return _out(q, v)
     B, S, L = q.shape[0], q.shape[2], k.shape[2]
@@ -138,7 +140,7 @@ def mla_expand(lat, rope, w, nope: int, H: int):
 
 def mla_sparse_reference(ins, attrs):
     """sparse_reference over upstream's expansion of the latent cache (mla_expand): the unfused semantics."""
-    q, lat, rope, w, qpos, idx = ins
+    q, lat, rope, w, qpos, idx = unpage(ins, attrs, MLA)
     H = q.shape[1]
     if q.device.type == "meta":
         return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
@@ -150,7 +152,7 @@ def mla_sparse_reference(ins, attrs):
 def indexer_reference(ins, attrs):
     """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward after the projections): per-head
     scores, ReLU, weighted head sum, causal mask with ``fill``, torch.topk."""
-    q, w, keys, qpos = ins
+    q, w, keys, qpos = unpage(ins, attrs, INDEXER)
     B, S = q.shape[:2]
     if q.device.type == "meta":
         return torch.empty(B, S, attrs["k"], dtype=torch.int64, device="meta")
@@ -160,24 +162,27 @@ def indexer_reference(ins, attrs):
     return x.topk(attrs["k"], dim=-1, sorted=attrs["sorted"]).indices
 
 
+# a paged cache (passes/paged_kv.py): attr paged = block size, attr length = logical rows, the block table last
+PAGED = ("paged", ops.OPT_TENSOR)
+
 if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
-                     ("sinks", ops.OPT_TENSOR), ("scale", ops.ATTR), ("window", ops.ATTR)),
+                     ("sinks", ops.OPT_TENSOR), ("scale", ops.ATTR), ("window", ops.ATTR), PAGED),
         reference=dense_reference,
         doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
             "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool); reads rows "
             "[max(0, qpos-window+1), qpos] only; out [B,Hq,S,Dv]"))
     ops.register(ops.OpDef(
         SPARSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
-                      ("idx", ops.TENSOR), ("scale", ops.ATTR)),
+                      ("idx", ops.TENSOR), ("scale", ops.ATTR), PAGED),
         reference=sparse_reference,
         doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S], "
             "idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= qpos[s] "
             "only; out [B,Hq,S,Dv]"))
     ops.register(ops.OpDef(
         MLA, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
-                   ("qpos", ops.TENSOR), ("idx", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR)),
+                   ("qpos", ops.TENSOR), ("idx", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
         reference=mla_sparse_reference,
         doc="DSA over an MLA latent cache with the up-projection absorbed: q [B,H,S,nope+Dr], latent [B,1,L,R], "
             "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
@@ -185,7 +190,7 @@ if ops.REGISTRY.get(DENSE) is None:
             "reads only the k selected latent rows; out [B,H,S,Dv]"))
     ops.register(ops.OpDef(
         INDEXER, args=(("q", ops.TENSOR), ("w", ops.TENSOR), ("keys", ops.TENSOR), ("qpos", ops.TENSOR),
-                       ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR)),
+                       ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR), PAGED),
         reference=indexer_reference,
         doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache), "
             "qpos int [S]; attrs scale, k, sorted, fill; score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "

@@ -23,6 +23,8 @@ from safetensors import safe_open
 from dayzero import InternalError, UserError
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 
+from .kv_pages import KVPages
+
 ALIGN = 64
 PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
 
@@ -245,6 +247,8 @@ class Runtime:
                 prog.view(bid, ()).zero_()
         self.lengths: dict[int, int] = {}
         self.pending: dict[int, int | None] = {}  # per slot: the last generated token, not yet in the cache
+        # the paged KV pools' free list and block tables (runtime/kv_pages.py); None: contiguous caches
+        self.kv = KVPages.of(self.program_json, self.max_batch) if self.stateful else None
         from .multimodal import attach  # image + text artifacts (multimodal.json): runtime/multimodal.py
         self.multimodal = attach(self)
         if self.stateful:
@@ -311,9 +315,20 @@ class Runtime:
         for k in slots:
             for bid in prog.states.values():
                 prog.view(bid, (), k).zero_()
+            if self.kv is not None:
+                self.kv.release(k)
             self.lengths[k] = 0
             self.pending[k] = None
 
+    def run_program(self, name: str, inputs: list[torch.Tensor], slot: int, tokens: int) -> list[torch.Tensor]:
+        """Run a program of the request in ``slot``, which holds ``tokens`` positions once it ran: their KV blocks
+        are taken first (runtime/kv_pages.py; a full pool is a UserError for this request), and the slot's block
+        table is passed to a program that reads paged caches."""
+        prog = self.programs[name]
+        if self.kv is not None and any(prog.buffers[b]["name"] == "block_table" for b in prog.inputs):
+            self.kv.ensure(slot, tokens)
+            inputs = list(inputs) + [self.kv.tables[slot]]
+        return prog.run(inputs, slot=slot)
     @property
     def length(self) -> int:
         return self.lengths.get(0, 0)
@@ -357,7 +372,8 @@ class Runtime:
         padded_ids = torch.nn.functional.pad(ids, [0, width - n])
         if not append:
             self.reset(slot)
-        logits = prog.run([padded_ids, torch.arange(start, start + width)], slot=slot)[0][:, :n]
+        logits = self.run_program("prefill", [padded_ids, torch.arange(start, start + width)], slot,
+                                  start + n)[0][:, :n]
         self.lengths[slot] = start + n
         return logits.contiguous()
 
@@ -374,7 +390,7 @@ class Runtime:
         if self.multimodal is not None:
             return self.multimodal.decode(token_id, slot=slot)
         ids = self._ids(token_id).reshape(1, 1)
-        out = self.programs["decode"].run([ids, torch.tensor([length])], slot=slot)[0]
+        out = self.run_program("decode", [ids, torch.tensor([length])], slot, length + 1)[0]
         self.lengths[slot] = length + 1
         return out
 
@@ -444,8 +460,15 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
             gens[k] = torch.Generator().manual_seed(seed + k)
         except UserError as e:
             results[k]["error"] = str(e)
-    decode_interleaved(results, logits, gens, lambda tok, k: rt.decode(tok, slot=k)[0, -1], max_new_tokens,
-                       stop_ids, temperature, top_p)
+            if rt.stateful:
+                rt.reset(k)  # its KV blocks go back to the pool for the others
+    def step(tok, k):
+        try:
+            return rt.decode(tok, slot=k)[0, -1]
+        except UserError:
+            rt.reset(k)  # a request that failed (the KV pool is full) frees its blocks for the others
+            raise
+    decode_interleaved(results, logits, gens, step, max_new_tokens, stop_ids, temperature, top_p)
     return results
 
 

@@ -189,7 +189,7 @@ class Multimodal:
         rt = self.rt
         rt.reset(slot)
         n = ids.shape[1]
-        logits = rt.programs["prefill"].run([ids, pos, torch.arange(n), visual, mask], slot=slot)[0]
+        logits = rt.run_program("prefill", [ids, pos, torch.arange(n), visual, mask], slot, n)[0]
         rt.lengths[slot] = n
         self.deltas[slot] = delta
         return logits
@@ -203,9 +203,8 @@ class Multimodal:
             raise UserError(f"the request reached the cache budget of {rt.max_length} tokens")
         ids = rt._ids(token_id).reshape(1, 1)
         pos = torch.full((3, 1, 1), length + self.deltas.get(slot, 0), dtype=torch.int64)
-        out = rt.programs["decode"].run([ids, pos, torch.tensor([length]),
-                                         torch.zeros(self.rows, 1, self.hidden),
-                                         torch.zeros(1, 1, dtype=torch.int64)], slot=slot)[0]
+        out = rt.run_program("decode", [ids, pos, torch.tensor([length]), torch.zeros(self.rows, 1, self.hidden),
+                                        torch.zeros(1, 1, dtype=torch.int64)], slot, length + 1)[0]
         rt.lengths[slot] = length + 1
         return out
 

@@ -72,6 +72,12 @@ def main(debug: bool) -> None:
 @click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
 @click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
 @click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)")
+@click.option("--kv-block-size", default=16, show_default=True,
+              help="tokens per KV-cache block: caches are pools of blocks handed to requests through block tables "
+                   "(0: one contiguous cache per request slot)")
+@click.option("--kv-blocks", type=int, default=None,
+              help="blocks per KV-cache pool (default: --max-batch requests of --max-seq tokens, + 1 scratch "
+                   "block); fewer lets requests share a smaller pool, a request that finds it full gets an error")
 @click.option("--image-grid", "image_grids", multiple=True, metavar="TxHxW",
               help="multimodal checkpoints: an image grid (in patches) to compile a vision program for; repeat "
                    "for several sizes (default 1x4x4)")
@@ -92,8 +98,8 @@ def main(debug: bool) -> None:
 @click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
               help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, max_batch, image_grids, verify, tune, tune_minutes, tuning_dir,
-                compute_dtype, expert_route, expert_cache, as_json):
+def compile_cmd(model, out, target, max_seq, max_batch, kv_block_size, kv_blocks, image_grids, verify, tune,
+                tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -106,7 +112,8 @@ def compile_cmd(model, out, target, max_seq, max_batch, image_grids, verify, tun
     rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
                         tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
                         image_grids=list(image_grids) or None, compute_dtype=compute_dtype,
-                        expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
+                        expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"),
+                        kv_block_size=kv_block_size, kv_blocks=kv_blocks)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],

@@ -240,13 +240,17 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     inputs = fixed_inputs(pj, seq)
     if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
         inputs, _ = prog.pad(inputs)
+    pages = rt.program_json.get("kv_pages")
     for k, bid in enumerate(pj["inputs"]):  # the prefill of a stateful artifact fills the cache from position 0
         if pj["buffers"][bid]["name"] == "cache_position":
             inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
+        if pj["buffers"][bid]["name"] == "block_table":  # paged caches: blocks 1, 2, ... in order
+            rt.kv.ensure(0, inputs[0].shape[-1])
+            inputs[k] = rt.kv.tables[0].clone()
 
     run_upstream, tensors, fe = upstream(model, max_seq)
     tensors.update(fe.traced.weights)
-    g, _ = optimize(fe)
+    g, _ = optimize(fe, kv_pages=dict(pages) if pages else None)
     compute = [n for n in g.nodes() if n.op not in ("input", "weight", "state") and not ops.get(n.op).view]
     steps = pj["steps"]
     for k, (n, st) in enumerate(zip(compute, steps)):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dayzero import UserError
+from dayzero import InternalError, UserError
 from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library
 from dayzero.codegen.memory import plan_programs
@@ -34,6 +34,7 @@ from dayzero.passes.pipeline import PassContext, run_pipeline
 from dayzero.targets.host import host_target_dict
 
 DEFAULT_MAX_SEQ = 512
+DEFAULT_KV_BLOCK = 16  # tokens per KV-cache block (passes/paged_kv.py)
 
 
 @dataclass
@@ -238,8 +239,9 @@ def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.T
     return {n: sd[n].detach().clone() for n in names}
 
 
-def optimize(fe: Frontend, verify: bool = False, dump_dir=None) -> tuple[Graph, PassContext]:
-    ctx = PassContext()
+def optimize(fe: Frontend, verify: bool = False, dump_dir=None, kv_pages: dict | None = None
+             ) -> tuple[Graph, PassContext]:
+    ctx = PassContext(kv_pages=kv_pages)
     g = run_pipeline(fe.traced.graph, ctx, verify=verify, dump_dir=dump_dir)
     return g, ctx
 
@@ -334,8 +336,13 @@ def route_experts(g: Graph, ctx: PassContext, program: str, target: dict, expert
 def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAULT_MAX_SEQ,
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
                   tuning_dir: str | None = None, max_batch: int = 4, image_grids=None,
-                  compute_dtype: str | None = None, expert_route: str = "auto", expert_cache_bytes: int = 0) -> dict:
+                  compute_dtype: str | None = None, expert_route: str = "auto", expert_cache_bytes: int = 0,
+                  kv_block_size: int = DEFAULT_KV_BLOCK, kv_blocks: int | None = None) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report.
+
+    ``kv_block_size`` tokens per KV-cache block (0: one contiguous cache per request slot) and ``kv_blocks``
+    blocks per pool (default: ``max_batch`` requests of ``max_seq`` tokens, plus the scratch block); see
+    passes/paged_kv.py.
 
     ``compute_dtype`` (fp32 | bf16 | fp8_e4m3 | a target spec), ``expert_route`` (auto | fused | workspace) and
     ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace)."""
@@ -346,18 +353,26 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     from dayzero.passes import expert_workspace as ew
     ew.route_for("prefill", compute_dtype=ew.compute_dtype_of(experts["compute_dtype"]),
                  cache_bytes=experts["cache_bytes"], route=expert_route, target_kind=tgt.get("kind", "llvm"))
+    if max_batch < 1:
+        raise UserError("--max-batch must be at least 1")
+    if kv_block_size < 0:
+        raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
+    if kv_blocks is not None and kv_blocks < 2:
+        raise UserError("--kv-blocks must be at least 2 (block 0 is the scratch block)")
     t0 = time.perf_counter()
     fe = trace_model(model, max_seq, image_grids=image_grids)
     times["trace_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    g, ctx = optimize(fe, verify=verify)
+    kv_pages = ({"block_size": kv_block_size, "blocks": kv_blocks, "max_batch": max_batch}
+                if fe.decode is not None and kv_block_size else None)
+    g, ctx = optimize(fe, verify=verify, kv_pages=kv_pages)
     g = route_experts(g, ctx, "prefill", tgt, experts, verify)
     shared: dict = {}
     prog = build_program(g, "prefill", shared)  # raises UnsupportedOpsError before anything is written
     progs = [prog]
     graphs = [g]
     if fe.decode is not None:
-        dctx = PassContext(constants=ctx.constants)
+        dctx = PassContext(constants=ctx.constants, kv_pages=kv_pages)
         gd = route_experts(run_pipeline(fe.decode.graph, dctx, verify=verify), dctx, "decode", tgt, experts, verify)
         progs.append(build_program(gd, "decode", shared))
         graphs.append(gd)
@@ -366,6 +381,14 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         progs.append(build_program(gx, name, shared))
         graphs.append(gx)
     times["passes_s"] = time.perf_counter() - t0
+    states: dict[str, tuple] = {}  # a state is one tensor shared by the programs: the same zone and shape in each
+    for p in progs:
+        for b in p.buffers:
+            if b.state is not None and b.alias_of is None:
+                seen = states.setdefault(b.state, (b.zone, tuple(b.shape), p.name))
+                if seen[:2] != (b.zone, tuple(b.shape)):
+                    raise InternalError(f"state {b.state} is {seen[0]}{list(seen[1])} in {seen[2]} but "
+                                        f"{b.zone}{list(b.shape)} in {p.name}")
     db = tuning.TuningDatabase(tuning_dir)
     if tune:
         t0 = time.perf_counter()
@@ -374,8 +397,6 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     t0 = time.perf_counter()
     lib, build_stats = build_library(progs, tgt, db)
     times["codegen_s"] = time.perf_counter() - t0
-    if max_batch < 1:
-        raise UserError("--max-batch must be at least 1")
     layout = plan_programs(progs, slots=max_batch if fe.decode is not None else 1)
     manifest, own = weights_manifest(fe, graphs, ctx)
     report = {
@@ -394,6 +415,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         "unsupported": [],
         "build": build_stats,
         "kv_cache_layout": fe.cache_layout,
+        "kv_pages": (kv_pages or {}).get("resolved"),
     }
     pjs = {}
     for p in progs:
@@ -404,7 +426,8 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
                                  "state_slots": layout["state_slots"], "state_stride": layout["state_stride"]}
     with artifact.ArtifactWriter(out) as d:
         lib.export_library(str(d / "kernels.so"))
-        artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs})
+        artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs,
+                                                 "kv_pages": report["kv_pages"]})
         artifact.write_json(d / "weights.json", manifest)
         artifact.save_tensors(d / "weights.safetensors", own)
         (d / "final.ir").write_text(print_graph(g))

@@ -38,7 +38,7 @@ ROUTES = ("hand-scheduled", "tuned", "default", "generic")
 MIB = 1 << 20
 # one fixed colour per zone, so plots of different models read the same way
 ZONE_COLOURS = {"weights": "#4c72b0", "low_precision_weights": "#8172b2", "dequant_workspace": "#ccb974",
-                "kv_cache": "#c44e52", "cross_layer_state": "#937860", "activations": "#55a868", "io": "#dd8452"}
+                "kv_cache": "#c44e52", "kv_pages": "#e377c2", "cross_layer_state": "#937860", "activations": "#55a868", "io": "#dd8452"}
 _FALLBACK_COLOURS = ("#64b5cd", "#da8bc3", "#8c8c8c", "#ff9f9b")
 
 
@@ -100,20 +100,25 @@ def _state_entry(b: dict, length: int, desc: dict | None) -> dict:
     grows = rows is not None and rows * rate >= length  # a ring of the last rows (a window) does not grow
     entry = {"shape": b["shape"], "dtype": b["dtype"], "rows": rows, "compress_rate": rate,
              "bytes_per_token": nbytes / rows / rate if grows else 0, "fixed_bytes": 0 if grows else nbytes}
+    if b.get("zone") == "kv_pages" and grows:  # a pool of blocks (passes/paged_kv.py): a request holds <= length
+        entry.update(rows=length, pool_rows=rows)
     if desc is not None and desc.get("sliding_window"):
         entry["window"] = desc["sliding_window"]
     return entry
 
 
-def kv_cache_report(artifact: str, progs: dict, layout: list | None = None) -> dict | None:
+def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, pages: dict | None = None
+                    ) -> dict | None:
     """``{"max_length", "slots", "bytes_per_token", "fixed_bytes", "layer_types": {type: {"layers",
     "bytes_per_token", "fixed_bytes", "rows", "window", "states": {...}}}}`` for one request slot, or None when the
     artifact keeps no KV cache.  ``bytes_per_token`` totals are over all layers.  ``layout`` is report.json's
-    ``kv_cache_layout`` (layer, layer type, position dim, window, rate per state) where the compile wrote one."""
+    ``kv_cache_layout`` (layer, layer type, position dim, window, rate per state) where the compile wrote one.
+    ``pages`` (report.json ``kv_pages``): paged caches (zone ``kv_pages``) are pools of blocks shared by the
+    requests, a token's bytes the same; the report adds ``pages`` {block_size, blocks, tokens, pool_bytes}."""
     states: dict[str, dict] = {}
     for pj in progs.values():
         for b in pj.get("buffers", []):
-            if b.get("state") and b.get("alias_of") is None and b.get("zone") == "kv_cache":
+            if b.get("state") and b.get("alias_of") is None and b.get("zone") in ("kv_cache", "kv_pages"):
                 states.setdefault(b["state"], b)
     prefill = progs.get("prefill") or next(iter(progs.values()), {})
     length = _max_length(prefill)
@@ -161,8 +166,13 @@ def kv_cache_report(artifact: str, progs: dict, layout: list | None = None) -> d
         total += n * per_token
         fixed += n * const
     slots = prefill.get("memory", {}).get("state_slots", 1)
-    return {"max_length": length, "slots": slots, "bytes_per_token": total, "fixed_bytes": fixed,
-            "layer_types": out, "described": bool(described)}
+    res = {"max_length": length, "slots": slots, "bytes_per_token": total, "fixed_bytes": fixed,
+           "layer_types": out, "described": bool(described)}
+    if pages:
+        pool = sum(math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]] for b in states.values() if b["zone"] == "kv_pages")
+        res["pages"] = {"block_size": pages["block_size"], "blocks": pages["blocks"] - 1,
+                        "tokens": (pages["blocks"] - 1) * pages["block_size"], "pool_bytes": pool}
+    return res
 
 
 def build_report(artifact: str) -> dict:
@@ -202,7 +212,7 @@ def build_report(artifact: str) -> dict:
         "patterns": dict(rep.get("patterns", {})),
         "unsupported": list(rep.get("unsupported", [])),
         "programs": programs,
-        "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout")),
+        "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout"), rep.get("kv_pages")),
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
     }
 
@@ -319,6 +329,10 @@ def _human(r: dict) -> None:
         click.echo(f"kv cache (one request slot of {kv['max_length']} tokens; {kv['slots']} slot(s)): "
                    f"{kv['bytes_per_token']:,.0f} B/token over all layers"
                    + (f" + {kv['fixed_bytes']:,} B fixed" if kv["fixed_bytes"] else ""))
+        if kv.get("pages"):
+            pg = kv["pages"]
+            click.echo(f"  paged: {pg['blocks']} blocks of {pg['block_size']} tokens ({pg['tokens']:,} tokens shared "
+                       f"by the requests, + 1 scratch block), {pg['pool_bytes']:,} B of pools")
         for t, e in kv["layer_types"].items():
             held = f", holds {e['rows']} rows, window {e['window']}" if e["window"] and e["rows"] else ""
             click.echo(f"  {t}: {e['layers']} layer(s), {e['bytes_per_token']:,.1f} B/token per layer"

@@ -51,7 +51,32 @@ def params(n: Node) -> dict:
     else:
         idx = n.inputs[4]
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype, window=0, sinks=False)
+    return paged_params(n, p, k.shape[2])
+
+
+def paged_params(n: Node, p: dict, rows) -> dict:
+    """A paged cache operand (passes/paged_kv.py): the logical length L, the pool's rows P, the block size and
+    the table (the op's last input)."""
+    if n.attr.get("paged"):
+        p.update(L=int(n.attr["length"]), P=int(rows), paged=int(n.attr["paged"]),
+                 NT=int(n.inputs[-1].shape[0]), table_dtype=n.inputs[-1].dtype)
     return p
+
+
+def cache_row(p: dict, pos: str) -> str:
+    """The cache row holding logical position ``pos``: itself, or ``table[pos // bs] * bs + pos % bs`` when
+    the cache is paged (the table buffer is ``bt``)."""
+    if not p.get("paged"):
+        return pos
+    bs = _i(p["paged"])
+    return f'T.Cast("int64", bt[({pos}) // {bs}]) * {bs} + ({pos}) % {bs}'
+
+
+def table_decl(p: dict) -> list[str]:
+    """The block table's match_buffer line (paged caches only)."""
+    if not p.get("paged"):
+        return []
+    return [f'    bt = T.match_buffer(bt_, ({_i(p["NT"])},), "{p["table_dtype"]}")']
 
 
 def _i(x) -> str:
@@ -69,14 +94,16 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     decode = p["S"] == 1
     qb = 1 if (decode or sparse or kind == "cuda") else QB
     f32 = "T.float32"
-    params_ = ["q_", "k_", "v_", "p_"] + (["x_"] if sparse else []) + (["sk_"] if p["sinks"] else []) + ["o_"]
+    params_ = (["q_", "k_", "v_", "p_"] + (["x_"] if sparse else []) + (["sk_"] if p["sinks"] else [])
+               + (["bt_"] if p.get("paged") else []) + ["o_"])
+    rows = p.get("P", L)  # the cache buffers' rows: L, or the pool's when paged
     lines = ['    T.func_attr({"tirx.noalias": True})']
     if p["S"] is None:
         lines.append("    S = T.int64()")
     lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(Hq)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    k = T.match_buffer(k_, ({_i(B)}, {_i(Hkv)}, {_i(L)}, {_i(D)}), "{p["dtype"]}")',
-              f'    v = T.match_buffer(v_, ({_i(B)}, {_i(Hkv)}, {_i(L)}, {_i(Dv)}), "{p["dtype"]}")',
-              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")']
+              f'    k = T.match_buffer(k_, ({_i(B)}, {_i(Hkv)}, {_i(rows)}, {_i(D)}), "{p["dtype"]}")',
+              f'    v = T.match_buffer(v_, ({_i(B)}, {_i(Hkv)}, {_i(rows)}, {_i(Dv)}), "{p["dtype"]}")',
+              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")'] + table_decl(p)
     if sparse:
         lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
     if p["sinks"]:
@@ -110,15 +137,16 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        qf[i, d] = T.if_then_else(s0 + i < {S}, T.Cast("float32", q[b, h, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p["scale"]!r}), {f32}(0))']
 
     def update(pos: str, i: str, ind: str) -> list[str]:
-        return [ind + f"sc[0] = {f32}(0)",
+        return [ind + f"row = {cache_row(p, pos)}",
+                ind + f"sc[0] = {f32}(0)",
                 ind + f"for d in range({_i(D)}):",
-                ind + f'    sc[0] = sc[0] + qf[{i}, d] * T.Cast("float32", k[b, g, {pos}, d])',
+                ind + f'    sc[0] = sc[0] + qf[{i}, d] * T.Cast("float32", k[b, g, row, d])',
                 ind + f"mn = T.max(m[{i}], sc[0])",
                 ind + f"corr = T.exp(m[{i}] - mn)",
                 ind + "e = T.exp(sc[0] - mn)",
                 ind + f"den[{i}] = den[{i}] * corr + e",
                 ind + f"for d in range({_i(Dv)}):",
-                ind + f'    acc[{i}, d] = acc[{i}, d] * corr + e * T.Cast("float32", v[b, g, {pos}, d])',
+                ind + f'    acc[{i}, d] = acc[{i}, d] * corr + e * T.Cast("float32", v[b, g, row, d])',
                 ind + f"m[{i}] = mn"]
 
     if sparse:
@@ -165,14 +193,15 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
 
 
 def mla_params(n: Node) -> dict:
-    q, lat, rope, w, qpos, idx = n.inputs
+    q, lat, rope, w, qpos, idx = n.inputs[:6]
     B, H, S, Dqk = q.shape
     L, R = lat.shape[2], lat.shape[3]
     nope = int(n.attr["nope"])
-    return {"op": n.op, "B": int(B), "H": int(H), "S": S if isinstance(S, int) else None, "L": int(L),
+    return paged_params(n, {"op": n.op, "B": int(B), "H": int(H), "S": S if isinstance(S, int) else None, "L": int(L),
             "R": int(R), "Dn": nope, "Dr": int(Dqk) - nope, "Dv": int(w.shape[0]) // int(H) - nope,
             "K": int(idx.shape[-1]), "dtype": q.dtype, "lat_dtype": lat.dtype, "w_dtype": w.dtype,
-            "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": idx.dtype, "scale": float(n.attr["scale"])}
+            "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": idx.dtype, "scale": float(n.attr["scale"])},
+        L)
 
 
 MLA_TASKS = 8  # parallel tasks a decode query's heads are split into (head groups), CPU
@@ -199,6 +228,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     CPU: parallel over (b, head group, s), each selected row read once per group (mla_head_group); CUDA: one
     thread per (b, h, s)."""
     B, H, L, R, Dn, Dr, Dv, K = (p[x] for x in ("B", "H", "L", "R", "Dn", "Dr", "Dv", "K"))
+    rows = p.get("P", L)
     S = _i(p["S"]) if p["S"] is not None else "S"
     f32 = "T.float32"
     scope = ', scope="local"' if kind == "cuda" else ""
@@ -206,12 +236,12 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     if p["S"] is None:
         lines.append("    S = T.int64()")
     lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(H)}, {S}, {_i(Dn + Dr)}), "{p["dtype"]}")',
-              f'    lat = T.match_buffer(l_, ({_i(B)}, {_i(1)}, {_i(L)}, {_i(R)}), "{p["lat_dtype"]}")',
-              f'    rk = T.match_buffer(r_, ({_i(B)}, {_i(1)}, {_i(L)}, {_i(Dr)}), "{p["lat_dtype"]}")',
+              f'    lat = T.match_buffer(l_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(R)}), "{p["lat_dtype"]}")',
+              f'    rk = T.match_buffer(r_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(Dr)}), "{p["lat_dtype"]}")',
               f'    w = T.match_buffer(w_, ({_i(H * (Dn + Dv))}, {_i(R)}), "{p["w_dtype"]}")',
               f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
               f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")',
-              f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")']
+              f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")'] + table_decl(p)
     HG = mla_head_group(H, kind)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"
@@ -244,18 +274,19 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f"for tk in range({_i(K)}):",
             '    pos = T.Cast("int64", x[b, s, tk])',
             f'    if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:',
+            f"        row = {cache_row(p, 'pos')}",
             f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
             f"            st[hh, 2] = {f32}(0)",
             f"            for r in range({_i(R)}):",
-            '                st[hh, 2] = st[hh, 2] + qa[hh, r] * T.Cast("float32", lat[b, 0, pos, r])',
+            '                st[hh, 2] = st[hh, 2] + qa[hh, r] * T.Cast("float32", lat[b, 0, row, r])',
             f"            for e in range({_i(Dr)}):",
-            '                st[hh, 2] = st[hh, 2] + qr[hh, e] * T.Cast("float32", rk[b, 0, pos, e])',
+            '                st[hh, 2] = st[hh, 2] + qr[hh, e] * T.Cast("float32", rk[b, 0, row, e])',
             "            mn = T.max(st[hh, 0], st[hh, 2])",
             "            corr = T.exp(st[hh, 0] - mn)",
             "            ex = T.exp(st[hh, 2] - mn)",
             "            st[hh, 1] = st[hh, 1] * corr + ex",
             f"            for r in range({_i(R)}):",
-            '                acc[hh, r] = acc[hh, r] * corr + ex * T.Cast("float32", lat[b, 0, pos, r])',
+            '                acc[hh, r] = acc[hh, r] * corr + ex * T.Cast("float32", lat[b, 0, row, r])',
             "            st[hh, 0] = mn",
             f"for hh in range({_i(HG)}):",
             f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
@@ -266,7 +297,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
     src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
-           "x_: T.handle, o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
+           "x_: T.handle, " + ("bt_: T.handle, " if p.get("paged") else "") + "o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return tvm.script.from_source(src)
 
 

@@ -34,7 +34,7 @@ import tvm
 from dayzero.codegen import lower, schedule
 from dayzero.passes.ir.node import Node
 
-from . import topk_exact
+from . import attention, topk_exact
 
 OP = "dsa_indexer_topk"
 JB = 16  # key rows per tile (one AVX-512 fp32 vector)
@@ -44,12 +44,12 @@ CUDA_THREADS = 64
 
 
 def params(n: Node) -> dict:
-    q, w, keys, qpos = n.inputs
+    q, w, keys, qpos = n.inputs[:4]
     B, S, Hi, Di = q.shape
-    return {"op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
+    return attention.paged_params(n, {"op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
             "L": int(keys.shape[1]), "K": int(n.attr["k"]), "sorted": bool(n.attr["sorted"]),
             "scale": float(n.attr["scale"]), "fill": float(n.attr["fill"]), "q_dtype": q.dtype, "w_dtype": w.dtype,
-            "k_dtype": keys.dtype, "pos_dtype": qpos.dtype}
+            "k_dtype": keys.dtype, "pos_dtype": qpos.dtype}, keys.shape[1])
 
 
 def _i(x) -> str:
@@ -83,8 +83,9 @@ def _tile(p: dict, S: str, qs: list[str], V: str, I: str, vrow: list[str]) -> li
     L, Hi, Di = p["L"], p["Hi"], p["Di"]
     row = f"T.min(j0 + jj, {_i(L - 1)})" if L % JB else "j0 + jj"  # a partial last tile only when L % JB
     out = [f"for jj in range({_i(JB)}):",
+           f"    row = {attention.cache_row(p, row)}",
            f"    for d in range({_i(Di)}):",
-           f'        kt[d, jj] = T.Cast("float32", keys[b, {row}, d])']
+           '        kt[d, jj] = T.Cast("float32", keys[b, row, d])']
     for s, vr in zip(qs, vrow):
         out += [f"if {s} < {S}:",
                 f"    for jj in T.vectorized({_i(JB)}):",
@@ -117,9 +118,9 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         head.append("    S = T.int64()")
     head += [f'    q = T.match_buffer(q_, ({_i(B)}, {S}, {_i(Hi)}, {_i(Di)}), "{p["q_dtype"]}")',
              f'    w = T.match_buffer(w_, ({_i(B)}, {S}, {_i(Hi)}), "{p["w_dtype"]}")',
-             f'    keys = T.match_buffer(k_, ({_i(B)}, {_i(L)}, {_i(Di)}), "{p["k_dtype"]}")',
+             f'    keys = T.match_buffer(k_, ({_i(B)}, {_i(p.get("P", L))}, {_i(Di)}), "{p["k_dtype"]}")',
              f'    pp = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
-             f'    o = T.match_buffer(o_, ({_i(B)}, {S}, {_i(K)}), "int64")']
+             f'    o = T.match_buffer(o_, ({_i(B)}, {S}, {_i(K)}), "int64")'] + attention.table_decl(p)
     nj = (L + JB - 1) // JB
     body: list[str] = []
     if kind == "cuda":
@@ -135,11 +136,12 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f"            s = t // {_i(L)} % {S}",
                  f"            j = t % {_i(L)}",
                  '            acc = T.decl_buffer((T.int64(2),), "float32", scope="local")',
+                 f"            row = {attention.cache_row(p, 'j')}",
                  "            acc[0] = T.float32(0)",
                  f"            for h in range({_i(Hi)}):",
                  "                acc[1] = T.float32(0)",
                  f"                for d in range({_i(Di)}):",
-                 '                    acc[1] = acc[1] + T.Cast("float32", q[b, s, h, d]) * T.Cast("float32", keys[b, j, d])',
+                 '                    acc[1] = acc[1] + T.Cast("float32", q[b, s, h, d]) * T.Cast("float32", keys[b, row, d])',
                  f'                acc[0] = acc[0] + T.Cast("float32", w[b, s, h]) * T.max(acc[1] * {_f(p["scale"])}, '
                  "T.float32(0))",
                  f'            gV[t] = T.if_then_else(j <= T.Cast("int64", pp[s]), acc[0], {_f(p["fill"])})',
@@ -198,7 +200,8 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f"        if s0 + i < {S}:",
                  "            s = s0 + i"]
         body += ["            " + ln for ln in _topk_row(p, "i", "bV", "bI", "")]
-    src = ("@T.prim_func\ndef main(q_: T.handle, w_: T.handle, k_: T.handle, p_: T.handle, o_: T.handle):\n"
+    table = "bt_: T.handle, " if p.get("paged") else ""
+    src = (f"@T.prim_func\ndef main(q_: T.handle, w_: T.handle, k_: T.handle, p_: T.handle, {table}o_: T.handle):\n"
            + "\n".join(head) + "\n" + "\n".join("    " + ln for ln in body) + "\n")
     return tvm.script.from_source(src)
 

@@ -88,5 +88,25 @@ def assign(n: Node):
     return _func(["s_", "v_"], matches, body, dims)
 
 
+def paged_state_index_put(n: Node):
+    """state[.., table[idx[s] // bs] * bs + idx[s] % bs, ..] = values[.., s, ..] (passes/paged_kv.py)."""
+    state, idx, values, table = n.inputs
+    dim, bs = int(n.attr["dim"]), int(n.attr["block_size"])
+    dims = _Dims()
+    ty = state.dtype
+    matches = [f's = T.match_buffer(s_, {_shape(dims, state.shape)}, "{ty}")',
+               f'p = T.match_buffer(p_, {_shape(dims, idx.shape)}, "{idx.dtype}")',
+               f'v = T.match_buffer(v_, {_shape(dims, values.shape)}, "{values.dtype}")',
+               f't = T.match_buffer(t_, {_shape(dims, table.shape)}, "{table.dtype}")']
+    loops, a = _loops(values.shape, dims)
+    target = list(a)
+    pos = f'T.Cast("int64", p[{a[dim]}])'
+    target[dim] = f'T.Cast("int64", t[{pos} // T.int64({bs})]) * T.int64({bs}) + {pos} % T.int64({bs})'
+    indent = "            " if len(a) > 1 else "        "
+    body = loops + f"{indent}s[{', '.join(target)}] = T.Cast(\"{ty}\", v[{', '.join(a)}])\n"
+    return _func(["s_", "p_", "v_", "t_"], matches, body, dims)
+
+
 lower.PRIMFUNCS["state_index_put"] = state_index_put
+lower.PRIMFUNCS["paged_state_index_put"] = paged_state_index_put
 lower.PRIMFUNCS["assign"] = assign

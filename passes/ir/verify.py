@@ -90,7 +90,7 @@ def _count_inputs(od: ops.OpDef, attrs) -> int:
         if kind == ops.TENSOR:
             k += 1
         elif kind == ops.OPT_TENSOR:
-            k += bool(attrs[name])
+            k += bool(attrs.get(name))
         elif kind == ops.TENSOR_LIST:
             k += attrs[name]
         elif kind == ops.OPT_TENSOR_LIST:

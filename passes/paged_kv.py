@@ -1,0 +1,176 @@
+"""paged_kv: KV caches as pools of fixed-size blocks, addressed through a per-request block table.
+
+A request's cache is logically contiguous (row p holds position p) and physically sparse: position p lives in
+row ``table[p // bs] * bs + p % bs`` of a pool shared by every request, so a request holds only the blocks its
+tokens fill and a freed block serves the next request (runtime/kv_pages.py keeps the free list and the tables).
+
+    %s = state "cache_0_keys" {kv_cache} [1,H,L,D]          %s = state "cache_0_keys" {kv_pages} [1,H,N*bs,D]
+    %u = state_index_put(%s, %pos, %k) {indices: dim 2} ==> %u = paged_state_index_put(%s, %pos, %k, %table)
+    cache_attention(%q, %u, %v, %qpos)                       cache_attention(%q, %u, %v, %qpos, %table) {paged=bs}
+
+    %table = input "block_table" int32 [ceil(L / bs)]        (one table for every paged state of the program)
+
+A state is paged when the graph shows it is a per-token cache the kernels can address through a table: it is
+written only by ``state_index_put`` along one dimension d of size L (the position), read only by the ops in
+``READERS`` at an operand whose position dimension is d, and otherwise only returned. Anything else (the
+fixed-size compressed caches of DeepSeek-V4, a cache some generic op reads) stays a per-request contiguous state.
+Every paged state has its own pool of the same N blocks, so one table maps all of a request's caches.
+
+Pool size: ``blocks`` if given (``dayzero compile --kv-blocks``), else enough for ``max_batch`` requests of the
+compiled maximum length, plus block 0: the scratch block that unallocated table entries point to (a padded
+prefill's tail writes land there; nothing valid is ever read from it). Runs after sparse_attention (the readers
+are its ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Graph, Node, TensorType
+
+TABLE = "block_table"
+ZONE = "kv_pages"
+WRITE = "paged_state_index_put"
+
+# op -> {input index of a cache operand: its position dimension}
+READERS: dict[str, dict[int, int]] = {
+    "cache_attention": {1: 2, 2: 2},
+    "sparse_attention": {1: 2, 2: 2},
+    "mla_sparse_attention": {1: 2, 2: 2},
+    "dsa_indexer_topk": {2: 1},
+}
+
+
+def table_rows(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Pool row of each logical position [0, length): table[p // bs] * bs + p % bs."""
+    p = torch.arange(length, device=table.device)
+    return table.long()[p // block_size] * block_size + p % block_size
+
+
+def gather(pool: torch.Tensor, table: torch.Tensor, dim: int, block_size: int, length: int) -> torch.Tensor:
+    """The logically contiguous cache [.., length, ..] of one request, read through its table."""
+    return pool.index_select(dim, table_rows(table, block_size, length))
+
+
+def unpage(ins: list, attrs: dict, op: str) -> list:
+    """A paged op's inputs with each cache operand gathered back to its logical [.., length, ..] form and the table
+    dropped: the contiguous op's reference then applies unchanged."""
+    if not attrs.get("paged"):
+        return ins
+    *ins, table = ins
+    if ins[0].device.type == "meta":
+        return ins
+    for k, dim in READERS[op].items():
+        ins[k] = gather(ins[k], table, dim, attrs["paged"], attrs["length"])
+    return ins
+
+
+def _write_reference(ins, attrs):
+    state, idx, values, table = ins
+    rows = table.long()[idx.long() // attrs["block_size"]] * attrs["block_size"] + idx.long() % attrs["block_size"]
+    index = [None] * state.dim()
+    index[attrs["dim"]] = rows
+    return torch.ops.aten.index_put_(state, index, values)
+
+
+if ops.REGISTRY.get(WRITE) is None:
+    ops.register(ops.OpDef(
+        WRITE, args=(("state", ops.TENSOR), ("idx", ops.TENSOR), ("values", ops.TENSOR), ("table", ops.TENSOR),
+                     ("dim", ops.ATTR), ("block_size", ops.ATTR)),
+        inplace=True, meta_ok=False, reference=_write_reference,
+        doc="state[.., table[idx // bs] * bs + idx % bs, ..] = values in place (dim = the position dim, bs = "
+            "block_size): a KV-cache write into a paged pool; output aliases the state"))
+
+
+def _cache_root(n: Node) -> Node:
+    while n.op in ("state_index_put", WRITE):
+        n = n.inputs[0]
+    return n
+
+
+def paged_kv(g: Graph, ctx) -> Graph:
+    cfg = getattr(ctx, "kv_pages", None)
+    if not cfg or not cfg.get("block_size"):
+        return g
+    bs = int(cfg["block_size"])
+    chains: dict[int, tuple[Node, int]] = {}  # kv_cache state id -> (state, position dim; -1: none seen)
+    rejected: set[int] = set()
+
+    def claim(state: Node, dim: int) -> None:
+        seen = chains[id(state)][1]
+        if seen not in (-1, dim):
+            rejected.add(id(state))
+        chains[id(state)] = (state, dim)
+
+    for n in g.nodes():
+        if n.op == "state" and n.attr.get("zone", "kv_cache") == "kv_cache":
+            chains.setdefault(id(n), (n, -1))
+    for n in g.nodes():
+        for k, x in enumerate(n.inputs):
+            root = _cache_root(x)
+            if id(root) not in chains:
+                continue
+            if n.op == "state_index_put" and k == 0:
+                present = list(n.attr["indices"])
+                if present.count(True) != 1:
+                    rejected.add(id(root))
+                else:
+                    claim(root, present.index(True))
+            elif n.op in READERS and k in READERS[n.op]:
+                claim(root, READERS[n.op][k])
+            else:
+                rejected.add(id(root))
+    paged = {}
+    for sid, (state, dim) in chains.items():
+        if sid in rejected or dim < 0 or state.shape[0] != 1 or not isinstance(state.shape[dim], int):
+            continue
+        paged[sid] = (state, dim)
+    if not paged:
+        return g
+    lengths = {int(s.shape[d]) for s, d in paged.values()}
+    length = max(lengths)
+    paged = {k: v for k, v in paged.items() if int(v[0].shape[v[1]]) == length}
+    readers = [n for n in g.nodes() if n.op in READERS]
+    while True:  # a reader pages all of its cache operands or none
+        mixed = [n for n in readers if len({id(_cache_root(n.inputs[k])) in paged for k in READERS[n.op]}) > 1]
+        if not mixed:
+            break
+        for n in mixed:
+            for k in READERS[n.op]:
+                paged.pop(id(_cache_root(n.inputs[k])), None)
+    if not paged:
+        return g
+    nt = -(-length // bs)
+    blocks = int(cfg.get("blocks") or cfg.get("max_batch", 1) * nt + 1)
+    cfg["resolved"] = {"block_size": bs, "blocks": blocks, "table_len": nt, "length": length}
+    table = Node.make("input", (), {"name": TABLE}, (TensorType("int32", (nt,)),))
+
+    new_state: dict[int, Node] = {}
+    for sid, (s, d) in paged.items():
+        shape = list(s.shape)
+        shape[d] = blocks * bs
+        new_state[sid] = s.replace(attrs={**s.attr, "zone": ZONE}, types=(TensorType(s.dtype, tuple(shape)),))
+
+    new: dict[int, Node] = {}
+    count = 0
+    for n in g.nodes():
+        if id(n) in new_state:
+            new[id(n)] = new_state[id(n)]
+            continue
+        ins = tuple(new[id(i)] for i in n.inputs)
+        root = _cache_root(n.inputs[0]) if n.inputs else None
+        if n.op == "state_index_put" and root is not None and id(root) in paged:
+            _, d = paged[id(root)]
+            state, idx, values = ins
+            m = Node.make(WRITE, (state, idx, values, table), {"dim": d, "block_size": bs}, state.types, n.span)
+            count += 1
+        elif n.op in READERS and any(id(_cache_root(n.inputs[k])) in paged for k in READERS[n.op]):
+            m = n.replace(inputs=ins + (table,), attrs={**n.attr, "paged": bs, "length": length})
+        else:
+            m = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
+        new[id(n)] = m
+    if count:
+        ctx.patterns["paged_kv_write"] = ctx.patterns.get("paged_kv_write", 0) + count
+    return g.replace(inputs=tuple(new[id(i)] for i in g.inputs) + (table,),
+                     outputs=tuple(new[id(o)] for o in g.outputs))
