@@ -9,7 +9,9 @@ dims (4 heads, qk head dim 24 = nope 16 + rope 8, v head dim 16, kv_lora_rank 32
 x 16), fp32, batch 1, on this host; not a whole compiled model (a tiny model compiled for a 64K cache would be
 dominated by its other O(L) buffers, which is not what this suite is about).
 - decode_ctx{N} (the ATTENTION part of a decode step): one query at position N-1 over an N-row latent cache.
-  dayzero = ``mla_sparse_attention`` decode kernel (weight-absorbed MLA over the k selected latent rows).
+  dayzero = ``mla_sparse_attention`` decode kernel (weight-absorbed MLA over the k selected latent rows), reading
+  the cache through a shuffled block table as compiled artifacts do (passes/paged_kv.py); dayzero_contiguous =
+  the same kernel on a flat cache (the paging's cost: ratio paged_over_contiguous_*).
   Baselines: torch_sdpa_dense = torch SDPA over all N (already expanded) K/V rows with the causal mask;
   torch_upstream = what the traced upstream step computes: kv_b_proj expansion of the whole latent cache +
   SDPA with the causal & top-k mask; dayzero_dense = dayzero's ``cache_attention`` over rows [0, N-1].
@@ -83,6 +85,24 @@ def _indexer_params(L: int, S: int | None) -> dict:
                 fill=float("-inf"), q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
 
 
+BLOCK = 16  # the compiled artifacts' KV block size (passes/paged_kv.py)
+
+
+def _paged(p: dict, n: int) -> dict:
+    """``p`` reading an ``n``-row cache through a block table from a pool of n/16 + 1 blocks, as compiled."""
+    return dict(p, paged=BLOCK, P=n + BLOCK, NT=n // BLOCK, table_dtype="int32")
+
+
+def _to_pool(x, dim: int, perm):
+    """The rows of ``x`` along ``dim`` scattered blockwise to pool blocks ``perm`` (block 0: scratch)."""
+    import torch
+
+    x = x.movedim(dim, 0)
+    pool = torch.zeros((len(perm) + 1) * BLOCK, *x.shape[1:])
+    pool.view(len(perm) + 1, BLOCK, -1)[perm.long()] = x.reshape(len(perm), BLOCK, -1)
+    return pool.movedim(0, dim).contiguous()
+
+
 def _torch_indexer(iq, iw, ik, valid):
     import torch
 
@@ -146,29 +166,37 @@ def run_bench(quick: bool = False) -> dict:
         pre[s]["sdpa"] = _torch_time(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=SCALE), 3, pre[s]["threads"], "torch_sdpa_dense")
 
-    decode_times, ix_times = {}, {}
+    decode_times, ix_times, flat_times = {}, {}, {}  # dayzero = the paged kernels the artifacts run
     for n in sizes:
         d = dec[n]
         o = torch.empty(1, HQ, 1, DV)
         mla = _compile(build(_mla_params(n, 1), "llvm"), target)
+        mla_p = _compile(build(_paged(_mla_params(n, 1), n), "llvm"), target)
         dense = _compile(build(_dense_params(n), "llvm"), target)
-        t_dz = _time(lambda: mla(d["q"], d["lat"], d["rope"], w_kv, d["qpos"], d["idx"], o), repeat * 5)
+        table = (torch.randperm(n // BLOCK, generator=g) + 1).to(torch.int32)  # shuffled blocks, as served
+        plat, prope, pik = _to_pool(d["lat"], 2, table), _to_pool(d["rope"], 2, table), _to_pool(d["ik"], 1, table)
+        t_dz = _time(lambda: mla_p(d["q"], plat, prope, w_kv, d["qpos"], d["idx"], table, o), repeat * 5)
+        t_flat = _time(lambda: mla(d["q"], d["lat"], d["rope"], w_kv, d["qpos"], d["idx"], o), repeat * 5)
         t_dzd = _time(lambda: dense(d["q"], d["k"], d["v"], d["qpos"], o), repeat)
         decode_times[n] = (t_dz, d["sdpa"])
         need = (TOPK * (RANK + ROPE) + w_kv.numel()) * 4
         results.append({"case": f"decode_ctx{n}", "unit": "s", "part": "attention", "dayzero": t_dz,
                         "baselines": {"torch_sdpa_dense": d["sdpa"], "torch_upstream": d["upstream"],
-                                      "dayzero_dense": t_dzd},
+                                      "dayzero_dense": t_dzd, "dayzero_contiguous": t_flat},
                         "baseline_threads": {k: v for k, v in d["threads"].items() if k != "torch_eager"},
                         "bound": need / bw,
                         "bound_name": "selected latent+rope rows and kv_b_proj bytes / measured read bandwidth",
                         "rows_read": TOPK, "context": n})
         out = torch.empty(1, 1, TOPK, dtype=torch.int64)
-        ix = _compile(build_indexer(_indexer_params(n, 1), "llvm"), target)
-        t_ix = _time(lambda: ix(d["iq"], d["iw"], d["ik"], d["qpos"], out), repeat)
+        ix = _compile(build_indexer(_paged(_indexer_params(n, 1), n), "llvm"), target)
+        ix_flat = _compile(build_indexer(_indexer_params(n, 1), "llvm"), target)
+        t_ix = _time(lambda: ix(d["iq"], d["iw"], pik, d["qpos"], table, out), repeat)
+        t_ix_flat = _time(lambda: ix_flat(d["iq"], d["iw"], d["ik"], d["qpos"], out), repeat)
         ix_times[n] = t_ix
+        flat_times[n] = (t_flat, t_ix_flat)
         results.append({"case": f"indexer_ctx{n}", "unit": "s", "part": "indexer", "dayzero": t_ix,
-                        "baselines": {"torch_eager": d["ix_torch"]}, "bound": n * ID * 4 / bw,
+                        "baselines": {"torch_eager": d["ix_torch"], "dayzero_contiguous": t_ix_flat},
+                        "bound": n * ID * 4 / bw,
                         "baseline_threads": {"torch_eager": d["threads"]["torch_eager"]},
                         "bound_name": "index-key bytes / measured read bandwidth", "context": n})
     for s in prefills:
@@ -186,10 +214,13 @@ def run_bench(quick: bool = False) -> dict:
     m = machine_info()
     m.update({"read_bandwidth_GBps": bw / 1e9, "target": target,
               "what": "kernels at tiny DeepSeek-V3.2 dims (4 heads, qk 24, v 16, latent 32, top-k 4, indexer "
-                      "8x16), fp32, batch 1"})
+                      "8x16), fp32, batch 1; decode reads the caches through a shuffled block table (16-row "
+                      "blocks), as compiled artifacts do; dayzero_contiguous: the same kernels on a flat cache"})
     ratios = {"attention_decode_64K_over_4K": decode_times[65536][0] / decode_times[4096][0],
               "dense_sdpa_over_attention_at_64K": decode_times[65536][1] / decode_times[65536][0],
-              "indexer_decode_64K_over_4K": ix_times[65536] / ix_times[4096]}
+              "indexer_decode_64K_over_4K": ix_times[65536] / ix_times[4096],
+              "paged_over_contiguous_attention_64K": decode_times[65536][0] / flat_times[65536][0],
+              "paged_over_contiguous_indexer_64K": ix_times[65536] / flat_times[65536][1]}
     return {"suite": "attention", "machine": m, "results": results, "ratios": ratios}
 
 

@@ -38,7 +38,8 @@ ROUTES = ("hand-scheduled", "tuned", "default", "generic")
 MIB = 1 << 20
 # one fixed colour per zone, so plots of different models read the same way
 ZONE_COLOURS = {"weights": "#4c72b0", "low_precision_weights": "#8172b2", "dequant_workspace": "#ccb974",
-                "kv_cache": "#c44e52", "kv_pages": "#e377c2", "cross_layer_state": "#937860", "activations": "#55a868", "io": "#dd8452"}
+                "kv_cache": "#c44e52", "kv_pages": "#e377c2", "cross_layer_state": "#937860",
+                "activations": "#55a868", "io": "#dd8452"}
 _FALLBACK_COLOURS = ("#64b5cd", "#da8bc3", "#8c8c8c", "#ff9f9b")
 
 

@@ -296,8 +296,9 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'            st[hh, 2] = st[hh, 2] + T.Cast("float32", w[w0 + {_i(Dn)} + d, r]) * acc[hh, r]',
             f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
+    table = "bt_: T.handle, " if p.get("paged") else ""
     src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
-           "x_: T.handle, " + ("bt_: T.handle, " if p.get("paged") else "") + "o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
+           f"x_: T.handle, {table}o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return tvm.script.from_source(src)
 
 

@@ -46,7 +46,8 @@ CUDA_THREADS = 64
 def params(n: Node) -> dict:
     q, w, keys, qpos = n.inputs[:4]
     B, S, Hi, Di = q.shape
-    return attention.paged_params(n, {"op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
+    return attention.paged_params(n, {
+            "op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
             "L": int(keys.shape[1]), "K": int(n.attr["k"]), "sorted": bool(n.attr["sorted"]),
             "scale": float(n.attr["scale"]), "fill": float(n.attr["fill"]), "q_dtype": q.dtype, "w_dtype": w.dtype,
             "k_dtype": keys.dtype, "pos_dtype": qpos.dtype}, keys.shape[1])
