@@ -16,8 +16,9 @@ WS and META are named by the expert shape, compute dtype and slot count, so ever
 (prefill, decode) of the artifact reads the same bytes: the workspace is reused across experts and layers, and
 cached experts persist across steps and programs. The dequant_workspace zone is placed once (not per request
 slot) and zeroed when the artifact is loaded, never when a request starts (``codegen/memory.py``,
-``runtime/executor.py``). Layer indices come from the sorted names of the gate/up blocks weights, so the prefill
-and decode graphs number their layers the same way.
+``runtime/executor.py``). Layer indices are the moe nodes' positions in graph order (no names are read): MoE
+layers lie on one dependency chain (a layer's input depends on the layer before), so every topological order of a
+program, the prefill's and the decode's alike, numbers them the same way.
 
 Slots: without a cache, one (every routed expert is converted into it, computed, and the slot reclaimed); with a
 cache budget of B bytes, max(1, B // slot bytes) slots under LRU, at most one per (layer, expert) of the shape.
@@ -100,20 +101,19 @@ def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_byt
     nodes = [n for n in g.nodes() if n.op == OP_IN]
     if not nodes:
         return g
-    names = sorted({n.inputs[3].attr["name"] if n.inputs[3].op == "weight" else f"#{i}" for i, n in enumerate(nodes)})
-    count = 0
+    count = seen = 0
 
     def fn(n: Node):
-        nonlocal count
+        nonlocal count, seen
         if n.op != OP_IN:
             return None
+        # rewrite visits g.nodes() in order, so the i-th moe node it meets is nodes[i]: layer i
+        layer, seen = seen, seen + 1
         a = n.attr
         x, gb = n.inputs[0], n.inputs[3]
         E, GU, H, I = int(gb.shape[0]), int(gb.shape[1]), int(x.shape[1]), int(a["inter"])
         if not kw.supports(H, GU, I):
             return None
-        key = gb.attr["name"] if gb.op == "weight" else f"#{nodes.index(n)}"
-        layer = names.index(key)
         cache = cache_bytes > 0
         # no more slots than there are (layer, expert) keys of this shape: a larger budget could never be used
         keys = E * sum(1 for m in nodes if tuple(m.inputs[3].shape[:2]) == (E, GU) and int(m.attr["inter"]) == I)

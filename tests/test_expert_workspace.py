@@ -171,7 +171,7 @@ def test_lru_cache_hits_and_tags(weights, cd):
 
 def _two_layer_graph(seq):
     """x -> moe_experts_mxfp4 (blocks "model.layers.1...") -> moe_experts_mxfp4 (blocks "model.layers.0..."): the
-    layer numbering must follow the blocks' names, not the order the nodes run in."""
+    layer numbering must follow the order the nodes run in (graph order), not the blocks' names."""
     from dayzero.passes.ir.node import Graph, Node, TensorType
 
     def inp(name, dt, shape):
@@ -207,9 +207,9 @@ def test_rewrite_shares_one_workspace_placed_once():
     assert print_graph(parse_graph(print_graph(g))) == print_graph(g)
     nodes = [n for n in g.nodes() if n.op == ew.OP]
     assert len(nodes) == 2 and ctx.patterns["expert_workspace"] == 2
-    # run order: layer 1's experts first; the keys follow the names
-    assert [n.inputs[-3].attr["name"] for n in nodes] == ["expert_workspace.layer1", "expert_workspace.layer0"]
-    assert [int(ctx.constants[n.inputs[-3].attr["name"]][0]) for n in nodes] == [1, 0]
+    # run order: the experts named layers.1 first; the keys follow the graph order, not the names
+    assert [n.inputs[-3].attr["name"] for n in nodes] == ["expert_workspace.layer0", "expert_workspace.layer1"]
+    assert [int(ctx.constants[n.inputs[-3].attr["name"]][0]) for n in nodes] == [0, 1]
     # one workspace for both layers: state nodes of one name are one buffer (codegen/memory.py)
     assert len({n.inputs[-2].attr["name"] for n in nodes}) == len({n.inputs[-1].attr["name"] for n in nodes}) == 1
     ws, meta = nodes[0].inputs[-2], nodes[0].inputs[-1]

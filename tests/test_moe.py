@@ -226,3 +226,61 @@ def test_moe_node_text_form_round_trips():
     text = print_graph(g)
     assert print_graph(parse_graph(text)) == text
     assert json.loads(json.dumps(n.attr["act"], default=list))
+
+
+# ---- MXFP4 experts decoded in registers (wfmt="mxfp4") ---------------------------------------------------------
+
+def _host_decodes() -> list[str]:
+    """The MXFP4 decode modes this host can run: integer arithmetic (any target) and its own table lookup."""
+    from dayzero.codegen.kernels import dequant
+    from dayzero.targets.host import host_target_dict
+
+    return sorted({"arith", dequant.lookup_mode(host_target_dict())})
+
+
+@pytest.mark.parametrize("decode", _host_decodes())
+@pytest.mark.parametrize("bias", [(False, False), (True, False), (False, True), (True, True)])
+def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):
+    """The fused kernel against transformers' dequantisation + the moe reference, for token counts that run MB
+    tiles, a 2-token and a 1-token tile; random code bytes (every E2M1 code) and scales 2^-5 .. 2^4."""
+    from dayzero.passes import dequant as dq
+    from dayzero.targets.host import host_target_dict
+
+    E_, H_, I_, k = 4, 64, 32, 2
+    gb_, db_ = bias
+    act = SILU_GLU(I_)
+    f = K.moe_experts_func(E_, H_, 2 * I_, I_, k, layout="nk", act=act, gate_up_bias=gb_, down_bias=db_,
+                           wfmt="mxfp4", decode=decode)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=host_target_dict())["main"]
+    g = torch.Generator().manual_seed(3)
+    gb, gs = torch.randint(0, 256, (E_, 2 * I_, H_ // 32, 16), dtype=torch.uint8, generator=g), \
+        torch.randint(122, 132, (E_, 2 * I_, H_ // 32), dtype=torch.uint8, generator=g)
+    db, ds = torch.randint(0, 256, (E_, H_, I_ // 32, 16), dtype=torch.uint8, generator=g), \
+        torch.randint(122, 132, (E_, H_, I_ // 32), dtype=torch.uint8, generator=g)
+    bgu, bd = torch.randn(E_, 2 * I_, generator=g), torch.randn(E_, H_, generator=g)
+    for T in (1, 3, 11):
+        x, w = torch.randn(T, H_, generator=g), torch.rand(T, k, generator=g)
+        ids = torch.stack([torch.randperm(E_, generator=g)[:k] for _ in range(T)])
+        ins = [x, ids, w, gb, gs] + ([bgu] if gb_ else []) + [db, ds] + ([bd] if db_ else [])
+        y = torch.full((T, H_), float("nan"))
+        lib(*ins, y)
+        ref = dq.moe_mxfp4_reference(ins, {"act": act, "inter": I_, "gate_up_bias": gb_, "down_bias": db_})
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), (T, float((y - ref).abs().max()))
+
+
+def test_mxfp4_kernel_reads_codes_with_vector_loads():
+    """The host build loads a block's 16 code bytes at once: no byte-by-byte gather (vpinsrb) in its assembly, and
+    one table lookup instruction per 16 codes where the host has one (pshufb on AVX2, vpermd/vpermps on AVX-512)."""
+    import re
+
+    from dayzero.codegen.kernels import dequant
+    from dayzero.targets.host import host_target_dict
+
+    target = host_target_dict()
+    f = K.moe_experts_func(4, 64, 64, 32, 2, layout="nk", act=SILU_GLU(32), gate_up_bias=False, down_bias=False,
+                           wfmt="mxfp4")
+    asm = tvm.compile(tvm.IRModule({"main": f}), target=target).mod.inspect_source("asm")
+    assert not re.findall(r"\bvpinsrb\b", asm)
+    lookup = {"pshufb": r"\bv?pshufb\b", "permvar16": r"\bvperm[dps]+\b"}.get(dequant.lookup_mode(target))
+    if lookup:
+        assert re.findall(lookup, asm)

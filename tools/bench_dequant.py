@@ -27,7 +27,10 @@ GEMM_SHAPES = [(2880, 2880)]
 GEMM_TOKENS = [128, 512, 1024]
 
 
-def _best(fn, repeats: int, inner: int = 1) -> float:
+def best_time(fn, repeats: int, inner: int = 1) -> float:
+    """Best wall-clock seconds per call of fn() over ``repeats`` timings of ``inner`` calls each (the timer of the
+    bench suites: dequant, fp8 experts, moe). The best, not the mean: on a host shared with other jobs the
+    noise only ever adds time."""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -55,7 +58,7 @@ def _best_of_threads(fn, repeats: int, set_threads, counts) -> tuple[float, int]
     best, who = float("inf"), counts[-1]
     for n in counts:
         set_threads(n)
-        t = _best(fn, repeats)
+        t = best_time(fn, repeats)
         if t < best:
             best, who = t, n
     return best, who
@@ -67,7 +70,7 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
 
     a = torch.ones(nbytes // 4, dtype=torch.float32)
     a.sum()
-    return nbytes / _best(lambda: a.sum(), repeats)
+    return nbytes / best_time(lambda: a.sum(), repeats)
 
 
 def _torch_dequant_mxfp4(blocks, scales):
@@ -93,7 +96,7 @@ def _machine(bw: float, tvm_threads: int) -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
         "target": tgt,
-        "mxfp4_lookup": dq._lookup_mode(tgt),
+        "mxfp4_lookup": dq.lookup_mode(tgt),
         "cores": os.cpu_count(),
         "tvm_threads": tvm_threads,
         "read_bandwidth_GBps": round(bw / 1e9, 2),
@@ -162,7 +165,7 @@ def run_bench(quick: bool = False) -> dict:
 
             t_eager, eager_threads = _best_of_threads(eager, 2, torch.set_num_threads, (1, n_torch))
             t_eager /= ne
-            hot = _best(lambda: f(x, blocks, scales, 0, y), 5, 20)
+            hot = best_time(lambda: f(x, blocks, scales, 0, y), 5, 20)
             bound = wbytes / bw
             results.append({
                 "case": f"decode_gemv_mxfp4_{O}x{K}_n{T}", "unit": "s", "dayzero": t_dz,

@@ -21,21 +21,11 @@ from __future__ import annotations
 
 import json
 
+from .bench_dequant import best_time
+
 H, I, K_TOP, E_POOL = 2048, 768, 8, 32
 ACT = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
 BLOCK = (128, 128)
-
-
-def _best(fn, repeats: int, inner: int = 1) -> float:
-    import time
-
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best
 
 
 def _best_torch(fn, repeats: int) -> tuple[float, int]:
@@ -44,10 +34,10 @@ def _best_torch(fn, repeats: int) -> tuple[float, int]:
     import torch
 
     n = torch.get_num_threads()
-    t_all = _best(fn, repeats)
+    t_all = best_time(fn, repeats)
     torch.set_num_threads(1)
     try:
-        t_one = _best(fn, repeats)
+        t_one = best_time(fn, repeats)
     finally:
         torch.set_num_threads(n)
     return (t_all, n) if t_all <= t_one else (t_one, 1)
@@ -127,7 +117,7 @@ def fp8_expert_cases(bw: float, quick: bool = False) -> list[dict]:
         for ids, w in routes[:4]:
             _torch_experts(x, ids, w, lambda e: (gq[e], gs[e]), lambda e: (dq_[e], ds[e]), True)
 
-    t_dz = _best(dz, 3 if quick else 5) / len(routes)
+    t_dz = best_time(dz, 3 if quick else 5) / len(routes)
     t_eager, th = _best_torch(eager, 2)
     t_eager /= 4
     routed = K_TOP * per_expert
@@ -151,9 +141,9 @@ def fp8_expert_cases(bw: float, quick: bool = False) -> list[dict]:
         kern(x, ids, w, gq, gs, dq_, ds, y)
         ref = _torch_experts(x, ids, w, gu32.__getitem__, d32.__getitem__, False)
         err = float((y - ref).abs().max() / ref.abs().max())
-        t_dz = _best(lambda: kern(x, ids, w, gq, gs, dq_, ds, y), 3)
+        t_dz = best_time(lambda: kern(x, ids, w, gq, gs, dq_, ds, y), 3)
         t_mm, th = _best_torch(lambda: _torch_experts(x, ids, w, gu32.__getitem__, d32.__getitem__, False), 3)
-        t_dense = _best(lambda: dense(x, ids, w, wgu32, wd32, y), 3)
+        t_dense = best_time(lambda: dense(x, ids, w, wgu32, wd32, y), 3)
         flops = 2 * T * K_TOP * 3 * H * I
         out.append({
             "case": f"prefill_moe_fp8_{H}x{I}_top{K_TOP}_T{T}", "unit": "s", "dayzero": t_dz,

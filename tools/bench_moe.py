@@ -30,20 +30,12 @@ each torch baseline is the better of torch on all its threads and on one (``base
 from __future__ import annotations
 
 import json
-import time
 
 import click
 
+from dayzero.tools.bench_dequant import best_time
+
 E, K_TOP, H, I = 64, 4, 1024, 512
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _block():
@@ -139,14 +131,14 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
     w = torch.rand(T, K_TOP, generator=gen)
     y_f, y_w = torch.empty(T, H), torch.empty(T, H)
     fused(x, ids, w, *w0, y_f)
-    t_f = _best(lambda: fused(x, ids, w, *w0, y_f), r)
+    t_f = best_time(lambda: fused(x, ids, w, *w0, y_f), r)
     times, errs = {}, {}
     layer0 = torch.tensor([0], dtype=torch.int32)
     for cd in ("float32", "bfloat16", "float8_e4m3fn"):
         lib, ws, meta = workspace(cd, 1, False)
         lib(x, ids, w, *w0, layer0, ws, meta, y_w)
         errs[cd] = float((y_w - y_f).abs().max() / y_f.abs().max())
-        times[cd] = _best(lambda: lib(x, ids, w, *w0, layer0, ws, meta, y_w), r)
+        times[cd] = best_time(lambda: lib(x, ids, w, *w0, layer0, ws, meta, y_w), r)
     out.append({"case": f"mxfp4_prefill_T{T}", "unit": "s", "dayzero": times["float32"],
                 "baselines": {"fused_in_register": t_f}, "bound": None, "bound_name": None,
                 "workspace_over_fused": times["float32"] / t_f,
@@ -169,7 +161,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
         for a, b in zip(xs, rs):
             lib(a, b, w1, *w0, layer0, ws, meta, y1)
     run_f(), run_w()
-    t_f, t_w = _best(run_f, r) / n_calls, _best(run_w, r) / n_calls
+    t_f, t_w = best_time(run_f, r) / n_calls, best_time(run_w, r) / n_calls
     out.append({"case": "mxfp4_decode_T1", "unit": "s", "dayzero": t_w, "baselines": {"fused_in_register": t_f},
                 "bound": None, "bound_name": None, "workspace_over_fused": t_w / t_f})
     # decode sequence, 2 layers, skewed routing, an LRU cache of 96 MiB (16 fp32 experts, 32 bf16 ones)
@@ -184,7 +176,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
             for b, wl in zip(bs, layers):
                 fused(a, b, w1, *wl, y1)
     seq_f()
-    t_f = _best(seq_f, r) / (2 * steps)
+    t_f = best_time(seq_f, r) / (2 * steps)
     per = {}
     for cd in ("float32", "bfloat16"):
         slots = budget // kw.slot_bytes(H, 2 * I, I, cd)
@@ -197,7 +189,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
         seq_w()  # first pass from an empty cache
         cold = int(meta[1]) / int(meta[0])
         before = meta[:3].clone()
-        t_w = _best(seq_w, r) / (2 * steps)
+        t_w = best_time(seq_w, r) / (2 * steps)
         d = meta[:3] - before  # the timed passes: the sequence again with the cache warm from the pass before
         per[cd] = {"s": t_w, "over_fused": t_w / t_f, "slots": slots, "hit_rate_cold": cold,
                    "hit_rate": int(d[1]) / int(d[0])}
@@ -252,7 +244,7 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
         for n in sorted({n_torch, 1}, reverse=True):
             torch.set_num_threads(n)
             try:
-                times[n] = _best(fn, repeats)
+                times[n] = best_time(fn, repeats)
             finally:
                 torch.set_num_threads(n_torch)
         n = min(times, key=times.get)
@@ -268,7 +260,7 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
     ref = upstream("eager", x, ids, w)
     err = float((y - ref).abs().max() / ref.abs().max())
     r = 2 if quick else 3
-    t_dz = _best(lambda: kern(x, ids, w, ex.gate_up_proj.data, ex.down_proj.data, y), r)
+    t_dz = best_time(lambda: kern(x, ids, w, ex.gate_up_proj.data, ex.down_proj.data, y), r)
     base = {f"transformers_{impl}": best_torch(f"transformers_{impl}", lambda impl=impl: upstream(impl, x, ids, w), r)
             for impl in ("eager", "grouped_mm")}
     flops = 2 * T * K_TOP * 3 * H * I
@@ -294,7 +286,7 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
                 upstream(impl, xx, ids, w)
         kern(xs[0], *routes[0], ex.gate_up_proj.data, ex.down_proj.data, y)
         errs = float((y - upstream("eager", xs[0], *routes[0])).abs().max())
-        t_dz = _best(run_dz, r) / n_calls
+        t_dz = best_time(run_dz, r) / n_calls
         base = {f"transformers_{impl}": best_torch(f"transformers_{impl}", lambda impl=impl: run_up(impl), r) / n_calls
                 for impl in ("eager", "grouped_mm", "batched_mm")}
         routed = sum(uniq) / n_calls * expert_bytes

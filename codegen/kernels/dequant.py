@@ -17,12 +17,13 @@ GEMV kernels have a static T (1..64 decode tokens); GEMM kernels a symbolic T (o
 Decoding, exact in fp32 (checked bit for bit against lowprec in the tests):
 - MXFP4: the kernels decode 2 E2M1(c), a small integer (0, 1, 2, 3, 4, 6, 8, 12, signed), and multiply a
   32-value block's partial dot product by sc2 = 2^(s - 128) once, instead of scaling every weight (exact: the
-  scale is a power of two). How the code becomes a float depends on the target (``_lookup_mode``):
+  scale is a power of two). How the code becomes a float depends on the target (``lookup_mode``):
   AVX2 ``pshufb`` (the GEMV: ``_mxfp4_gemv_avx2``, 8 codes per ymm shuffle straight into fp32 bits plus one
   subtraction; the GEMM's tile decode: 16 codes per xmm shuffle over an int8 table, then int8 -> fp32),
   AVX-512 ``vpermps`` zmm over the 16 values, else integer bit arithmetic (``e2m1_x2_value``; CUDA too).
-  ``e2m1_value`` (the fp16 bit trick: ((c & 7) << 9) | ((c & 8) << 12) is c's value times 2^-14 as fp16) is
-  kept for the fused MoE kernel.
+  ``e2m1_x2_table`` / ``e2m1_x2_lookup`` are that per-lane decode for any kernel whose lane loop is vectorised by
+  16 (the fused MoE kernel's tiles use them too). ``e2m1_value`` (the fp16 bit trick: ((c & 7) << 9) |
+  ((c & 8) << 12) is c's value times 2^-14 as fp16) is kept for the expert workspace's convert.
 - E8M0 s -> reinterpret_f32(s << 23) = 2^(s-127) for s >= 1, and 0x00400000 (2^-127) for s = 0.
 - E4M3 byte b -> reinterpret_f16(((b & 0x7F) << 7) | ((b & 0x80) << 8)) = value * 2^-8; the 2^8 goes into the
   block scale (exact: a power of two).
@@ -87,6 +88,25 @@ def e4m3_value_div256(b):
     return tirx.reinterpret("float16", bits).astype("float32")
 
 
+def e2m1_x2_table(mode: str, c):
+    """Entry c (0..15) of the 16-entry lookup table that ``e2m1_x2_lookup`` reads in MODE (``lookup_mode``):
+    2 E2M1(c) as int8 (``pshufb``: -12..12) or fp32 (``permvar16``, and ``arith``, which reads no table)."""
+    v = e2m1_x2_value(tirx.Cast("uint32", c))
+    return tirx.Cast("int8", v) if mode == "pshufb" else v
+
+
+def e2m1_x2_lookup(mode: str, table_lane, code):
+    """fp32 2 E2M1(code) for code a uint8 0..15, the way MODE (``lookup_mode``) decodes: one ``pshufb`` xmm (AVX2)
+    or ``vpermps`` zmm (AVX-512) per 16 codes over the table of ``e2m1_x2_table``, or integer bit arithmetic
+    (``arith``: portable, CUDA). A table lookup is one lane of a vector instruction, so only meaningful inside a loop
+    vectorised by exactly 16 whose lane i passes table_lane = table[i] (``arith`` ignores table_lane)."""
+    if mode == "pshufb":
+        return _pshufb16(table_lane, code).astype("float32")
+    if mode == "permvar16":
+        return _permvar(table_lane, tirx.Cast("int32", code))
+    return e2m1_x2_value(tirx.Cast("uint32", code))
+
+
 def _permvar(table_lane, index):
     """One lane of AVX-512 ``vpermps`` zmm: result lane i = table[index_i & 15], table = the 16 lanes of table_lane.
 
@@ -118,9 +138,11 @@ def _has_feature(target: dict, feature: str) -> bool:
     return target.get("kind") == "llvm" and bool(cg.target_has_features(feature, tvm.target.Target(target)))
 
 
-def _lookup_mode(target: dict) -> str:
-    """How MXFP4 codes become floats on TARGET (see ``_mxfp4_decode``): ``permvar16`` (AVX-512), ``pshufb``
-    (AVX2: 256-bit FMAs, SSSE3 byte lookups), ``arith`` (anything else, CUDA included)."""
+def lookup_mode(target) -> str:
+    """How MXFP4 codes become floats on TARGET (a target dict or tvm Target; see ``_mxfp4_decode``): ``permvar16``
+    (AVX-512), ``pshufb`` (AVX2: 256-bit FMAs, SSSE3 byte lookups), ``arith`` (anything else, CUDA included)."""
+    if isinstance(target, tvm.target.Target):
+        target = {k: v for k, v in target.export().items()}
     if _has_feature(target, "avx512f"):
         return "permvar16"
     if _has_feature(target, "avx2") and _has_feature(target, "fma"):
@@ -128,9 +150,12 @@ def _lookup_mode(target: dict) -> str:
     return "arith"
 
 
+_lookup_mode = lookup_mode  # the name the kernel tests use
+
+
 def _lookup_lanes(target: dict) -> int:
     """fp32 vector lanes of the decoded weights and accumulators: 16 on AVX-512 (a zmm), 8 otherwise (a ymm)."""
-    return 16 if _lookup_mode(target) == "permvar16" else 8
+    return 16 if lookup_mode(target) == "permvar16" else 8
 
 
 def _vector_registers(target: dict) -> int:
@@ -182,7 +207,7 @@ def _mxfp4_decode(B, S, e, O: int, G: int, L: int, target: dict):
     """(wd, sc2): wd[o, g, p, l] = 2 E2M1(code of W[o, 32g + 2(qL + l) + h]), h, q = divmod(p, Q), Q = 16 / L,
     and sc2[o, g] = 2^(scales[o, g] - 128), so W = wd * sc2 exactly (a small integer times a power of two; code 0
     gives 2^-128, a subnormal, still exact). The kernels apply sc2 once per 32-value block, to the block's partial
-    dot product, not to every weight. How the codes become values depends on the target (``_lookup_mode``):
+    dot product, not to every weight. How the codes become values depends on the target (``lookup_mode``):
 
     - pshufb (AVX2 / SSSE3): one ``pshufb`` per 16 codes looks the nibbles up in a 16-byte table of the signed
       integers 2 E2M1(c) (-12..12), then int8 -> fp32 (vpmovsxbd + vcvtdq2ps): no table per block, no permute
@@ -190,25 +215,24 @@ def _mxfp4_decode(B, S, e, O: int, G: int, L: int, target: dict):
     - permvar16 (AVX-512): one ``vpermps`` zmm per 16 codes over the 16 values 2 E2M1(c) in one register.
     - arith (anything else, CUDA included): ``e2m1_x2_value``, integer bit arithmetic.
     """
-    mode = _lookup_mode(target)
+    mode = lookup_mode(target)
     Q = 16 // L
     sc2 = te.compute((O, G), lambda o, g: e8m0_value(S[_at(e, o, g)]) * _f32(0.5), name="sc2")
 
     def code(o, g, h, j, dtype="uint32"):
         return (tirx.Cast(dtype, B[_at(e, o, g, j)]) >> tirx.Cast(dtype, h * 4)) & tirx.const(15, dtype)
 
-    if mode == "pshufb":
-        q8 = te.compute((16,), lambda c: tirx.Cast("int8", e2m1_x2_value(tirx.Cast("uint32", c))), name="q8")
+    if mode == "pshufb":  # the int8 lookup (wq) and its widening (wd) are scheduled apart
+        q8 = te.compute((16,), lambda c: e2m1_x2_table(mode, c), name="q8")
         wq = te.compute((O, G, 2, 16), lambda o, g, h, j: _pshufb16(q8[j], code(o, g, h, j, "uint8")), name="wq")
         wd = te.compute((O, G, 32 // L, L), lambda o, g, p, l: wq[o, g, p // Q, (p % Q) * L + l].astype("float32"),
                         name="wd")
     elif mode == "permvar16":
-        v2 = te.compute((16,), lambda c: e2m1_x2_value(tirx.Cast("uint32", c)), name="v2")
-        wd = te.compute((O, G, 2, 16), lambda o, g, p, l: _permvar(
-            v2[l], tirx.Cast("int32", code(o, g, p, l))), name="wd")
+        v2 = te.compute((16,), lambda c: e2m1_x2_table(mode, c), name="v2")
+        wd = te.compute((O, G, 2, 16), lambda o, g, p, l: e2m1_x2_lookup(mode, v2[l], code(o, g, p, l)), name="wd")
     else:
-        wd = te.compute((O, G, 32 // L, L), lambda o, g, p, l: e2m1_x2_value(
-            code(o, g, p // Q, (p % Q) * L + l)), name="wd")
+        wd = te.compute((O, G, 32 // L, L), lambda o, g, p, l: e2m1_x2_lookup(
+            mode, None, code(o, g, p // Q, (p % Q) * L + l)), name="wd")
     return wd, sc2
 
 
@@ -243,7 +267,7 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     """
     _check_dims("mxfp4_gemv", out_features, in_features, n_tokens)
     T, O, K, G = n_tokens, out_features, in_features, in_features // 32
-    if _lookup_mode(target) == "pshufb":
+    if lookup_mode(target) == "pshufb":
         return _mxfp4_gemv_avx2(T, O, K, num_experts).with_attr("tirx.is_scheduled", True)
     x = te.placeholder((T, K), "float32", name="x")
     B, S, e = _weight_args("mxfp4", O, K, num_experts)

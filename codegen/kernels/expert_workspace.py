@@ -67,7 +67,8 @@ from tvm.script import tirx as T
 from dayzero import InternalError
 from dayzero.codegen import lower
 from dayzero.codegen.kernels import dequant
-from dayzero.codegen.kernels.moe import L, MB, NB, _act_builder, _chunks
+from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, expert_gemm_tiles,
+                                         no_prefetch, parallel_chunks, sort_by_expert)
 from dayzero.passes import expert_workspace as _op  # noqa: F401  (registers the moe_experts_mxfp4_ws op)
 
 OP = "moe_experts_mxfp4_ws"
@@ -125,7 +126,8 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
     f32 = "float32"
     bf16 = compute_dtype == "bfloat16"
     fp8 = compute_dtype == "float8_e4m3fn"
-    PGU, PD = _chunks(GU // NB), _chunks(H // NB)
+    PGU, PD = parallel_chunks(GU // NB), parallel_chunks(H // NB)
+    tiles = expert_gemm_tiles()
     TAGS, LAST = META_HEAD, META_HEAD + S
 
     def xin(v):  # an activation as the GEMM's input dtype sees it (bf16: rounded once, before the GEMMs)
@@ -142,8 +144,11 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                 (dequant.e8m0_value(SC[e, n, kk // 32]) * T.float32(256.0))
         return T.Cast(f32, WS[slot, idx])
 
-    def bias(B, e, n):
-        return T.float32(0) if B is None else T.Cast(f32, B[e, n])
+    def row_bias(B, e, n0):  # bias(n) of ``expert_gemm_tiles``: row n0 + n of the bias, fp32
+        return lambda n: T.float32(0) if B is None else T.Cast(f32, B[e, n0 + n])
+
+    def slot_weight(WS, slot, SC, e, n0, K, base):  # weight(n, ko, l): row n0 + n of the matrix at ``base``
+        return lambda n, ko, l: wv(WS, slot, base + (n0 + n) * K + ko * L + l, SC, e, n0 + n, ko * L + l)
 
     @T.macro(hygienic=True)
     def convert(B, SC, WS, slot, e, n0, K, base):
@@ -157,27 +162,6 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                         T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4) & 15)
 
     @T.macro(hygienic=True)
-    def tile(SRC, row_of, WS, SC, BIAS, OUT, acc, rows, p0, slot, e, n0, K, base):
-        """OUT[p0+m, n0+n] = sum_kk SRC[row_of(p0+m), kk] * W[n0+n, kk] (+ bias), m < rows, n < NB."""
-        for m, n in T.grid(rows, NB):
-            for l in T.vectorized(L):
-                acc[m, n, l] = T.float32(0)
-        for ko in range(K // L):
-            for m in T.unroll(rows):
-                for n in T.unroll(NB):
-                    for l in T.vectorized(L):
-                        acc[m, n, l] = acc[m, n, l] + SRC[row_of(p0 + m), ko * L + l] * \
-                            wv(WS, slot, base + (n0 + n) * K + ko * L + l, SC, e, n0 + n, ko * L + l)
-        for m, n in T.grid(rows, NB):  # lanes reduced as a halving tree of vector adds
-            for l in T.vectorized(L // 2):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 2]
-            for l in T.vectorized(L // 4):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 4]
-            for l in T.vectorized(L // 8):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 8]
-            OUT[p0 + m, n0 + n] = bias(BIAS, e, n0 + n) + (acc[m, n, 0] + acc[m, n, 1])
-
-    @T.macro(hygienic=True)
     def gemm(SRC, row_of, B, WS, SC, BIAS, OUT, p_lo, p_hi, slot, hit, e, N, K, base, P):
         """Expert e's sorted positions [p_lo, p_hi) x all N output rows, split into P chunks of n-blocks. On a miss
         (``hit`` 0) each n-block is converted into the slot just before its token tiles read it, so the converted
@@ -187,16 +171,10 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
             for nbi in range(N // NB // P):
                 if hit == 0:
                     convert(B, SC, WS, slot, e, (c * (N // NB // P) + nbi) * NB, K, base)
-                if p_hi - p_lo >= MB:
-                    for mt in range((p_hi - p_lo) // MB):
-                        tile(SRC, row_of, WS, SC, BIAS, OUT, acc, MB, p_lo + mt * MB, slot, e,
-                             (c * (N // NB // P) + nbi) * NB, K, base)
-                if (p_hi - p_lo) % MB >= 2:
-                    tile(SRC, row_of, WS, SC, BIAS, OUT, acc, 2, p_hi - (p_hi - p_lo) % MB, slot, e,
-                         (c * (N // NB // P) + nbi) * NB, K, base)
-                if (p_hi - p_lo) % 2 == 1:
-                    tile(SRC, row_of, WS, SC, BIAS, OUT, acc, 1, p_hi - 1, slot, e,
-                         (c * (N // NB // P) + nbi) * NB, K, base)
+                tiles(OUT, acc, p_lo, p_hi, (c * (N // NB // P) + nbi) * NB, K,
+                      lambda p, ko, l: SRC[row_of(p), ko * L + l], row_bias(BIAS, e, (c * (N // NB // P) + nbi) * NB),
+                      slot_weight(WS, slot, SC, e, (c * (N // NB // P) + nbi) * NB, K, base),
+                      slot_weight(WS, slot, SC, e, (c * (N // NB // P) + nbi) * NB, K, base), no_prefetch)
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, GB, GS, BGU, DB, DS, BD, LAYER, WS, META, Y, n_tok):
@@ -214,17 +192,7 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                 for l in T.vectorized(L):
                     XC[t, ho * L + l] = xin(X[t, ho * L + l])
         # 1. counting sort of assignments by expert
-        for e in range(E + 1):
-            offs[e] = 0
-        for a in range(n_tok * k):
-            offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
-        for e in range(E):
-            offs[e + 1] = offs[e + 1] + offs[e]
-            fill[e] = offs[e]
-        for a in range(n_tok * k):
-            order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
-            pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
-            fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
+        sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k)
         # 2. the routed experts one after another: lookup, convert on a miss, compute from the slot
         for e in range(E):
             if offs[e + 1] > offs[e]:
@@ -251,18 +219,10 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                 for p in T.parallel(offs[e + 1] - offs[e]):
                     for io in range(I // L):
                         for l in T.vectorized(L):
-                            A[offs[e] + p, io * L + l] = xin(_act_builder(act, G, offs[e] + p)(act, io * L + l))
+                            A[offs[e] + p, io * L + l] = xin(act_value(act, G, offs[e] + p, io * L + l))
                 gemm(A, lambda p: p, DB, WS, DS, BD, D, offs[e], offs[e + 1], cur[0], cur[1], e, H, I, GUH, PD)
         # 3. weighted combine in token order
-        for t in T.parallel(n_tok):
-            for ho in range(H // L):
-                for l in T.vectorized(L):
-                    Y[t, ho * L + l] = T.Cast(out_dtype, T.float32(0))
-            for j in range(k):
-                for ho in range(H // L):
-                    for l in T.vectorized(L):
-                        Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
-                            out_dtype, T.Cast(f32, WR[t, j]) * D[pos[t * k + j], ho * L + l])
+        combine_in_token_order(Y, WR, D, pos, n_tok, H, k, T.parallel, T.vectorized)
 
     gub, gus, db, ds = (E, GU, H // 32, 16), (E, GU, H // 32), (E, H, I // 32, 16), (E, H, I // 32)
     ML = meta_len(S)

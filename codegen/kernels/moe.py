@@ -10,7 +10,8 @@ Arguments (the ``moe_experts`` node's inputs, then its output; see ``passes/moe.
     y    [T, H]
 
 Low-precision variants take each W as stored and decode it in registers where the GEMMs read it (no copy):
-``moe_experts_mxfp4`` (blocks uint8 [E, out, in/32, 16] + E8M0 scales [E, out, in/32], layout nk) and
+``moe_experts_mxfp4`` (blocks uint8 [E, out, in/32, 16] + E8M0 scales [E, out, in/32], layout nk; 16 codes per
+contiguous byte load, looked up as the dequant kernels do: ``dequant.e2m1_x2_lookup``) and
 ``moe_experts_fp8`` (float8_e4m3fn W in either layout + fp32 block scales [E, ceil(d1/br), ceil(d2/bc)]); see
 ``moe_experts_func``. Same phases, tiles and chunks: the 1/2-token tiles are the decode GEMV, the MB tiles the
 prefill GEMM.
@@ -18,7 +19,7 @@ prefill GEMM.
 Phases (a = t*k + j is an assignment, S = T*k of them; p its position once sorted by expert):
 1. counting sort (serial, O(S + E)): cnt[e] -> offs[e] (exclusive prefix sum), order[p] = a, stable in a.
 2. gate/up grouped GEMM: G[p, n] = sum_h x[order[p] // k, h] * Wgu[e, n, h] (+ b_gu[e, n]) for p in
-   [offs[e], offs[e+1]); parallel over PGU chunks (``_chunks``: up to 16), chunk c owning the n-blocks
+   [offs[e], offs[e+1]); parallel over PGU chunks (``parallel_chunks``: up to 16), chunk c owning the n-blocks
    [c*NBC, (c+1)*NBC) of EVERY expert, so the split over cores is the same whatever the routing (decode with 4
    experts keeps both cores streaming) and each core reads contiguous rows of each routed expert in order.
    An expert no token chose has an empty range and its weights are never touched.
@@ -30,10 +31,11 @@ Bytes: each routed expert's weights are read once per call from memory (every jo
 expert's matrix, all token tiles of that expert reuse it from cache), so a decode step reads exactly the routed
 experts' bytes plus O(T*k*(H + GU)) activations: that is the bound by construction (``weight_bytes_read``).
 
-GEMM micro-kernel (``nk``): MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of partial sums each (16 zmm
-accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving tree of vector adds; an
-expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1 token does 1 row of
-work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency overlaps the
+GEMM micro-kernel (``expert_gemm_tiles``, shared with ``expert_workspace.py``, as are phases 1 and 5:
+``sort_by_expert``, ``combine_in_token_order``), ``nk``: MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of
+partial sums each (16 zmm accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving
+tree of vector adds; an expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1
+token does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency overlaps the
 FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every iteration, measured
 slower). ``kn`` uses the same loop nest reading the transposed weight (strided loads: correct, not tuned). CUDA: the
 same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90, not tuned.
@@ -54,64 +56,156 @@ from dayzero.codegen import lower, schedule
 from dayzero.codegen.kernels import dequant
 
 MB, NB, L = 4, 4, 16
-# software prefetch of the next weight block in (first MB tile, later MB tiles, 2/1-token tiles): only the
-# small tiles (decode) prefetch; in an MB tile the prefetch call makes LLVM keep the accumulators in memory
-# (a store per FMA), which cost more than the prefetch won
-PF = (0, 0, 1)
 
 
-def _chunks(nblocks: int, most: int = 16) -> int:
+def parallel_chunks(nblocks: int, most: int = 16) -> int:
     """Parallel chunks for a GEMM phase: the largest divisor of the n-block count up to ``most`` (a static split
     over the cores of contiguous n-block ranges; 16 chunks balance 2, 4, 8 or 16 threads)."""
     return max(d for d in range(1, most + 1) if nblocks % d == 0)
 
 
-def _act_builder(expr, G, p):
-    """The activation expression at column i as a TIR expression over G[p, :]."""
+def act_value(expr, G, p, i):
+    """The activation expression ``expr`` (the node's ``act`` attribute) at column i, a TIR expression over
+    G[p, :] (``("col", start, stride, n)`` reads G[p, start + stride * i])."""
     f32 = lambda v: T.float32(v)  # noqa: E731
 
-    def build(e, i):
+    def build(e):
         kind = e[0]
         if kind == "col":
             return G[p, e[1] + e[2] * i]
         if kind == "const":
             return f32(e[1])
         if kind == "clamp":
-            v = build(e[1], i)
+            v = build(e[1])
             if e[2] is not None:
                 v = T.max(v, f32(e[2]))
             if e[3] is not None:
                 v = T.min(v, f32(e[3]))
             return v
         if kind == "silu":
-            v = build(e[1], i)
+            v = build(e[1])
             return v * T.sigmoid(v)
         if kind == "sigmoid":
-            return T.sigmoid(build(e[1], i))
+            return T.sigmoid(build(e[1]))
         if kind == "relu":
-            return T.max(build(e[1], i), f32(0))
+            return T.max(build(e[1]), f32(0))
         if kind == "tanh":
-            return T.tanh(build(e[1], i))
+            return T.tanh(build(e[1]))
         if kind == "exp":
-            return T.exp(build(e[1], i))
+            return T.exp(build(e[1]))
         if kind == "neg":
-            return -build(e[1], i)
+            return -build(e[1])
         if kind == "gelu":
-            v = build(e[1], i)
+            v = build(e[1])
             return v * f32(0.5) * (f32(1) + T.erf(v * f32(0.7071067811865476)))
-        a, b = build(e[1], i), build(e[2], i)
+        a, b = build(e[1]), build(e[2])
         return {"mul": lambda: a * b, "add": lambda: a + b, "sub": lambda: a - b, "div": lambda: a / b}[kind]()
-    return build
+    return build(expr)
+
+
+def no_prefetch(n, ko):
+    """The ``prefetch`` of ``expert_gemm_tiles`` that prefetches nothing."""
+    return T.evaluate(0)
+
+
+def expert_gemm_tiles(vec=T.vectorized):
+    """The token tiles of one expert against one block of NB weight rows, as a TIR macro: the GEMM micro-kernel of
+    both expert kernels (this file's and ``expert_workspace.py``'s)::
+
+        tiles(OUT, acc, p_lo, p_hi, n0, K, src, bias, mb_weight, weight, prefetch)
+        OUT[p, n0 + n] = bias(n) + sum_{ko < K/L, l < L} src(p, ko, l) * weight(n, ko, l)    p_lo <= p < p_hi, n < NB
+
+    ``src(p, ko, l)`` and ``weight(n, ko, l)`` are lane l of the ko-th L-lane chunk of the reduction (activation
+    row p, weight row n0 + n) as fp32 expressions; the caller chooses which reduction index a (ko, l) stands for
+    (MXFP4 takes the nibble order of its code bytes), the same for both. ``bias(n)`` is fp32.
+
+    Tiles: (p_hi - p_lo) // MB tiles of MB rows reading ``mb_weight`` (which may read a staged copy of the block),
+    then a 2-row and a 1-row tile for the remainder (a decode expert with 1 token does 1 row of work, not MB),
+    reading ``weight`` and calling ``prefetch(n, ko)`` (a statement, ``no_prefetch`` for none) per chunk: only the
+    small tiles prefetch, in an MB tile the prefetch call made LLVM keep the accumulators in memory (a store per
+    FMA, measured slower). A tile keeps rows x NB x L fp32 partial sums in ``acc`` (local [MB, NB, L]), reduced at
+    the end by a halving tree of vector adds. ``vec``: the lane loop (``T.vectorized`` on CPU, ``T.serial`` on
+    CUDA)."""
+
+    @T.macro(hygienic=True)
+    def tile(OUT, acc, rows, p0, n0, K, src, weight, bias, prefetch):
+        for m, n in T.grid(rows, NB):
+            for l in vec(L):
+                acc[m, n, l] = T.float32(0)
+        for ko in range(K // L):
+            for n in T.unroll(NB):
+                prefetch(n, ko)
+            for m in T.unroll(rows):
+                for n in T.unroll(NB):
+                    for l in vec(L):
+                        acc[m, n, l] = acc[m, n, l] + src(p0 + m, ko, l) * weight(n, ko, l)
+        for m, n in T.grid(rows, NB):  # lanes reduced as a halving tree (vector adds), not 16 scalar adds
+            for l in vec(L // 2):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 2]
+            for l in vec(L // 4):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 4]
+            for l in vec(L // 8):
+                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 8]
+            OUT[p0 + m, n0 + n] = bias(n) + (acc[m, n, 0] + acc[m, n, 1])
+
+    @T.macro(hygienic=True)
+    def tiles(OUT, acc, p_lo, p_hi, n0, K, src, bias, mb_weight, weight, prefetch):
+        for mt in range((p_hi - p_lo) // MB):
+            tile(OUT, acc, MB, p_lo + mt * MB, n0, K, src, mb_weight, bias, no_prefetch)
+        if (p_hi - p_lo) % MB >= 2:
+            tile(OUT, acc, 2, p_hi - (p_hi - p_lo) % MB, n0, K, src, weight, bias, prefetch)
+        if (p_hi - p_lo) % 2 == 1:
+            tile(OUT, acc, 1, p_hi - 1, n0, K, src, weight, bias, prefetch)
+    return tiles
+
+
+@T.macro(hygienic=True)
+def sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k):
+    """Counting sort of the S = n_tok * k assignments a = t * k + j (IDS[t, j] = expert) by expert, serial,
+    O(S + E), stable in a: offs[e] = the first sorted position of expert e (offs[E] = S), order[p] = the assignment
+    at sorted position p, pos[a] = the sorted position of assignment a (fill [E]: scratch)."""
+    for e in range(E + 1):
+        offs[e] = 0
+    for a in range(n_tok * k):
+        offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
+    for e in range(E):
+        offs[e + 1] = offs[e + 1] + offs[e]
+        fill[e] = offs[e]
+    for a in range(n_tok * k):
+        order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
+        pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
+        fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
+
+
+@T.macro(hygienic=True)
+def combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec):
+    """Y[t, h] = sum_j WR[t, j] * D[pos[t * k + j], h], j ascending: deterministic, no atomics (``par`` / ``vec``:
+    the token and lane loops)."""
+    for t in par(n_tok):
+        for ho in range(H // L):
+            for l in vec(L):
+                Y[t, ho * L + l] = T.Cast(Y.dtype, T.float32(0))
+        for j in range(k):
+            for ho in range(H // L):
+                for l in vec(L):
+                    Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
+                        Y.dtype, T.Cast("float32", WR[t, j]) * D[pos[t * k + j], ho * L + l])
 
 
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
                      out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",
-                     gate_up_block=(128, 128), down_block=(128, 128)) -> tvm.tirx.PrimFunc:
+                     gate_up_block=(128, 128), down_block=(128, 128), decode: str | None = None
+                     ) -> tvm.tirx.PrimFunc:
     """``wfmt="mxfp4"``: the expert matrices arrive as published, blocks uint8 [E, out, in/32, 16] + scales uint8
-    [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly
-    (``dequant.e2m1_value`` x ``dequant.e8m0_value``): no full-precision copy of any expert exists, the jobs read
-    4.25 bits per weight.
+    [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly: no
+    full-precision copy of any expert exists, the jobs read 4.25 bits per weight. The reduction runs in the nibble
+    order of the code bytes (chunk ko = 2g + h, lane l: input 32g + 2l + h, the low (h = 0) or high nibble of byte
+    l of block g), so a chunk's 16 codes are one contiguous 16-byte load; x is permuted into that order once per
+    call (XP) and the activation phase writes A in it. A chunk's codes become 2 E2M1 by ``decode``
+    (``dequant.lookup_mode``: one ``pshufb`` on AVX2, one ``vpermps`` on AVX-512, integer bit arithmetic
+    otherwise; ``dequant.e2m1_x2_lookup``; None: ``arith`` for CUDA, the host CPU's mode for llvm), times
+    2^(scale - 128) (exact: a small integer times a power of two).
 
     ``wfmt="fp8"``: each expert matrix is float8_e4m3fn in its parameter layout (Wgu [E, GU, H] nk / [E, H, GU]
     kn, Wd likewise) plus fp32 scales over its last two axes in blocks of ``gate_up_block`` / ``down_block``
@@ -127,6 +221,12 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                             f"(H={H}, GU={GU}, I={I})")
     nk = layout == "nk"
     cuda = target_kind == "cuda"
+    if mx and decode is None:
+        from dayzero.targets.host import host_target_dict
+
+        decode = "arith" if cuda else dequant.lookup_mode(host_target_dict())
+    if cuda and decode not in (None, "arith"):
+        raise InternalError(f"moe_experts mxfp4 on CUDA decodes with integer arithmetic, not {decode!r}")
 
     def par(n):
         return T.thread_binding(n, thread="blockIdx.x") if cuda else T.parallel(n)
@@ -137,141 +237,88 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     def one():
         return T.thread_binding(1, thread="blockIdx.x") if cuda else T.serial(1)
 
-    def mx_at(B, S, e, n, h):  # MXFP4 element [e, n, h] decoded from blocks/scales
-        byte = T.Cast("int32", B[e, n, h // 32, (h % 32) // 2])
-        code = T.shift_right(byte, (h % 2) * 4) & 15
-        return dequant.e2m1_value(code) * dequant.e8m0_value(S[e, n, h // 32])
+    def k_of(ko, l):
+        """The reduction index that lane l of chunk ko stands for (MXFP4: nibble order, see above)."""
+        return 32 * (ko // 2) + 2 * l + ko % 2 if mx else ko * L + l
+
+    def mx_at(B, S, LUT, e, n, ko, l):  # MXFP4 weight [e, n, k_of(ko, l)] from blocks/scales
+        code = T.bitwise_and(T.shift_right(B[e, n, ko // 2, l], T.Cast("uint8", (ko % 2) * 4)), T.uint8(15))
+        return dequant.e2m1_x2_lookup(decode, LUT[l], code) * (dequant.e8m0_value(S[e, n, ko // 2]) *
+                                                                T.float32(0.5))
 
     def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
         return dequant.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
             (S[e, i1 // blk[0], i2 // blk[1]] * T.float32(256))
 
-    def wgu_at(W, S, e, n, h):
+    def w_at(W, S, LUT, blk, e, n, ko, l):  # weight [e, n, k_of(ko, l)] of one expert matrix, fp32
         if S is not None and f8:
-            return fp8_at(W, S, gate_up_block, e, n, h) if nk else fp8_at(W, S, gate_up_block, e, h, n)
+            return fp8_at(W, S, blk, e, n, ko * L + l) if nk else fp8_at(W, S, blk, e, ko * L + l, n)
         if S is not None:
-            return mx_at(W, S, e, n, h)
-        return W[e, n, h] if nk else W[e, h, n]
-
-    def wd_at(W, S, e, n, i):
-        if S is not None and f8:
-            return fp8_at(W, S, down_block, e, n, i) if nk else fp8_at(W, S, down_block, e, i, n)
-        if S is not None:
-            return mx_at(W, S, e, n, i)
-        return W[e, n, i] if nk else W[e, i, n]
+            return mx_at(W, S, LUT, e, n, ko, l)
+        return T.Cast(f32, W[e, n, ko * L + l] if nk else W[e, ko * L + l, n])
 
     # FP8 prefill: an expert with >= MB tokens has its job's [NB, K] block decoded once into a per-thread fp32
     # buffer that every MB-token tile then reads (dense FMAs); fewer tokens (decode) decode in registers
     staged = f8 and nk and not cuda
 
-    def gu_w(WB, W, S, e, n0, n, h):
-        return WB[n, h] if WB is not None else wgu_at(W, S, e, n0 + n, h)
+    def gu_w(WB, W, S, LUT, e, n0, n, ko, l):
+        return WB[n, ko * L + l] if WB is not None else w_at(W, S, LUT, gate_up_block, e, n0 + n, ko, l)
 
-    def d_w(WB, W, S, e, n0, n, i):
-        return WB[n, i] if WB is not None else wd_at(W, S, e, n0 + n, i)
+    def d_w(WB, W, S, LUT, e, n0, n, ko, l):
+        return WB[n, ko * L + l] if WB is not None else w_at(W, S, LUT, down_block, e, n0 + n, ko, l)
 
     def staged_buf(wb):
         return wb if staged else None
 
     @T.macro(hygienic=True)
-    def stage(wb, W, S, w_at, e, n0, K):
+    def stage(wb, W, S, LUT, w_fn, e, n0, K):
         """wb[n, kk] = W[e, n0 + n, kk] decoded (FP8 staged kernels only; nothing otherwise)."""
         if staged:
             for n in range(NB):
                 for ko in range(K // L):
                     for l in vec(L):
-                        wb[n, ko * L + l] = w_at(None, W, S, e, n0, n, ko * L + l)
+                        wb[n, ko * L + l] = w_fn(None, W, S, LUT, e, n0, n, ko, l)
 
     f32 = "float32"
-    PGU, PD = _chunks(GU // NB), _chunks(H // NB)
+    PGU, PD = parallel_chunks(GU // NB), parallel_chunks(H // NB)
     wgu_shape = (E, GU, H) if nk else (E, H, GU)
     wd_shape = (E, H, I) if nk else (E, I, H)
-    def act_value(G, p, i):
-        return _act_builder(act, G, p)(act, i)
+    tiles = expert_gemm_tiles(vec)
 
-    def gu_bias(B, e, n):
+    def bias(B, e, n):
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
 
-    def d_bias(B, e, n):
-        return T.float32(0) if B is None else T.Cast(f32, B[e, n])
-
-    def prefetch(pf, W, S, e, n, h):
+    def prefetch(W, S, e, n, h):
         """Software prefetch (to L2) of the weight line [e, n, h] one n-block ahead: the next block of the same
         routed expert (clamped to its last row), so DRAM latency overlaps the current block's FMAs."""
-        if not pf or (S is not None and not f8) or not nk or cuda:
+        if (S is not None and not f8) or not nk or cuda:
             return T.evaluate(0)
         return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W[e, n, h]), 0, 2, 1))
 
-    @T.macro(hygienic=True)
-    def gu_tile(pf, X, order, WGU, WGUS, BGU, G, acc, WB, rows, p0, e, n0):
-        for m, n in T.grid(rows, NB):
-            for l in vec(L):
-                acc[m, n, l] = T.float32(0)
-        for ho in range(H // L):
-            for n in T.unroll(NB):
-                prefetch(pf, WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ho * L)
-            for m in T.unroll(rows):
-                for n in T.unroll(NB):
-                    for l in vec(L):
-                        acc[m, n, l] = acc[m, n, l] + T.Cast(f32, X[order[p0 + m] // k, ho * L + l]) * \
-                            T.Cast(f32, gu_w(WB, WGU, WGUS, e, n0, n, ho * L + l))
-        for m, n in T.grid(rows, NB):  # lanes reduced as a halving tree (vector adds), not 16 scalar adds
-            for l in vec(L // 2):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 2]
-            for l in vec(L // 4):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 4]
-            for l in vec(L // 8):
-                acc[m, n, l] = acc[m, n, l] + acc[m, n, l + L // 8]
-            G[p0 + m, n0 + n] = gu_bias(BGU, e, n0 + n) + (acc[m, n, 0] + acc[m, n, 1])
+    def gu_src(X, XP, order, p, ko, l):  # x row of sorted position p, chunk ko lane l, fp32
+        return XP[order[p] // k, ko * L + l] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
 
     @T.macro(hygienic=True)
-    def d_tile(pf, A, WD, WDS, BD, D, acc2, WB, rows, p0, e, n0):
-        for m, n in T.grid(rows, NB):
-            for l in vec(L):
-                acc2[m, n, l] = T.float32(0)
-        for io in range(I // L):
-            for n in T.unroll(NB):
-                prefetch(pf, WD, WDS, e, T.min(n0 + NB + n, H - 1), io * L)
-            for m in T.unroll(rows):
-                for n in T.unroll(NB):
-                    for l in vec(L):
-                        acc2[m, n, l] = acc2[m, n, l] + A[p0 + m, io * L + l] * \
-                            T.Cast(f32, d_w(WB, WD, WDS, e, n0, n, io * L + l))
-        for m, n in T.grid(rows, NB):
-            for l in vec(L // 2):
-                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 2]
-            for l in vec(L // 4):
-                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 4]
-            for l in vec(L // 8):
-                acc2[m, n, l] = acc2[m, n, l] + acc2[m, n, l + L // 8]
-            D[p0 + m, n0 + n] = d_bias(BD, e, n0 + n) + (acc2[m, n, 0] + acc2[m, n, 1])
-
-    @T.macro(hygienic=True)
-    def gu_block(X, order, WGU, WGUS, BGU, G, acc, wb, p_lo, p_hi, e, n0):
-        """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB): MB-token tiles, the
-        first one prefetching the next block's rows, then a 2-token and a 1-token tile for the remainder. FP8
-        (``staged``): with >= MB tokens the block is decoded once into ``wb`` and the MB tiles read it."""
+    def gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wb, LUT, p_lo, p_hi, e, n0):
+        """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB) (``expert_gemm_tiles``).
+        FP8 (``staged``): with >= MB tokens the block is decoded once into ``wb`` and the MB tiles read it."""
         if p_hi - p_lo >= MB:
-            stage(wb, WGU, WGUS, gu_w, e, n0, H)
-            gu_tile(PF[0], X, order, WGU, WGUS, BGU, G, acc, staged_buf(wb), MB, p_lo, e, n0)
-        for mt in range(1, (p_hi - p_lo) // MB):
-            gu_tile(PF[1], X, order, WGU, WGUS, BGU, G, acc, staged_buf(wb), MB, p_lo + mt * MB, e, n0)
-        if (p_hi - p_lo) % MB >= 2:
-            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, None, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
-        if (p_hi - p_lo) % 2 == 1:  # the last token alone (decode: 1 row of work, not MB)
-            gu_tile(PF[2], X, order, WGU, WGUS, BGU, G, acc, None, 1, p_hi - 1, e, n0)
+            stage(wb, WGU, WGUS, LUT, gu_w, e, n0, H)
+        tiles(G, acc, p_lo, p_hi, n0, H, lambda p, ko, l: gu_src(X, XP, order, p, ko, l),
+              lambda n: bias(BGU, e, n0 + n),
+              lambda n, ko, l: gu_w(staged_buf(wb), WGU, WGUS, LUT, e, n0, n, ko, l),
+              lambda n, ko, l: gu_w(None, WGU, WGUS, LUT, e, n0, n, ko, l),
+              lambda n, ko: prefetch(WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ko * L))
 
     @T.macro(hygienic=True)
-    def d_block(A, WD, WDS, BD, D, acc2, wb, p_lo, p_hi, e, n0):
+    def d_block(A, WD, WDS, BD, D, acc2, wb, LUT, p_lo, p_hi, e, n0):
         if p_hi - p_lo >= MB:
-            stage(wb, WD, WDS, d_w, e, n0, I)
-            d_tile(PF[0], A, WD, WDS, BD, D, acc2, staged_buf(wb), MB, p_lo, e, n0)
-        for mt in range(1, (p_hi - p_lo) // MB):
-            d_tile(PF[1], A, WD, WDS, BD, D, acc2, staged_buf(wb), MB, p_lo + mt * MB, e, n0)
-        if (p_hi - p_lo) % MB >= 2:
-            d_tile(PF[2], A, WD, WDS, BD, D, acc2, None, 2, p_hi - (p_hi - p_lo) % MB, e, n0)
-        if (p_hi - p_lo) % 2 == 1:
-            d_tile(PF[2], A, WD, WDS, BD, D, acc2, None, 1, p_hi - 1, e, n0)
+            stage(wb, WD, WDS, LUT, d_w, e, n0, I)
+        tiles(D, acc2, p_lo, p_hi, n0, I, lambda p, ko, l: A[p, ko * L + l],
+              lambda n: bias(BD, e, n0 + n),
+              lambda n, ko, l: d_w(staged_buf(wb), WD, WDS, LUT, e, n0, n, ko, l),
+              lambda n, ko, l: d_w(None, WD, WDS, LUT, e, n0, n, ko, l),
+              lambda n, ko: prefetch(WD, WDS, e, T.min(n0 + NB + n, H - 1), ko * L))
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok):
@@ -280,21 +327,20 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         order = T.alloc_buffer((n_tok * k,), "int32")
         pos = T.alloc_buffer((n_tok * k,), "int32")
         G = T.alloc_buffer((n_tok * k, GU), f32)
-        A = T.alloc_buffer((n_tok * k, I), f32)
+        A = T.alloc_buffer((n_tok * k, I), f32)  # MXFP4: its columns in nibble order (k_of)
         D = T.alloc_buffer((n_tok * k, H), f32)
+        XP = T.alloc_buffer((n_tok if mx else 1, H), f32)  # MXFP4: x in nibble order
+        LUT = T.alloc_buffer((16,), "int8" if decode == "pshufb" else f32)  # MXFP4: the decode's table
+        if mx:
+            for c in range(16):
+                LUT[c] = dequant.e2m1_x2_table(decode, c)
+            for t in par(n_tok):
+                for ho in range(H // L):
+                    for l in vec(L):
+                        XP[t, ho * L + l] = T.Cast(f32, X[t, k_of(ho, l)])
         # 1. counting sort of assignments by expert
         for _s in one():
-            for e in range(E + 1):
-                offs[e] = 0
-            for a in range(n_tok * k):
-                offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
-            for e in range(E):
-                offs[e + 1] = offs[e + 1] + offs[e]
-                fill[e] = offs[e]
-            for a in range(n_tok * k):
-                order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
-                pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
-                fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
+            sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k)
         # 2. gate/up grouped GEMM over the routed experts: chunk c owns n-blocks [c*NBC, (c+1)*NBC) of every
         # expert, so each thread streams contiguous rows of each routed expert and the split does not depend on
         # the routing (decode with 4 experts keeps every core busy)
@@ -303,30 +349,23 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             wbg = T.alloc_buffer((NB, H if staged else 1), f32)
             for e in range(E):
                 for nbi in range(GU // NB // PGU):
-                    gu_block(X, order, WGU, WGUS, BGU, G, acc, wbg, offs[e], offs[e + 1], e,
+                    gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wbg, LUT, offs[e], offs[e + 1], e,
                              (c * (GU // NB // PGU) + nbi) * NB)
         # 3. activation
         for p in par(n_tok * k):
             for io in range(I // L):
                 for l in vec(L):
-                    A[p, io * L + l] = act_value(G, p, io * L + l)
+                    A[p, io * L + l] = act_value(act, G, p, k_of(io, l))
         # 4. down grouped GEMM, same structure
         for c in par(PD):
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
             wbd = T.alloc_buffer((NB, I if staged else 1), f32)
             for e in range(E):
                 for nbi in range(H // NB // PD):
-                    d_block(A, WD, WDS, BD, D, acc2, wbd, offs[e], offs[e + 1], e, (c * (H // NB // PD) + nbi) * NB)
+                    d_block(A, WD, WDS, BD, D, acc2, wbd, LUT, offs[e], offs[e + 1], e,
+                            (c * (H // NB // PD) + nbi) * NB)
         # 5. weighted combine in token order
-        for t in par(n_tok):
-            for ho in range(H // L):
-                for l in vec(L):
-                    Y[t, ho * L + l] = T.Cast(out_dtype, T.float32(0))
-            for j in range(k):
-                for ho in range(H // L):
-                    for l in vec(L):
-                        Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
-                            out_dtype, T.Cast(f32, WR[t, j]) * D[pos[t * k + j], ho * L + l])
+        combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec)
 
     @T.prim_func
     def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
