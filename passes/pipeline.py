@@ -48,6 +48,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     # -- state -------------------------------------------------------------------------------------------------
     ("inplace_state", _inplace_state),
     ("sparse_attention", __import__("dayzero.passes.sparse_attention", fromlist=["x"]).sparse_attention),  # after inplace_state
+    ("compressed_attention", __import__("dayzero.passes.compressed_attention", fromlist=["x"]).compressed_attention),  # after sparse_attention
     ("paged_kv", __import__("dayzero.passes.paged_kv", fromlist=["x"]).paged_kv),  # after the attention ops exist
 ]
 
