@@ -20,6 +20,26 @@ def _private_tuning_database(tmp_path_factory):
         os.environ["DAYZERO_TUNING_DIR"] = old
 
 
+class _Once:
+    """A session cache of expensive builds (compiles): ``get(key, build)`` runs ``build()`` once per key. A build
+    that raised is not run again: every later test that needs it fails at once on the first error (one broken
+    compile would otherwise be recompiled, and fail, for each of its dependent tests)."""
+
+    def __init__(self):
+        self.done, self.failed = {}, {}
+
+    def get(self, key, build):
+        if key in self.failed:
+            raise RuntimeError(f"{key!r} failed to build earlier in this session") from self.failed[key]
+        if key not in self.done:
+            try:
+                self.done[key] = build()
+            except Exception as err:
+                self.failed[key] = err
+                raise
+        return self.done[key]
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -34,16 +54,14 @@ def compiled_factory(tmp_path_factory):
     from dayzero.tools import examples
     from dayzero.tools.driver import compile_model
 
-    cache = {}
+    cache = _Once()
 
-    def get(name: str):
-        if name not in cache:
-            module, inputs = getattr(examples, name)()
-            out = tmp_path_factory.mktemp(name) / "artifact"
-            compile_model((module, inputs), out, max_seq=64, verify=True)
-            cache[name] = (out, module, inputs)
-        return cache[name]
-    return get
+    def build(name: str):
+        module, inputs = getattr(examples, name)()
+        out = tmp_path_factory.mktemp(name) / "artifact"
+        compile_model((module, inputs), out, max_seq=64, verify=True)
+        return out, module, inputs
+    return lambda name: cache.get(name, lambda: build(name))
 
 
 SHARED_MAX_SEQ = 128
@@ -60,13 +78,43 @@ def tiny_compiled(tmp_path_factory):
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
-    cache = {}
+    cache = _Once()
 
-    def get(model_type: str):
-        if model_type not in cache:
-            d = tmp_path_factory.mktemp(f"shared_{model_type}")
-            ckpt = make_tiny(model_type, d / "ckpt", seed=0)
-            compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
-            cache[model_type] = (ckpt, d / "art", json.loads((d / "art" / "report.json").read_text()))
-        return cache[model_type]
-    return get
+    def build(model_type: str):
+        d = tmp_path_factory.mktemp(f"shared_{model_type}")
+        ckpt = make_tiny(model_type, d / "ckpt", seed=0)
+        compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
+        return ckpt, d / "art", json.loads((d / "art" / "report.json").read_text())
+    return lambda model_type: cache.get(model_type, lambda: build(model_type))
+
+
+LOWPREC_MAX_SEQ = 64
+
+
+@pytest.fixture(scope="session")
+def lowprec_tiny(tmp_path_factory):
+    """lowprec_tiny("qwen3_moe", "fp8") -> checkpoint dir: make-tiny (seed 0) with the routed experts stored in that
+    format (mxfp4 | fp8 | bf16), written once per session. Tests that damage it work on a copy."""
+    from dayzero.tools.make_tiny import make_tiny
+
+    cache = _Once()
+
+    def build(model_type: str, experts: str):
+        d = tmp_path_factory.mktemp(f"lowprec_{model_type}_{experts}")
+        return make_tiny(model_type, d / "ckpt", experts=experts, seed=0)
+    return lambda model_type, experts: cache.get((model_type, experts), lambda: build(model_type, experts))
+
+
+@pytest.fixture(scope="session")
+def lowprec_compiled(lowprec_tiny, tmp_path_factory):
+    """lowprec_compiled("qwen3_moe", "fp8") -> (checkpoint dir, artifact dir, report): lowprec_tiny's checkpoint
+    compiled (max_seq 64, default max_batch) once per session, shared by every test of that model and format."""
+    from dayzero.tools.driver import compile_model
+
+    cache = _Once()
+
+    def build(model_type: str, experts: str):
+        ckpt = lowprec_tiny(model_type, experts)
+        art = tmp_path_factory.mktemp(f"lowprec_art_{model_type}_{experts}") / "a.dz"
+        return ckpt, art, compile_model(str(ckpt), art, max_seq=LOWPREC_MAX_SEQ)
+    return lambda model_type, experts: cache.get((model_type, experts), lambda: build(model_type, experts))

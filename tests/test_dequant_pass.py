@@ -8,27 +8,29 @@ Spec:
   reference) on random blocks covering every FP4 code and a wide E8M0 range.
 - Bad low-precision checkpoints (blocks/scales shape mismatch, truncated safetensors, NaN E8M0 scale code):
   `dayzero compile` exits 2 with one line naming the tensor, writes nothing.
-- slow: tiny gpt-oss (MXFP4) and DeepSeek-V3.2 (MXFP4) compile with the experts in zone low_precision_weights at
-  4.25 bits per weight, the report lists pattern `dequant` and the fused kernel's route, and logits match the
-  upstream eager model on the dequantised weights.
+- slow: tiny gpt-oss (MXFP4, its published fused layout) and Qwen3-MoE (MXFP4 per-expert keys) compile with the
+  experts in zone low_precision_weights at 4.25 bits per weight, the report lists pattern `dequant` and the fused
+  kernel's route, and logits match the upstream eager model on the dequantised weights. (DeepSeek-V3.2 with
+  low-precision experts runs end to end in test_fp8_experts.py, in its published FP8 layout.)
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.ir import interp  # noqa: F401
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.ir.node import Graph
+
+from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
+    rewrite_checkpoint
 
 
 def _chain(in_major=False, shape=(4, 32, 2)):
@@ -109,118 +111,43 @@ def test_moe_mxfp4_kernel_matches_reference():
 
 # ---- bad checkpoints through `dayzero compile` ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_mx(tmp_path_factory):
-    from dayzero.tools.make_tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("mx") / "gpt_oss"
-    make_tiny("gpt_oss", d, experts="mxfp4")
-    return d
-
-
-def _rewrite(src, dst, fn):
-    from safetensors.numpy import load_file, save_file
-    from safetensors import safe_open
-
-    shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    with safe_open(str(f), "np") as h:
-        meta = h.metadata()
-    t = load_file(str(f))
-    fn(t)
-    save_file(t, str(f), metadata=meta)
-
-
-def _compile_fails(ckpt, out, *needles):
-    from dayzero.tools.cli import main
-
-    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(out), "--max-seq", "32"])
-    assert r.exit_code == 2, r.output
-    line = r.output.strip()
-    assert "Traceback" not in line and len(line.splitlines()) == 1, line
-    for s in needles:
-        assert s in line, line
-    assert not out.exists()
-
-
 KEY = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def test_blocks_scales_shape_mismatch(tiny_mx, tmp_path):
+def test_blocks_scales_shape_mismatch(lowprec_tiny, tmp_path):
     def fn(t):
         t[KEY + "_scales"] = np.ascontiguousarray(t[KEY + "_scales"][:, :-1])
-    _rewrite(tiny_mx, tmp_path / "ck", fn)
-    _compile_fails(tmp_path / "ck", tmp_path / "out", KEY, "does not match")
+    ckpt = rewrite_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ck", fn, framework="np")
+    compile_fails(ckpt, tmp_path / "out", KEY, "does not match")
 
 
-def test_nan_scale_code(tiny_mx, tmp_path):
+def test_nan_scale_code(lowprec_tiny, tmp_path):
     def fn(t):
         t[KEY + "_scales"] = t[KEY + "_scales"].copy()
         t[KEY + "_scales"][1, 2, 0] = 0xFF
-    _rewrite(tiny_mx, tmp_path / "ck", fn)
-    _compile_fails(tmp_path / "ck", tmp_path / "out", KEY + "_scales", "NaN")
+    ckpt = rewrite_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ck", fn, framework="np")
+    compile_fails(ckpt, tmp_path / "out", KEY + "_scales", "NaN")
 
 
-def test_truncated_safetensors(tiny_mx, tmp_path):
-    shutil.copytree(tiny_mx, tmp_path / "ck")
+def test_truncated_safetensors(lowprec_tiny, tmp_path):
+    shutil.copytree(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ck")
     f = tmp_path / "ck" / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    _compile_fails(tmp_path / "ck", tmp_path / "out", "model.safetensors", "truncated")
+    compile_fails(tmp_path / "ck", tmp_path / "out", "model.safetensors", "truncated")
 
 
 # ---- end to end (slow) -------------------------------------------------------------------------------------------
 
-def _expert_values(ck) -> int:
-    from dayzero.frontend.checkpoint import Checkpoint, low_precision_groups
-
-    return sum(int(np.prod(g.stored)) for g in low_precision_groups(Checkpoint(ck), check_values=False).values())
-
-
-def _check(tmp_path, model_type, reference):
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,loader", [
+    ("gpt_oss", "transformers_mxfp4"),  # the reference: transformers' own loader dequantises the published layout
+    ("qwen3_moe", "dequantize_checkpoint"),  # per-expert keys, each its own blocks + scales
+])
+def test_tiny_model_with_mxfp4_experts_matches_eager(model_type, loader, lowprec_compiled, tmp_path):
     from dayzero.runtime.executor import load
-    from dayzero.tools.driver import compile_model
-    from dayzero.tools.make_tiny import make_tiny
 
-    ck = tmp_path / model_type
-    make_tiny(model_type, ck, experts="mxfp4")
-    report = compile_model(str(ck), tmp_path / "a.dz", max_seq=64)
-    n_moe = report["patterns"]["moe"]
-    assert report["patterns"].get("dequant") == 2 * n_moe
-    fused = [k for k, op in report["kernel_ops"].items() if op == "moe_experts_mxfp4"]
-    assert fused and all(report["routes"][k] == "hand-scheduled" for k in fused)
-    assert "moe_experts" not in report["kernel_ops"].values()
-    lp = report["programs"]["prefill"]["memory"]["zones"]["low_precision_weights"]
-    bits = lp * 8 / _expert_values(ck)
-    assert 4.25 <= bits < 4.3, bits  # blocks + scales (+ 64-byte alignment), never a fp32 copy
-    m = reference(ck, tmp_path)
-    rt = load(tmp_path / "a.dz")
-    gen = torch.Generator().manual_seed(0)
-    for n in (1, 16, 40):
-        ids = torch.randint(0, 256, (1, n), generator=gen)
-        with torch.no_grad():
-            ref = m(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        got = rt.prefill(ids)
-        if rt.stateful:
-            rt.reset()
-        assert float((got - ref).abs().max()) <= 1e-4, (model_type, n, float((got - ref).abs().max()))
-
-
-@pytest.mark.slow
-def test_gpt_oss_mxfp4(tmp_path):
-    def reference(ck, _):
-        from transformers import AutoModelForCausalLM, Mxfp4Config
-
-        return AutoModelForCausalLM.from_pretrained(
-            str(ck), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
-    _check(tmp_path, "gpt_oss", reference)
-
-
-@pytest.mark.slow
-def test_deepseek_v32_mxfp4(tmp_path):
-    def reference(ck, tmp):
-        from dayzero.frontend.hf import load_upstream
-        from dayzero.tools.make_tiny import dequantize_checkpoint
-
-        return load_upstream(dequantize_checkpoint(ck, tmp / "deq"))
-    _check(tmp_path, "deepseek_v32", reference)
+    ckpt, art, report = lowprec_compiled(model_type, "mxfp4")  # compiled once per session (conftest)
+    # blocks + scales: 4.25 bits (+ 64-byte alignment) per weight, never an fp32 copy
+    check_fused_experts(report, ckpt, "moe_experts_mxfp4", (4.25 / 8, 4.3 / 8))
+    assert_prefill_matches(load(art), dequantized_upstream(ckpt, tmp_path, loader), (1, 16, 40))

@@ -59,19 +59,16 @@ def test_out_of_range_inputs_are_user_errors(compiled_factory):
         rt.prefill([])
 
 
-def test_checkpoint_directory_end_to_end(tmp_path):
+def test_checkpoint_directory_end_to_end(tiny_compiled):
     """A published-layout checkpoint (per-expert tensors) binds through learned recipes and matches eager."""
     from dayzero.frontend.hf import load_upstream
-    from dayzero.tools.driver import compile_model
-    from dayzero.tools.make_tiny import make_tiny
 
-    ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=1)
-    compile_model(str(ckpt), tmp_path / "art", max_seq=48)
-    manifest = json.loads((tmp_path / "art" / "weights.json").read_text())
+    ckpt, art, _ = tiny_compiled("qwen3_moe")  # make-tiny's published layout, compiled once per session (conftest)
+    manifest = json.loads((art / "weights.json").read_text())
     gate_up = manifest["tensors"]["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up["source"] == "checkpoint"
     assert {r[1] for r in gate_up["runs"]} >= {"model.layers.0.mlp.experts.0.gate_proj.weight"}
-    rt = load(tmp_path / "art")
+    rt = load(art)
     ref = load_upstream(ckpt)
     for seq in (1, 7, 33):
         ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))

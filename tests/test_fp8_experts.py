@@ -12,10 +12,12 @@ Spec:
 - moe_experts_fp8's kernel (E4M3 x block scale decoded in registers) matches its reference (dequantise, then the
   moe reference) on random bytes covering every finite E4M3 code, layouts nk and kn, row blocks below 128, for a
   decode-sized (1 token) and a prefill-sized call; it compiles for CUDA sm_90.
-- slow: tiny DeepSeek-V3.2 and Qwen3-MoE written by ``make-tiny --experts fp8`` compile with every MoE layer on
-  the fused moe_experts_fp8 kernel (hand-scheduled, listed by ``dayzero report``), experts resident at ~1 byte
-  per weight (zone low_precision_weights), prefill logits match the upstream eager model on the dequantised
-  weights, and greedy decoding matches upstream ``generate``.
+- slow: tiny DeepSeek-V3.2 written by ``make-tiny --experts fp8`` (DeepSeek's published FP8 layout) compiles with
+  every MoE layer on the fused moe_experts_fp8 kernel (hand-scheduled, listed by ``dayzero report``), experts
+  resident at ~1 byte per weight (zone low_precision_weights), prefill logits match the upstream eager model on the
+  dequantised weights, and greedy decoding matches upstream ``generate``. (Per-expert low-precision keys on
+  Qwen3-MoE run end to end in test_dequant_pass.py, as MXFP4; the same checkpoint here as FP8 feeds the
+  bad-checkpoint cases.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir import interp  # noqa: F401
 from dayzero.passes.ir import ops
+
+from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
+    rewrite_checkpoint
 
 
 def _random_fp8(shape, block, seed):
@@ -184,45 +189,24 @@ def test_moe_fp8_node_kernel_compiles_for_sm90():
 
 # ---- end to end (slow) -------------------------------------------------------------------------------------------
 
-def _expert_values(ckpt) -> int:
-    return sum(int(np.prod(g.stored)) for g in ck.low_precision_groups(ck.Checkpoint(ckpt), check_values=False)
-               .values())
+@pytest.mark.slow
+def test_tiny_deepseek_v32_with_fp8_experts_runs_on_the_fused_kernel(lowprec_compiled):
+    from dayzero.tools.cli import main
+
+    ckpt, art, report = lowprec_compiled("deepseek_v32", "fp8")  # compiled once per session (conftest)
+    check_fused_experts(report, ckpt, "moe_experts_fp8", (1.0, 1.03))  # fp8 bytes + block scales (+ alignment)
+    shown = CliRunner().invoke(main, ["report", str(art)])
+    assert shown.exit_code == 0 and "moe_experts_fp8" in shown.output and "hand-scheduled" in shown.output
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "qwen3_moe"])
-def test_tiny_model_with_fp8_experts_matches_eager(model_type, tmp_path):
-    from dayzero.frontend.hf import load_upstream
+def test_tiny_deepseek_v32_with_fp8_experts_matches_eager(lowprec_compiled, tmp_path):
     from dayzero.runtime.executor import load
-    from dayzero.tools.cli import main
-    from dayzero.tools.driver import compile_model
-    from dayzero.tools.make_tiny import dequantize_checkpoint, make_tiny
 
-    ckpt = make_tiny(model_type, tmp_path / model_type, experts="fp8")
-    report = compile_model(str(ckpt), tmp_path / "a.dz", max_seq=64)
-    n_moe = report["patterns"]["moe"]
-    assert n_moe >= 1 and report["patterns"].get("dequant") == 2 * n_moe
-    fused = [k for k, op in report["kernel_ops"].items() if op == "moe_experts_fp8"]
-    assert fused  # one kernel per distinct shape, shared by the layers and programs that have it
-    assert all(report["routes"][k] == "hand-scheduled" for k in fused)
-    assert "moe_experts" not in report["kernel_ops"].values()
-    lp = report["programs"]["prefill"]["memory"]["zones"]["low_precision_weights"]
-    per_weight = lp / _expert_values(ckpt)
-    assert 1.0 < per_weight < 1.03, per_weight  # fp8 bytes + block scales (+ alignment), never an fp32 copy
-    shown = CliRunner().invoke(main, ["report", str(tmp_path / "a.dz")])
-    assert shown.exit_code == 0 and "moe_experts_fp8" in shown.output and "hand-scheduled" in shown.output
-
-    ref = load_upstream(dequantize_checkpoint(ckpt, tmp_path / "deq"))
-    rt = load(tmp_path / "a.dz")
-    gen = torch.Generator().manual_seed(0)
-    for n in (1, 16, 40):
-        ids = torch.randint(0, 256, (1, n), generator=gen)
-        with torch.no_grad():
-            want = ref(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        got = rt.prefill(ids)
-        if rt.stateful:
-            rt.reset()
-        assert float((got - want).abs().max()) <= 1e-4, (n, float((got - want).abs().max()))
+    ckpt, art, _ = lowprec_compiled("deepseek_v32", "fp8")
+    ref = dequantized_upstream(ckpt, tmp_path)
+    rt = load(art)
+    gen = assert_prefill_matches(rt, ref, (1, 16, 40))
     prompt = torch.randint(0, 256, (9,), generator=gen).tolist()
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 9, dtype=torch.long),
@@ -232,30 +216,7 @@ def test_tiny_model_with_fp8_experts_matches_eager(model_type, tmp_path):
 
 # ---- bad FP8 checkpoints through `dayzero compile` ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_fp8(tmp_path_factory):
-    from dayzero.tools.make_tiny import make_tiny
-
-    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("fp8") / "qwen3_moe", experts="fp8")
-
-
 KEY = "model.layers.0.mlp.experts.3.up_proj.weight"
-
-
-def _rewritten(src, dst, fn):
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    with safe_open(str(f), "pt") as h:
-        meta = h.metadata()
-    t = load_file(str(f))
-    fn(t)
-    save_file(t, str(f), metadata=meta)
-    return dst
 
 
 @pytest.mark.parametrize("fn,needles", [
@@ -264,15 +225,6 @@ def _rewritten(src, dst, fn):
     (lambda t: t.update({KEY + "_scale_inv": torch.ones(2, 1)}), (KEY, "weight_scale_inv", "[1, 1]")),
     (lambda t: t.pop(KEY + "_scale_inv"), (KEY, "without its block scales")),
 ])
-def test_bad_fp8_checkpoint_is_one_line_exit_2(tiny_fp8, tmp_path, fn, needles):
-    from dayzero.tools.cli import main
-
-    ckpt = _rewritten(tiny_fp8, tmp_path / "ck", fn)
-    out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(out), "--max-seq", "32"])
-    assert r.exit_code == 2, r.output
-    line = r.output.strip()
-    assert "Traceback" not in line and len(line.splitlines()) == 1, line
-    for s in needles:
-        assert s in line, line
-    assert not out.exists()
+def test_bad_fp8_checkpoint_is_one_line_exit_2(lowprec_tiny, tmp_path, fn, needles):
+    ckpt = rewrite_checkpoint(lowprec_tiny("qwen3_moe", "fp8"), tmp_path / "ck", fn)
+    compile_fails(ckpt, tmp_path / "out", *needles)
