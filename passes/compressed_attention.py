@@ -37,6 +37,7 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.paged_kv import unpage
 from dayzero.passes.sparse_attention import (_NoMatch, _attend, _const, _flat_heads, _is_arange_row, _mask_terms,
                                              _need, _qpos, _repeat_kv, _RESHAPE, _skip, valid_positions)
 
@@ -60,7 +61,7 @@ def entry_selection(attrs: dict, B: int, S: int, E: int, idx=None, epos=None) ->
 def reference(ins, attrs):
     """Upstream's dense form: softmax(scale q·[kv; entries]ᵀ + mask ; sink_h) [kv; entries] over the rows of
     ``valid_positions(L, qpos, window)`` and ``entry_selection``."""
-    q, kv, qpos, ent, sinks, *rest = ins
+    q, kv, qpos, ent, sinks, *rest = unpage(ins, attrs, OP)
     if q.device.type == "meta":
         return torch.empty(q.shape, dtype=q.dtype, device="meta")
     idx = rest.pop(0) if attrs.get("idx") else None
@@ -77,14 +78,15 @@ if ops.REGISTRY.get(OP) is None:
     ops.register(ops.OpDef(
         OP, args=(("q", ops.TENSOR), ("kv", ops.TENSOR), ("qpos", ops.TENSOR), ("entries", ops.TENSOR),
                   ("sinks", ops.TENSOR), ("idx", ops.OPT_TENSOR), ("epos", ops.OPT_TENSOR), ("scale", ops.ATTR),
-                  ("window", ops.ATTR), ("rate", ops.ATTR)),
+                  ("window", ops.ATTR), ("rate", ops.ATTR), ("paged", ops.OPT_TENSOR)),
         reference=reference,
         doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, every "
             "position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx int "
             "[B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
             "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 for "
             "CSA), idx / epos (bool); reads window rows [max(0, qpos-window+1), qpos] and the selected / valid "
-            "entries only; out [B,H,S,D]"))
+            "entries only; out [B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the "
+            "block table last"))
 
 from dayzero.codegen.kernels import compressed_attention as _kernels  # noqa: E402,F401  (registers the PrimFunc)
 

@@ -38,7 +38,9 @@ READERS: dict[str, dict[int, int]] = {
     "cache_attention": {1: 2, 2: 2},
     "sparse_attention": {1: 2, 2: 2},
     "mla_sparse_attention": {1: 2, 2: 2},
+    "mla_attention": {1: 2, 2: 2},
     "dsa_indexer_topk": {2: 1},
+    "compressed_attention": {1: 2},  # DeepSeek-V4: the K=V state; its compressed entries stay per request
 }
 
 

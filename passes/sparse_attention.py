@@ -38,6 +38,11 @@ latent cache, i.e. kv_b_proj over all L rows every step (O(L) even though the to
              sum_j p_j (latent_j W_uv^T) = (sum_j p_j latent_j) W_uv^T, so a query costs n*R (absorb) +
              k*(R+Dr) (selected rows) + Dv*R (up-project once): independent of L (upstream: L*H*(n+Dv)*R).
              The expansion nodes become dead and disappear.
+        The same expansion under the dense causal mask of (a) (DeepSeek-V3, Kimi-K2: MLA without an indexer)
+        ==>  mla_attention(q, latent, rope, W, qpos) {scale, nope}: the absorbed form over rows [0, qpos], so
+             a decode step reads each latent row once per head group and never runs kv_b_proj over the cache
+             (upstream: L*H*(n+Dv)*R per step). Prefill is absorbed too (every program reads the cache the same
+             way, so the cache pages alike in both, passes/paged_kv.py).
 
 (d) the DSA lightning indexer (DeepSeek-V3.2), traced as generic ops::
 
@@ -71,6 +76,7 @@ from dayzero.passes.paged_kv import unpage
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
 MLA = "mla_sparse_attention"
+MLA_DENSE = "mla_attention"
 INDEXER = "dsa_indexer_topk"
 
 
@@ -149,6 +155,17 @@ def mla_sparse_reference(ins, attrs):
     return sparse_reference([q, k, v, qpos, idx], attrs)
 
 
+def mla_dense_reference(ins, attrs):
+    """dense_reference (causal, window 0) over upstream's expansion of the latent cache (mla_expand)."""
+    q, lat, rope, w, qpos = unpage(ins, attrs, MLA_DENSE)
+    H = q.shape[1]
+    if q.device.type == "meta":
+        return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
+                           device="meta")
+    k, v = mla_expand(lat, rope, w, attrs["nope"], H)
+    return dense_reference([q, k, v, qpos], {"scale": attrs["scale"], "window": 0, "sinks": False})
+
+
 def indexer_reference(ins, attrs):
     """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward after the projections): per-head
     scores, ReLU, weighted head sum, causal mask with ``fill``, torch.topk."""
@@ -188,6 +205,14 @@ if ops.REGISTRY.get(DENSE) is None:
             "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
             "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
             "reads only the k selected latent rows; out [B,H,S,Dv]"))
+    ops.register(ops.OpDef(
+        MLA_DENSE, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
+                         ("qpos", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
+        reference=mla_dense_reference,
+        doc="causal MLA over a latent cache with the up-projection absorbed (DeepSeek-V3, Kimi-K2: MLA without "
+            "an indexer): q [B,H,S,nope+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R], qpos int "
+            "[S]; = cache_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand) for rows "
+            "<= qpos, without expanding the cache; out [B,H,S,Dv]"))
     ops.register(ops.OpDef(
         INDEXER, args=(("q", ops.TENSOR), ("w", ops.TENSOR), ("keys", ops.TENSOR), ("qpos", ops.TENSOR),
                        ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR), PAGED),
@@ -398,6 +423,13 @@ def _sdpa(n: Node, constants, counts) -> Node | None:
             return _make(SPARSE, (q, k, v, terms["qpos"], idx), {"scale": scale}, q, v, n.span)
         counts[MLA] += 1
         return _make(MLA, (q, lat, rope, w, terms["qpos"], idx), {"scale": scale, "nope": nope}, q, v, n.span)
+    if terms["window"] == 0:
+        try:
+            lat, rope, w, nope = _mla_operands(q, k, v)
+            counts[MLA_DENSE] += 1
+            return _make(MLA_DENSE, (q, lat, rope, w, terms["qpos"]), {"scale": scale, "nope": nope}, q, v, n.span)
+        except _NoMatch:
+            pass
     counts[DENSE] += 1
     return _make(DENSE, (q, k, v, terms["qpos"]), {"scale": scale, "window": terms["window"], "sinks": False},
                  q, v, n.span)
@@ -526,7 +558,7 @@ def _indexer(n: Node, constants, counts) -> Node | None:
 
 
 def sparse_attention(g: Graph, ctx) -> Graph:
-    counts = {DENSE: 0, SPARSE: 0, MLA: 0, INDEXER: 0}
+    counts = {DENSE: 0, SPARSE: 0, MLA: 0, MLA_DENSE: 0, INDEXER: 0}
 
     def fn(n: Node) -> Node | None:
         try:

@@ -18,12 +18,14 @@ MAX_SEQ = 128  # the shared session artifacts (conftest.tiny_compiled)
 NEW = 32
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
 def served(request, tiny_compiled):
     ckpt, art, _ = tiny_compiled(request.param)
     rt = load(art)
     assert rt.max_length == MAX_SEQ and rt.max_batch >= 3
-    return rt, load_upstream(ckpt)
+    ref = load_upstream(ckpt)
+    ref.generation_config.eos_token_id = None  # generate exactly n tokens, as rt.generate does without stop_ids
+    return rt, ref
 
 
 def _upstream(ref, prompt, n):
@@ -57,14 +59,19 @@ def test_batch_of_three_different_lengths(served):
 
 @pytest.mark.slow
 def test_decode_reads_the_cache_not_the_prefix(served):
-    """The decode program takes one token and its position: it cannot recompute the prefix."""
+    """The decode program takes one token and its position (and the request's block table where caches are
+    paged): it cannot recompute the prefix."""
     rt, _ = served
     dec = rt.programs["decode"]
     names = [dec.buffers[b]["name"] for b in dec.inputs]
     shapes = [tuple(dec.shape(b, ())) for b in dec.inputs]
-    assert names == ["input_ids", "cache_position"] and shapes == [(1, 1), (1,)]
-    assert dec.states  # the KV cache is state shared with prefill
-    assert set(dec.states) == set(rt.programs["prefill"].states)
+    assert names[:2] == ["input_ids", "cache_position"] and shapes[:2] == [(1, 1), (1,)]
+    assert names[2:] in ([], ["block_table"])
+
+    def cache(prog):
+        return {b["state"]: b["zone"] for b in prog.buffers if b.get("state") and b["alias_of"] is None
+                and b["zone"] in ("kv_cache", "kv_pages")}
+    assert cache(dec) and cache(dec) == cache(rt.programs["prefill"])  # the KV cache is state shared with prefill
 
 
 @pytest.mark.slow
@@ -101,7 +108,7 @@ def test_each_program_is_planned_close_to_its_peak_live_bound(served):
         m = rep["programs"][name]["memory"]
         planned, peak = sum(m["planned_bytes"].values()), sum(m["peak_live_bytes"].values())
         assert planned <= 1.05 * peak, (name, planned, peak)
-        assert m["zones"]["kv_cache"] > 0 and m["zones"]["weights"] > 0
+        assert m["zones"].get("kv_cache", 0) + m["zones"].get("kv_pages", 0) > 0 and m["zones"]["weights"] > 0
 
 
 @pytest.mark.slow
@@ -134,19 +141,23 @@ def test_deepseek_v4_cache_is_fixed_size_and_written_per_row(tiny_compiled):
     rt = load(art)
     assert rt.programs["prefill"].symbols == {"seq": (1, MAX_SEQ)}
     dec = rt.programs["decode"]
-    state_of = {bid: name for name, bid in dec.states.items()}
+    # per-request states and the paged pools (a sliding layer's K=V, read only by cache_attention)
+    state_of = {b["id"]: b["state"] for b in dec.buffers if b.get("state") and b["alias_of"] is None
+                and b["zone"] in ("kv_cache", "kv_pages")}
     written = {}
     for _, args, _, node, _ in dec.steps:
         op = node.split(" at ")[0]
-        if args and args[0] in state_of and op in ("state_index_put", "assign"):
+        if args and args[0] in state_of and op in ("state_index_put", "paged_state_index_put", "assign"):
             name, shape = state_of[args[0]], dec.shape(args[0], ())
             written[name] = op
-            if op == "state_index_put":  # (state, positions, rows)
+            if op != "assign":  # (state, positions, rows[, block table])
                 assert dec.shape(args[1], ()) == (1,), name
             else:
                 assert MAX_SEQ not in shape and shape[1] <= 8, (name, shape)
-    assert set(written) == set(dec.states)
-    per_row = {n for n, op in written.items() if op == "state_index_put"}
+    assert set(written) == set(state_of.values())
+    paged = {b["state"] for b in dec.buffers if b.get("state") and b["alias_of"] is None and b["zone"] == "kv_pages"}
+    assert paged == {f"cache_{i}_keys" for i in range(3)}  # K=V pools; entries, rings, overlaps stay per request
+    per_row = {n for n, op in written.items() if op != "assign"}
     assert per_row == {f"cache_{i}_keys" for i in range(3)} | {
         "cache_0_compressor_entries", "cache_1_compressor_entries", "cache_1_indexer_entries"}
 

@@ -99,6 +99,82 @@ def test_paged_mla_kernel_reads_only_selected_rows_through_the_table(S, start):
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("S,start,paged", [(1, 50, True), (1, 0, False), (9, 20, True), (5, 3, False)])
+def test_dense_mla_kernel_equals_attention_over_upstreams_expansion(S, start, paged):
+    """mla_attention (MLA without an indexer: DeepSeek-V3, Kimi-K2): the absorbed kernel equals causal attention
+    over upstream's expanded K/V (mla_expand), and reads no row past the query's position."""
+    g = torch.Generator().manual_seed(S + start)
+    L, blocks, H = 64, 7, 4
+    q = torch.randn(1, H, S, 24, generator=g)
+    lat, rope = torch.randn(1, 1, L, 32, generator=g), torch.randn(1, 1, L, 8, generator=g)
+    w = torch.randn(H * 32, 32, generator=g) * 0.1
+    qpos = torch.arange(S) + start
+    k, v = sa.mla_expand(lat, rope, w, 16, H)
+    ref = sa.dense_reference([q, k, v, qpos], {"scale": 0.2, "window": 0, "sinks": False})
+    lat[:, :, start + S:], rope[:, :, start + S:] = float("nan"), float("nan")
+    p = dict(op=sa.MLA_DENSE, B=1, H=H, S=S if S == 1 else None, L=L, R=32, Dn=16, Dr=8, Dv=16, K=0, dense=True,
+             dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64",
+             idx_dtype=None, scale=0.2)
+    ins = [q, lat, rope, w, qpos]
+    if paged:
+        table = _table(start + S, L, blocks, seed=S)
+        p = _paged(p, table, blocks)
+        ins = [q, _page(lat, 2, table, blocks), _page(rope, 2, table, blocks), w, qpos, table]
+    lib = tvm.compile(tvm.IRModule({"main": build(p, "llvm")}), target=HOST)
+    o = torch.full((1, H, S, 16), float("nan"))
+    lib["main"](*ins, o)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_mla_is_recognised_and_the_cache_never_expanded(tiny_compiled):
+    """Tiny DeepSeek-V3 (MLA, no indexer): every layer's attention is mla_attention in both programs, no
+    kv_b_proj runs over the latent cache, and the latent + rope caches are paged."""
+    ckpt, art, report = tiny_compiled("deepseek_v3")
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    assert report["patterns"]["mla_attention"] == layers  # the prefill's count
+    pj = json.loads((art / "program.json").read_text())
+    for prog in pj["programs"].values():
+        ops = {st["node"].split(" at ")[0] for st in prog["steps"]}
+        assert "mla_attention" in ops and "cache_attention" not in ops
+        kv = [b for b in prog["buffers"] if b.get("state") and b["alias_of"] is None]
+        assert kv and all(b["zone"] == "kv_pages" for b in kv)
+    import re
+
+    ir = (art / "final.ir").read_text()  # the prefill's IR: no linear reads a cache
+    caches = set(re.findall(r"(%\d+) = paged_state_index_put", ir))
+    assert len(caches) == 2 * layers
+    assert not [ln for ln in ir.splitlines() if re.search(r"= linear\((%\d+)", ln)
+                and re.search(r"= linear\((%\d+)", ln).group(1) in caches]
+
+
+@pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
+@pytest.mark.parametrize("S,start", [(1, 37), (23, 17)])
+def test_paged_compressed_attention_reads_the_window_through_the_table(csa, S, start):
+    """DeepSeek-V4's compressed_attention with its K=V state paged (its compressed entries stay per request)."""
+    from dayzero.codegen.kernels import compressed_attention as kern
+    from dayzero.passes import compressed_attention as ca
+
+    g = torch.Generator().manual_seed(S + start + csa)
+    H, L, E, D, K, R, W, blocks = 4, 64, 17, 16, 3, 4, 8, 9
+    q, kv, ent = torch.randn(1, H, S, D, generator=g), torch.randn(1, 1, L, D, generator=g), torch.randn(
+        1, 1, E, D, generator=g)
+    sinks, qpos = torch.randn(H, generator=g), torch.arange(S) + start
+    idx = torch.stack([torch.randperm(max((int(p) + 1) // R, K), generator=g)[:K] for p in qpos])[None]
+    attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa}
+    extra = idx if csa else qpos.clone()
+    ref = ca.reference([q, kv, qpos, ent, sinks, extra], attrs)
+    kv[:, :, ~sa.valid_positions(L, qpos, W).any(0)] = float("nan")
+    table = _table(start + S, L, blocks, seed=S)
+    p = dict(op=ca.OP, B=1, H=H, Hkv=1, S=S if S == 1 else None, L=L, E=E, D=D, dtype="float32", kv_dtype="float32",
+             ent_dtype="float32", out_dtype="float32", pos_dtype="int64", sink_dtype="float32", scale=0.3,
+             window=W, rate=0 if csa else R)
+    p.update(K=K, idx_dtype="int64") if csa else p.update(epos_dtype="int64")
+    lib = tvm.compile(tvm.IRModule({"main": kern.build(_paged(p, table, blocks), "llvm")}), target=HOST)
+    o = torch.full((1, H, S, D), float("nan"))
+    lib["main"](q, _page(kv, 2, table, blocks), qpos, ent, sinks, extra, table, o)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("S,start", [(1, 37), (1, 2), (19, 10)])
 def test_paged_indexer_kernel_equals_torch_topk(S, start):
     """Small-integer scores (exact in any order): the kernel returns torch.topk's indices over the logical keys,

@@ -9,6 +9,8 @@
     mla_sparse_attention(q [B,H,S,n+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], W [H*(n+Dv),R], qpos, idx) -> o
         sparse_attention over the MLA expansion K = [latent W_uk^T | rope_k], V = latent W_uv^T, computed with
         the up-projection absorbed into the query and the output (``build_mla``): O(k) per query, never O(L)
+    mla_attention(q, latent, rope_k, W, qpos) -> o     the dense causal form (MLA without an indexer): rows
+        [0, qpos[s]], absorbed the same way, never expanding the cache
 
 Both are one pass of online softmax per query (running max m, denominator l, fp32 accumulator acc[Dv]), so a
 decode step costs O(rows read), never O(L). Variants, chosen from the shapes and the target:
@@ -37,7 +39,7 @@ NEG = "T.float32(-3.0e38)"
 
 
 def params(n: Node) -> dict:
-    if n.op == "mla_sparse_attention":
+    if n.op in ("mla_sparse_attention", "mla_attention"):
         return mla_params(n)
     q, k, v, qpos = n.inputs[:4]
     B, Hq, S, D = q.shape
@@ -85,7 +87,7 @@ def _i(x) -> str:
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
-    if p["op"] == "mla_sparse_attention":
+    if p["op"] in ("mla_sparse_attention", "mla_attention"):
         return build_mla(p, kind)
     sparse = p["op"] == "sparse_attention"
     B, Hq, Hkv, L, D, Dv = p["B"], p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
@@ -193,15 +195,19 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
 
 
 def mla_params(n: Node) -> dict:
-    q, lat, rope, w, qpos, idx = n.inputs[:6]
+    """mla_sparse_attention (rows idx[b, s, :]) or mla_attention (dense: every row <= qpos[s])."""
+    dense = n.op == "mla_attention"
+    q, lat, rope, w, qpos = n.inputs[:5]
+    idx = None if dense else n.inputs[5]
     B, H, S, Dqk = q.shape
     L, R = lat.shape[2], lat.shape[3]
     nope = int(n.attr["nope"])
-    return paged_params(n, {"op": n.op, "B": int(B), "H": int(H), "S": S if isinstance(S, int) else None, "L": int(L),
-            "R": int(R), "Dn": nope, "Dr": int(Dqk) - nope, "Dv": int(w.shape[0]) // int(H) - nope,
-            "K": int(idx.shape[-1]), "dtype": q.dtype, "lat_dtype": lat.dtype, "w_dtype": w.dtype,
-            "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": idx.dtype, "scale": float(n.attr["scale"])},
-        L)
+    return paged_params(n, {
+        "op": n.op, "B": int(B), "H": int(H), "S": S if isinstance(S, int) else None, "L": int(L), "R": int(R),
+        "Dn": nope, "Dr": int(Dqk) - nope, "Dv": int(w.shape[0]) // int(H) - nope, "dense": dense,
+        "K": 0 if dense else int(idx.shape[-1]), "dtype": q.dtype, "lat_dtype": lat.dtype, "w_dtype": w.dtype,
+        "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "idx_dtype": None if dense else idx.dtype,
+        "scale": float(n.attr["scale"])}, L)
 
 
 MLA_TASKS = 8  # parallel tasks a decode query's heads are split into (head groups), CPU
@@ -239,9 +245,10 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
               f'    lat = T.match_buffer(l_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(R)}), "{p["lat_dtype"]}")',
               f'    rk = T.match_buffer(r_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(Dr)}), "{p["lat_dtype"]}")',
               f'    w = T.match_buffer(w_, ({_i(H * (Dn + Dv))}, {_i(R)}), "{p["w_dtype"]}")',
-              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
-              f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")',
-              f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")'] + table_decl(p)
+              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")']
+    if not p.get("dense"):
+        lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")')
+    lines += [f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")'] + table_decl(p)
     HG = mla_head_group(H, kind)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"
@@ -253,6 +260,14 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     else:
         lines.append(f"    for t in T.parallel({total}):")
     sc = p["scale"]
+    if p.get("dense"):  # mla_attention: every row up to the query's position
+        select = [f'for tk in range(T.max(T.min(T.Cast("int64", p[s]), {_i(L - 1)}) + {_i(1)}, {_i(0)})):',
+                  "    pos = tk",
+                  f"    if pos >= {_i(0)}:"]
+    else:  # mla_sparse_attention: the selected rows that are visible
+        select = [f"for tk in range({_i(K)}):",
+                  '    pos = T.Cast("int64", x[b, s, tk])',
+                  f'    if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:']
     body = [f"b = t // {_i(NG)} // {S}", f"h0 = t // {S} % {_i(NG)} * {_i(HG)}", f"s = t % {S}",
             f'qa = T.decl_buffer(({_i(HG)}, {_i(R)}), "float32"{scope})',
             f'qr = T.decl_buffer(({_i(HG)}, {_i(Dr)}), "float32"{scope})',
@@ -271,9 +286,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        qr[hh, e] = T.Cast("float32", q[b, h0 + hh, s, {_i(Dn)} + e]) * {f32}({sc!r})',
             f"    st[hh, 0] = {NEG}",
             f"    st[hh, 1] = {f32}(0)",
-            f"for tk in range({_i(K)}):",
-            '    pos = T.Cast("int64", x[b, s, tk])',
-            f'    if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:',
+            ] + select + [
             f"        row = {cache_row(p, 'pos')}",
             f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
             f"            st[hh, 2] = {f32}(0)",
@@ -297,8 +310,9 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
     table = "bt_: T.handle, " if p.get("paged") else ""
+    idx = "" if p.get("dense") else "x_: T.handle, "
     src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
-           f"x_: T.handle, {table}o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
+           f"{idx}{table}o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return tvm.script.from_source(src)
 
 
@@ -319,6 +333,6 @@ def _schedule_rule(kernel, target: tvm.target.Target):
     return tvm.IRModule({"main": f})
 
 
-for _op in ("cache_attention", "sparse_attention", "mla_sparse_attention"):
+for _op in ("cache_attention", "sparse_attention", "mla_sparse_attention", "mla_attention"):
     lower.PRIMFUNCS[_op] = _prim_func_for
     schedule.HAND_SCHEDULED[_op] = _schedule_rule

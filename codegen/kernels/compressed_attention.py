@@ -32,6 +32,7 @@ import json
 import tvm
 
 from dayzero.codegen import lower, schedule
+from dayzero.codegen.kernels import attention
 from dayzero.passes.ir.node import Node
 
 OP = "compressed_attention"
@@ -54,7 +55,7 @@ def params(n: Node) -> dict:
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype)
     if n.attr.get("epos"):
         p.update(epos_dtype=rest.pop(0).dtype)
-    return p
+    return attention.paged_params(n, p, kv.shape[2])  # a paged K=V state (passes/paged_kv.py): the table last
 
 
 def head_group(H: int, Hkv: int, decode: bool, kind: str) -> int:
@@ -81,12 +82,13 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     NG, rep = H // HG, H // Hkv
     f32 = "T.float32"
     scope = ', scope="local"' if kind == "cuda" else ""
-    args = ["q_", "kv_", "p_", "en_", "sk_"] + (["x_"] if csa else []) + (["ep_"] if hca else []) + ["o_"]
+    args = (["q_", "kv_", "p_", "en_", "sk_"] + (["x_"] if csa else []) + (["ep_"] if hca else [])
+            + (["bt_"] if p.get("paged") else []) + ["o_"])
     lines = ['    T.func_attr({"tirx.noalias": True})']
     if p["S"] is None:
         lines.append("    S = T.int64()")
     lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(H)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    kv = T.match_buffer(kv_, ({_i(B)}, {_i(Hkv)}, {_i(L)}, {_i(D)}), "{p["kv_dtype"]}")',
+              f'    kv = T.match_buffer(kv_, ({_i(B)}, {_i(Hkv)}, {_i(p.get("P", L))}, {_i(D)}), "{p["kv_dtype"]}")',
               f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
               f'    en = T.match_buffer(en_, ({_i(B)}, {_i(Hkv)}, {_i(E)}, {_i(D)}), "{p["ent_dtype"]}")',
               f'    sk = T.match_buffer(sk_, ({_i(H)},), "{p["sink_dtype"]}")']
@@ -94,6 +96,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
     if hca:
         lines.append(f'    ep = T.match_buffer(ep_, ({S},), "{p["epos_dtype"]}")')
+    lines += attention.table_decl(p)
     lines.append(f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(D)}), "{p["out_dtype"]}")')
     total = f"{_i(B * NG)} * {S}"
     if kind == "cuda":
@@ -118,17 +121,19 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        qf[hh, d] = T.Cast("float32", q[b, h0 + hh, s, d]) * {f32}({p["scale"]!r})']
 
     def update(buf: str, row: str, ind: str) -> list[str]:
-        """Online-softmax step of every head of the task with the row ``buf[b, g, row, :]`` (K = V)."""
-        return [ind + f"for hh in range({_i(HG)}):",
+        """Online-softmax step of every head of the task with the row ``buf[b, g, row, :]`` (K = V); the K=V
+        state's row through the block table when it is paged."""
+        return [ind + f"r = {attention.cache_row(p, row) if buf == 'kv' else row}",
+                ind + f"for hh in range({_i(HG)}):",
                 ind + f"    sc[0] = {f32}(0)",
                 ind + f"    for d in range({_i(D)}):",
-                ind + f'        sc[0] = sc[0] + qf[hh, d] * T.Cast("float32", {buf}[b, g, {row}, d])',
+                ind + f'        sc[0] = sc[0] + qf[hh, d] * T.Cast("float32", {buf}[b, g, r, d])',
                 ind + "    mn = T.max(m[hh], sc[0])",
                 ind + "    corr = T.exp(m[hh] - mn)",
                 ind + "    ex = T.exp(sc[0] - mn)",
                 ind + "    den[hh] = den[hh] * corr + ex",
                 ind + f"    for d in range({_i(D)}):",
-                ind + f'        acc[hh, d] = acc[hh, d] * corr + ex * T.Cast("float32", {buf}[b, g, {row}, d])',
+                ind + f'        acc[hh, d] = acc[hh, d] * corr + ex * T.Cast("float32", {buf}[b, g, r, d])',
                 ind + "    m[hh] = mn"]
 
     pos = 'T.Cast("int64", p[s])'
