@@ -28,12 +28,13 @@ Compute dtypes (``CD``; a target property, targets/spec.py ``compute_dtype``):
   scale from the resident scales (a 1x32 block-scaled fp8 GEMM, W8 with fp32 activations on this host, which has
   no fp8 FMA); half the workspace bytes of bf16.
 
-Phases: 1. counting sort of the (token, slot) assignments by expert (serial, as moe.py). 2. one SERIAL loop over
-the experts with tokens, ascending: LRU lookup (serial, O(S)); gate/up GEMM of its tokens reading the slot
-(parallel over n-block chunks, 4 tokens x 4 rows x 16 fp32 lanes per tile as moe.py), on a miss each chunk first
-converting its 4-row block into the victim slot (32 values per scale byte, vectorised), so the GEMM reads the rows
-it just wrote from L1; activation; down GEMM (same).
-3. weighted combine in token order (deterministic, no atomics). Experts nobody routed are never read or converted.
+Phases: 1. counting sort of the (token, slot) assignments by expert (serial, moe.py's ``sort_by_expert``). 2. one
+SERIAL loop over the experts with tokens, ascending: LRU lookup (serial, O(S)); gate/up GEMM of its tokens
+reading the slot (parallel over n-block chunks, the token tiles of moe.py's ``expert_gemm_tiles``: 4 tokens x 4
+rows x 16 fp32 lanes), on a miss each chunk first converting its 4-row block into the victim slot (32 values per
+scale byte, vectorised), so the GEMM reads the rows it just wrote from L1; activation; down GEMM (same).
+3. weighted combine in token order (deterministic, no atomics: ``combine_in_token_order``). Experts nobody routed
+are never read or converted.
 
 Why a serial expert loop: the slot must be converted before its GEMMs read it and must not be reclaimed before
 they finish; each phase is a parallel region of its own, so the cores split every expert's work whatever the
@@ -57,6 +58,12 @@ experts, top-4, H=1024, I=512, MXFP4:
   takes the workspace route (the cache persists across steps and programs only if they all read it).
 A target whose compute dtype is not fp32 takes the workspace route in every program (the fused route computes in
 fp32). CUDA: not written for it; CUDA targets keep the fused route.
+Measured again after the fused kernel's decode became 16 codes per contiguous byte load looked up by one pshufb
+(the dequant kernels' ``e2m1_x2_lookup``; it had been a scalar byte gather, 480 vpinsrb): the same bench on a
+2-core znver3 (AVX2) host, load average 3.5-4.5, one run, workspace / fused = 1.28x at prefill T=256 (bf16 slot
+1.34x, fp8 slot 1.41x), 3.5x at decode T=1, 2.6x (fp32) / 2.2x (bf16) with the LRU cache: on this host the fused
+route is now the faster one in every case, so ``route_for``'s prefill choice above is due to be re-measured and
+re-decided (not changed with the kernel).
 """
 
 from __future__ import annotations
@@ -67,8 +74,8 @@ from tvm.script import tirx as T
 from dayzero import InternalError
 from dayzero.codegen import lower
 from dayzero.codegen.kernels import dequant
-from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, expert_gemm_tiles,
-                                         no_prefetch, parallel_chunks, sort_by_expert)
+from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent_biases,
+                                         expert_gemm_tiles, no_prefetch, optional, parallel_chunks, sort_by_expert)
 from dayzero.passes import expert_workspace as _op  # noqa: F401  (registers the moe_experts_mxfp4_ws op)
 
 OP = "moe_experts_mxfp4_ws"
@@ -228,9 +235,9 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
     ML = meta_len(S)
 
     @T.prim_func
-    def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                  bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, bd_h: T.handle, layer_h: T.handle,
-                  ws_h: T.handle, meta_h: T.handle, y_h: T.handle):
+    def kernel(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
+               db_h: T.handle, ds_h: T.handle, bd_h: T.handle, layer_h: T.handle, ws_h: T.handle, meta_h: T.handle,
+               y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
@@ -246,69 +253,10 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
         WS = T.match_buffer(ws_h, (S, WE), sd)
         META = T.match_buffer(meta_h, (ML,), "int64")
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, BGU, DB, DS, BD, LAYER, WS, META, Y, n_tok)
+        body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), LAYER, WS, META, Y,
+             n_tok)
 
-    @T.prim_func
-    def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, layer_h: T.handle,
-                ws_h: T.handle, meta_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
-        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
-        LAYER = T.match_buffer(layer_h, (1,), "int32")
-        WS = T.match_buffer(ws_h, (S, WE), sd)
-        META = T.match_buffer(meta_h, (ML,), "int64")
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, BGU, DB, DS, None, LAYER, WS, META, Y, n_tok)
-
-    @T.prim_func
-    def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-               db_h: T.handle, ds_h: T.handle, bd_h: T.handle, layer_h: T.handle,
-               ws_h: T.handle, meta_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
-        BD = T.match_buffer(bd_h, (E, H), b_dtype)
-        LAYER = T.match_buffer(layer_h, (1,), "int32")
-        WS = T.match_buffer(ws_h, (S, WE), sd)
-        META = T.match_buffer(meta_h, (ML,), "int64")
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, None, DB, DS, BD, LAYER, WS, META, Y, n_tok)
-
-    @T.prim_func
-    def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                db_h: T.handle, ds_h: T.handle, layer_h: T.handle, ws_h: T.handle, meta_h: T.handle,
-                y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, "uint8")
-        GS = T.match_buffer(gus_h, gus, "uint8")
-        DB = T.match_buffer(db_h, db, "uint8")
-        DS = T.match_buffer(ds_h, ds, "uint8")
-        LAYER = T.match_buffer(layer_h, (1,), "int32")
-        WS = T.match_buffer(ws_h, (S, WE), sd)
-        META = T.match_buffer(meta_h, (ML,), "int64")
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, None, DB, DS, None, LAYER, WS, META, Y, n_tok)
-
-    return {(True, True): with_both, (True, False): with_gu, (False, True): with_d,
-            (False, False): without}[(gate_up_bias, down_bias)]
+    return drop_absent_biases(kernel, gate_up_bias, down_bias)
 
 
 def _params(node) -> dict:

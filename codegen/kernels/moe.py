@@ -35,10 +35,14 @@ GEMM micro-kernel (``expert_gemm_tiles``, shared with ``expert_workspace.py``, a
 ``sort_by_expert``, ``combine_in_token_order``), ``nk``: MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of
 partial sums each (16 zmm accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving
 tree of vector adds; an expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1
-token does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency overlaps the
-FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every iteration, measured
-slower). ``kn`` uses the same loop nest reading the transposed weight (strided loads: correct, not tuned). CUDA: the
-same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90, not tuned.
+token does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM
+latency overlaps the FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every
+iteration, measured slower). ``kn`` uses the same loop nest reading the transposed weight (strided loads: correct,
+not tuned). CUDA: the same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90,
+not tuned.
+
+Bias variants: one TVMScript signature per weight format with every argument; ``drop_absent_biases`` removes the
+bias parameters a node does not have (its argument list is its inputs).
 
 Threads: T.parallel runs on TVM's pool, whose default on x86 is hardware_concurrency / 2; on a host with one thread
 per core set TVM_NUM_THREADS to the core count (``tools/bench_moe.py`` does) or the kernel runs on half the cores.
@@ -368,8 +372,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec)
 
     @T.prim_func
-    def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
-                  wd_h: T.handle, bd_h: T.handle, y_h: T.handle):
+    def dense(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle, wd_h: T.handle,
+              bd_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
@@ -380,105 +384,47 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         BD = T.match_buffer(bd_h, (E, H), wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, BGU, WD, None, BD, Y, n_tok)
-
-    @T.prim_func
-    def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle,
-                wd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
-        BGU = T.match_buffer(bgu_h, (E, GU), wt_dtype)
-        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, BGU, WD, None, None, Y, n_tok)
-
-    @T.prim_func
-    def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
-               bd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
-        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
-        BD = T.match_buffer(bd_h, (E, H), wt_dtype)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, None, WD, None, BD, Y, n_tok)
-
-    @T.prim_func
-    def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, wd_h: T.handle,
-                y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
-        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, None, WD, None, None, Y, n_tok)
+        body(X, IDS, WR, WGU, None, optional(gate_up_bias, BGU), WD, None, optional(down_bias, BD), Y, n_tok)
 
     if mx:
         gu_st = (((E, GU, H // 32, 16), "uint8"), ((E, GU, H // 32), "uint8"))
         d_st = (((E, H, I // 32, 16), "uint8"), ((E, H, I // 32), "uint8"))
-        return _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
-            (gate_up_bias, down_bias)]
+        return _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
+                            gate_up_bias, down_bias)
     if f8:
         def scale_shape(shape, blk):
             return (E, -(-shape[1] // blk[0]), -(-shape[2] // blk[1]))
         gu_st = ((wgu_shape, "float8_e4m3fn"), (scale_shape(wgu_shape, gate_up_block), "float32"))
         d_st = ((wd_shape, "float8_e4m3fn"), (scale_shape(wd_shape, down_block), "float32"))
-        return _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype)[
-            (gate_up_bias, down_bias)]
-    return {(True, True): with_both, (True, False): with_gu, (False, True): with_d,
-            (False, False): without}[(gate_up_bias, down_bias)]
+        return _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
+                            gate_up_bias, down_bias)
+    return drop_absent_biases(dense, gate_up_bias, down_bias)
 
 
-def _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype) -> dict:
-    """The four bias variants with expert matrices as stored: (data, scales) in place of each weight, each given
-    as ((shape, dtype), (shape, dtype)): MXFP4 (blocks, scales) or FP8 (weight, block scales)."""
+def optional(present: bool, buf):
+    """``buf`` if the kernel variant takes that argument, else None (what a kernel body reads as "absent")."""
+    return buf if present else None
+
+
+def drop_absent_biases(func: tvm.tirx.PrimFunc, gate_up_bias: bool, down_bias: bool) -> tvm.tirx.PrimFunc:
+    """FUNC, written with every argument and a body that reads the biases through ``optional``, without the bias
+    parameters (buffers named BGU and BD) the variant does not take: one TVMScript signature serves the four bias
+    variants, whose argument lists are the node's inputs (absent biases are not inputs)."""
+    drop = {name for name, on in (("BGU", gate_up_bias), ("BD", down_bias)) if not on}
+    keep = [p for p in func.params if p.name not in drop]
+    if len(func.params) - len(keep) != len(drop):
+        raise InternalError(f"expert kernel: bias parameters {sorted(drop)} not found in {func.params}")
+    return tvm.tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype,
+                 gate_up_bias: bool, down_bias: bool) -> tvm.tirx.PrimFunc:
+    """The kernel with expert matrices as stored: (data, scales) in place of each weight, each given as
+    ((shape, dtype), (shape, dtype)): MXFP4 (blocks, scales) or FP8 (weight, block scales)."""
     ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = gu_st, d_st
 
     @T.prim_func
-    def with_both(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                  bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, gubt)
-        GS = T.match_buffer(gus_h, gus, gust)
-        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
-        DB = T.match_buffer(db_h, db, dbt)
-        DS = T.match_buffer(ds_h, ds, dst)
-        BD = T.match_buffer(bd_h, (E, H), b_dtype)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, BGU, DB, DS, BD, Y, n_tok)
-
-    @T.prim_func
-    def with_gu(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                bgu_h: T.handle, db_h: T.handle, ds_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, gubt)
-        GS = T.match_buffer(gus_h, gus, gust)
-        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
-        DB = T.match_buffer(db_h, db, dbt)
-        DS = T.match_buffer(ds_h, ds, dst)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, BGU, DB, DS, None, Y, n_tok)
-
-    @T.prim_func
-    def with_d(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
+    def stored(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
                db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
@@ -487,28 +433,14 @@ def _stored_funcs(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b
         WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
         GB = T.match_buffer(gub_h, gub, gubt)
         GS = T.match_buffer(gus_h, gus, gust)
+        BGU = T.match_buffer(bgu_h, (E, GU), b_dtype)
         DB = T.match_buffer(db_h, db, dbt)
         DS = T.match_buffer(ds_h, ds, dst)
         BD = T.match_buffer(bd_h, (E, H), b_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, None, DB, DS, BD, Y, n_tok)
+        body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), Y, n_tok)
 
-    @T.prim_func
-    def without(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle,
-                db_h: T.handle, ds_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        GB = T.match_buffer(gub_h, gub, gubt)
-        GS = T.match_buffer(gus_h, gus, gust)
-        DB = T.match_buffer(db_h, db, dbt)
-        DS = T.match_buffer(ds_h, ds, dst)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, None, DB, DS, None, Y, n_tok)
-
-    return {(True, True): with_both, (True, False): with_gu, (False, True): with_d, (False, False): without}
+    return drop_absent_biases(stored, gate_up_bias, down_bias)
 
 
 def supports(H: int, GU: int, I: int, wgu_dtype: str, wd_dtype: str) -> bool:
