@@ -21,26 +21,11 @@ from __future__ import annotations
 
 import json
 
-from .bench_dequant import best_time
+from .bench_dequant import best_time, best_torch_time
 
 H, I, K_TOP, E_POOL = 2048, 768, 8, 32
 ACT = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
 BLOCK = (128, 128)
-
-
-def _best_torch(fn, repeats: int) -> tuple[float, int]:
-    """(seconds, threads): the better of torch on all its threads and on one (with a core taken by another job,
-    torch's OpenMP barriers can stall a multi-threaded run by 10-50x, as bench moe found)."""
-    import torch
-
-    n = torch.get_num_threads()
-    t_all = best_time(fn, repeats)
-    torch.set_num_threads(1)
-    try:
-        t_one = best_time(fn, repeats)
-    finally:
-        torch.set_num_threads(n)
-    return (t_all, n) if t_all <= t_one else (t_one, 1)
 
 
 def _fp8_pool(gen, shape):
@@ -118,7 +103,7 @@ def fp8_expert_cases(bw: float, quick: bool = False) -> list[dict]:
             _torch_experts(x, ids, w, lambda e: (gq[e], gs[e]), lambda e: (dq_[e], ds[e]), True)
 
     t_dz = best_time(dz, 3 if quick else 5) / len(routes)
-    t_eager, th = _best_torch(eager, 2)
+    t_eager, th = best_torch_time(eager, 2)
     t_eager /= 4
     routed = K_TOP * per_expert
     out.append({
@@ -142,7 +127,7 @@ def fp8_expert_cases(bw: float, quick: bool = False) -> list[dict]:
         ref = _torch_experts(x, ids, w, gu32.__getitem__, d32.__getitem__, False)
         err = float((y - ref).abs().max() / ref.abs().max())
         t_dz = best_time(lambda: kern(x, ids, w, gq, gs, dq_, ds, y), 3)
-        t_mm, th = _best_torch(lambda: _torch_experts(x, ids, w, gu32.__getitem__, d32.__getitem__, False), 3)
+        t_mm, th = best_torch_time(lambda: _torch_experts(x, ids, w, gu32.__getitem__, d32.__getitem__, False), 3)
         t_dense = best_time(lambda: dense(x, ids, w, wgu32, wd32, y), 3)
         flops = 2 * T * K_TOP * 3 * H * I
         out.append({

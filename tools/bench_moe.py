@@ -33,7 +33,7 @@ import json
 
 import click
 
-from dayzero.tools.bench_dequant import best_time
+from dayzero.tools.bench_dequant import best_time, best_torch_time
 
 E, K_TOP, H, I = 64, 4, 1024, 512
 
@@ -233,23 +233,12 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
         with torch.no_grad():
             return ex(x, ids, w)
 
-    n_torch = torch.get_num_threads()
     picked = {}
 
     def best_torch(name, fn, repeats):
-        """Best of torch on all its threads and on one: on a shared host a core taken by another job stalls
-        torch's OpenMP barriers (eager measured 50 ms quiet, 2-3 s with one core busy), so the baseline gets its
-        better setting; the thread count used is reported (``baseline_threads``)."""
-        times = {}
-        for n in sorted({n_torch, 1}, reverse=True):
-            torch.set_num_threads(n)
-            try:
-                times[n] = best_time(fn, repeats)
-            finally:
-                torch.set_num_threads(n_torch)
-        n = min(times, key=times.get)
-        picked[name] = n
-        return times[n]
+        """``best_torch_time``, the thread count it used kept in ``picked`` (reported as ``baseline_threads``)."""
+        t, picked[name] = best_torch_time(fn, repeats)
+        return t
 
     # prefill
     T = 64 if quick else 256
