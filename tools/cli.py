@@ -92,8 +92,8 @@ def main(debug: bool) -> None:
                    "compute_dtype is taken); default: the target's (host: fp32)")
 @click.option("--expert-route", type=click.Choice(["auto", "fused", "workspace"]), default="auto",
               show_default=True, help="MXFP4 experts: decode in registers (fused), or convert the routed experts "
-                                      "into a reused workspace; auto: prefill converts, decode decodes, unless a "
-                                      "cache or a non-fp32 compute dtype is asked for (measured: "
+                                      "into a reused workspace; auto: fused, unless a cache or a non-fp32 "
+                                      "compute dtype is asked for (measured: "
                                       "codegen/kernels/expert_workspace.py)")
 @click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
               help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)")

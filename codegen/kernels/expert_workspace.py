@@ -62,8 +62,9 @@ Measured again after the fused kernel's decode became 16 codes per contiguous by
 (the dequant kernels' ``e2m1_x2_lookup``; it had been a scalar byte gather, 480 vpinsrb): the same bench on a
 2-core znver3 (AVX2) host, load average 3.5-4.5, one run, workspace / fused = 1.28x at prefill T=256 (bf16 slot
 1.34x, fp8 slot 1.41x), 3.5x at decode T=1, 2.6x (fp32) / 2.2x (bf16) with the LRU cache: on this host the fused
-route is now the faster one in every case, so ``route_for``'s prefill choice above is due to be re-measured and
-re-decided (not changed with the kernel).
+route is now the faster one in every case, so ``route_for`` (auto) takes the fused route in every program when
+the compute dtype is fp32 and no cache is asked for; the workspace route serves non-fp32 compute dtypes (bf16 / fp8
+targets) and an explicit ``--expert-cache``.
 """
 
 from __future__ import annotations
