@@ -8,18 +8,24 @@ tokens fill and a freed block serves the next request (runtime/kv_pages.py keeps
     %u = state_index_put(%s, %pos, %k) {indices: dim 2} ==> %u = paged_state_index_put(%s, %pos, %k, %table)
     cache_attention(%q, %u, %v, %qpos)                       cache_attention(%q, %u, %v, %qpos, %table) {paged=bs}
 
-    %table = input "block_table" int32 [ceil(L / bs)]        (one table for every paged state of the program)
+    %table = input "block_table" int32 [ceil(L / bs)]        (one table for every paged state of a window class)
 
 A state is paged when the graph shows it is a per-token cache the kernels can address through a table: it is
 written only by ``state_index_put`` along one dimension d of size L (the position), read only by the ops in
 ``READERS`` at an operand whose position dimension is d, and otherwise only returned. Anything else (the
 fixed-size compressed caches of DeepSeek-V4, a cache some generic op reads) stays a per-request contiguous state.
-Every paged state has its own pool of the same N blocks, so one table maps all of a request's caches.
+Every paged state has its own pool; the states of one class have the same N blocks, so one table maps them all.
 
 Pool size: ``blocks`` if given (``dayzero compile --kv-blocks``), else enough for ``max_batch`` requests of the
 compiled maximum length, plus block 0: the scratch block that unallocated table entries point to (a padded
 prefill's tail writes land there; nothing valid is ever read from it). Runs after sparse_attention (the readers
 are its ops).
+
+Sliding windows: a cache whose every reader looks back at most W positions (gpt-oss's sliding layers, DeepSeek-V4's
+K=V state) gets its own table ``block_table_w{W}`` and pool. The runtime hands its blocks behind the window back
+after each call, so between calls a request holds ceil(W / bs) + 1 of them; during its prefill it holds the whole
+prompt (every prompt row is written before the attention reads it). The pool: (max_batch - 1) windows + one
+full-length request + the scratch block.
 """
 
 from __future__ import annotations
@@ -144,14 +150,35 @@ def paged_kv(g: Graph, ctx) -> Graph:
     if not paged:
         return g
     nt = -(-length // bs)
-    blocks = int(cfg.get("blocks") or cfg.get("max_batch", 1) * nt + 1)
-    cfg["resolved"] = {"block_size": bs, "blocks": blocks, "table_len": nt, "length": length}
-    table = Node.make("input", (), {"name": TABLE}, (TensorType("int32", (nt,)),))
+    # window class of each paged state: W > 0 when every reader looks back at most W positions (sliding-window
+    # attention), so blocks behind the window can be handed back while the request goes on
+    windows: dict[int, set] = {sid: set() for sid in paged}
+    for n in readers:
+        for k in READERS[n.op]:
+            sid = id(_cache_root(n.inputs[k]))
+            if sid in windows:
+                windows[sid].add(int(n.attr.get("window") or 0))
+    cls_of = {}
+    for sid, ws in windows.items():
+        w = ws.pop() if len(ws) == 1 else 0
+        # a window that spans (almost) the whole cache gains nothing from its own table
+        cls_of[sid] = w if w and -(-w // bs) + 1 < nt else 0
+    batch = int(cfg.get("max_batch", 1))
+    full = int(cfg.get("blocks") or batch * nt + 1)
+    tables, classes = {}, []
+    for w in sorted(set(cls_of.values())):
+        # a windowed request holds ceil(W / bs) + 1 blocks between calls, all of a prompt during its prefill (one
+        # prefill at a time): (batch - 1) windows + one full-length request + the scratch block
+        blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
+        name = TABLE if w == 0 else f"{TABLE}_w{w}"
+        tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", (nt,)),)), blocks)
+        classes.append({"name": name, "window": w, "blocks": blocks})
+    cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}
 
     new_state: dict[int, Node] = {}
     for sid, (s, d) in paged.items():
         shape = list(s.shape)
-        shape[d] = blocks * bs
+        shape[d] = tables[cls_of[sid]][1] * bs
         new_state[sid] = s.replace(attrs={**s.attr, "zone": ZONE}, types=(TensorType(s.dtype, tuple(shape)),))
 
     new: dict[int, Node] = {}
@@ -165,14 +192,16 @@ def paged_kv(g: Graph, ctx) -> Graph:
         if n.op == "state_index_put" and root is not None and id(root) in paged:
             _, d = paged[id(root)]
             state, idx, values = ins
+            table = tables[cls_of[id(root)]][0]
             m = Node.make(WRITE, (state, idx, values, table), {"dim": d, "block_size": bs}, state.types, n.span)
             count += 1
         elif n.op in READERS and any(id(_cache_root(n.inputs[k])) in paged for k in READERS[n.op]):
+            table = tables[cls_of[id(_cache_root(n.inputs[next(iter(READERS[n.op]))]))]][0]
             m = n.replace(inputs=ins + (table,), attrs={**n.attr, "paged": bs, "length": length})
         else:
             m = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
         new[id(n)] = m
     if count:
         ctx.patterns["paged_kv_write"] = ctx.patterns.get("paged_kv_write", 0) + count
-    return g.replace(inputs=tuple(new[id(i)] for i in g.inputs) + (table,),
+    return g.replace(inputs=tuple(new[id(i)] for i in g.inputs) + tuple(t for t, _ in tables.values()),
                      outputs=tuple(new[id(o)] for o in g.outputs))

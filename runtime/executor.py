@@ -325,10 +325,13 @@ class Runtime:
         are taken first (runtime/kv_pages.py; a full pool is a UserError for this request), and the slot's block
         table is passed to a program that reads paged caches."""
         prog = self.programs[name]
-        if self.kv is not None and any(prog.buffers[b]["name"] == "block_table" for b in prog.inputs):
-            self.kv.ensure(slot, tokens)
-            inputs = list(inputs) + [self.kv.tables[slot]]
-        return prog.run(inputs, slot=slot)
+        tables = [prog.buffers[b]["name"] for b in prog.inputs[len(inputs):]]  # block_table[_w{W}] inputs
+        if self.kv is None or not tables:
+            return prog.run(inputs, slot=slot)
+        self.kv.ensure(slot, tokens)
+        out = prog.run(list(inputs) + [self.kv.table(t, slot) for t in tables], slot=slot)
+        self.kv.trim(slot, tokens)  # sliding-window pools: blocks the next query cannot see go back
+        return out
     @property
     def length(self) -> int:
         return self.lengths.get(0, 0)

@@ -1,16 +1,17 @@
-"""The KV-cache manager: blocks of the paged pools handed to requests, and each request's block table.
+"""The KV-cache manager: blocks of the paged pools handed to requests, and each request's block tables.
 
-Every paged cache of an artifact (passes/paged_kv.py) is a pool of ``blocks`` blocks of ``block_size`` rows;
-position p of the request in slot k lives in row ``table_k[p // block_size] * block_size + p % block_size`` of
-every pool (one table maps all of a request's caches). Block 0 is the scratch block: table entries not yet
-handed out point to it, so a padded prefill's tail writes there and nothing valid is ever read from it.
+Every paged cache of an artifact (passes/paged_kv.py) is a pool of blocks of ``block_size`` rows; position p of
+the request in slot k lives in row ``table[p // block_size] * block_size + p % block_size`` of its pool. Caches of
+one window class share a table and a block count: class 0 (full attention: every position stays) and one class per
+sliding window W (blocks whose positions all fell behind the window are handed back). Block 0 of every pool is the
+scratch block: table entries not handed out point to it, so a padded prefill's tail writes there and nothing
+valid is ever read from it.
 
-    ensure(slot, tokens)   blocks for positions [0, tokens) before a program writes them (prefill, decode step);
-                           a pool without enough free blocks is a UserError for that request alone
-    release(slot)          the request is over (or reset): its blocks go back to the free list, reused first
-
-A request holds ceil(tokens / block_size) blocks, never the compiled maximum: with ``--kv-blocks`` below
-``max_batch`` full-length requests, short requests share a small pool.
+    ensure(slot, tokens)   blocks for positions [0, tokens) (a windowed class: those not yet behind the window)
+                           before a program writes them; a pool without enough free blocks is a UserError for that
+                           request alone, and nothing is taken
+    trim(slot, tokens)     after a call: windowed classes free the blocks the next query (at ``tokens``) cannot see
+    release(slot)          the request is over (or reset): its blocks go back to the free lists, reused first
 """
 
 from __future__ import annotations
@@ -20,42 +21,75 @@ import torch
 from dayzero import UserError
 
 
-class KVPages:
-    def __init__(self, block_size: int, blocks: int, table_len: int, slots: int):
-        self.block_size, self.blocks, self.table_len = int(block_size), int(blocks), int(table_len)
+class _Class:
+    def __init__(self, name: str, window: int, blocks: int, table_len: int, slots: int):
+        self.name, self.window, self.blocks = name, int(window), int(blocks)
         self.free = list(range(self.blocks - 1, 0, -1))  # a stack: pop() hands out the most recently freed block
-        self.tables = {k: torch.zeros(self.table_len, dtype=torch.int32) for k in range(slots)}
-        self.owned: dict[int, list[int]] = {k: [] for k in range(slots)}
+        self.tables = {k: torch.zeros(table_len, dtype=torch.int32) for k in range(slots)}
+        self.owned: dict[int, dict[int, int]] = {k: {} for k in range(slots)}  # slot -> {logical: block}
+        self.behind: dict[int, int] = {k: 0 for k in range(slots)}  # logical blocks below this are handed back
+
+
+class KVPages:
+    def __init__(self, block_size: int, table_len: int, classes: list[dict], slots: int):
+        self.block_size, self.table_len = int(block_size), int(table_len)
+        self.classes = [_Class(c["name"], c["window"], c["blocks"], self.table_len, slots) for c in classes]
+        self.by_name = {c.name: c for c in self.classes}
 
     @classmethod
     def of(cls, program_json: dict, slots: int) -> "KVPages | None":
         cfg = program_json.get("kv_pages")
-        return cls(cfg["block_size"], cfg["blocks"], cfg["table_len"], slots) if cfg else None
+        return cls(cfg["block_size"], cfg["table_len"], cfg["tables"], slots) if cfg else None
+
+    @property
+    def tables(self) -> dict[int, torch.Tensor]:
+        """Slot -> its full-attention table (class 0), or the first class's."""
+        return self.by_name.get("block_table", self.classes[0]).tables
+
+    def table(self, name: str, slot: int) -> torch.Tensor:
+        return self.by_name[name].tables[slot]
 
     def ensure(self, slot: int, tokens: int) -> None:
         need = -(-int(tokens) // self.block_size)
-        owned = self.owned[slot]
-        missing = need - len(owned)
-        if missing <= 0:
-            return
         if need > self.table_len:
             raise UserError(f"{tokens} tokens exceed the block table of {self.table_len} blocks of "
                             f"{self.block_size} tokens")
-        if missing > len(self.free):
-            raise UserError(f"KV cache full: the request needs {missing} more blocks of {self.block_size} tokens "
-                            f"but {len(self.free)} of {self.blocks - 1} are free (compile with a larger --kv-blocks "
-                            f"or serve fewer requests at once)")
-        table = self.tables[slot]
-        for i in range(len(owned), need):
-            b = self.free.pop()
-            owned.append(b)
-            table[i] = b
+        wanted = [(c, [i for i in range(c.behind[slot], need) if i not in c.owned[slot]]) for c in self.classes]
+        for c, idx in wanted:  # all or nothing
+            if len(idx) > len(c.free):
+                raise UserError(f"KV cache full: the request needs {len(idx)} more blocks of {self.block_size} tokens"
+                                f" in {c.name} but {len(c.free)} of {c.blocks - 1} are free (compile with a larger "
+                                f"--kv-blocks or serve fewer requests at once)")
+        for c, idx in wanted:
+            for i in idx:
+                b = c.free.pop()
+                c.owned[slot][i] = b
+                c.tables[slot][i] = b
+
+    def trim(self, slot: int, tokens: int) -> None:
+        for c in self.classes:
+            if not c.window:
+                continue
+            behind = max(0, (int(tokens) - c.window + 1) // self.block_size)  # blocks the next query cannot see
+            for i in range(c.behind[slot], behind):
+                b = c.owned[slot].pop(i, None)
+                if b is not None:
+                    c.free.append(b)
+                    c.tables[slot][i] = 0
+            c.behind[slot] = max(c.behind[slot], behind)
 
     def release(self, slot: int) -> None:
-        self.free.extend(reversed(self.owned[slot]))
-        self.owned[slot] = []
-        self.tables[slot].zero_()
+        for c in self.classes:
+            c.free.extend(reversed(list(c.owned[slot].values())))
+            c.owned[slot] = {}
+            c.behind[slot] = 0
+            c.tables[slot].zero_()
+
+    def owned(self, slot: int, name: str = "block_table") -> list[int]:
+        """Blocks the request in ``slot`` holds in a class's pools, in logical order."""
+        c = self.by_name[name]
+        return [c.owned[slot][i] for i in sorted(c.owned[slot])]
 
     def stats(self) -> dict:
-        used = sum(len(v) for v in self.owned.values())
-        return {"block_size": self.block_size, "blocks": self.blocks - 1, "used": used, "free": len(self.free)}
+        return {c.name: {"block_size": self.block_size, "window": c.window, "blocks": c.blocks - 1,
+                         "used": sum(len(v) for v in c.owned.values()), "free": len(c.free)} for c in self.classes}

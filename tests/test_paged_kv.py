@@ -238,12 +238,20 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     ckpt, art, report = tiny_compiled(model_type)
     pj = json.loads((art / "program.json").read_text())
     pages = pj["kv_pages"]
-    assert pages == {"block_size": 16, "blocks": 3 * 8 + 1, "table_len": 8, "length": 128}  # max_batch 3, 128
+    assert {k: pages[k] for k in ("block_size", "table_len", "length")} == {"block_size": 16, "table_len": 8,
+                                                                            "length": 128}
+    tables = {t["name"]: t for t in pages["tables"]}
+    assert tables["block_table"] == {"name": "block_table", "window": 0, "blocks": 3 * 8 + 1}  # max_batch 3 x 128
+    window = json.loads((ckpt / "config.json").read_text()).get("sliding_window") if model_type == "gpt_oss" else 0
+    if window:  # sliding layers: their own pool, two windows + one whole prompt + the scratch block
+        assert tables[f"block_table_w{window}"]["blocks"] == 2 * (-(-window // 16) + 1) + 8 + 1 < 25
+    assert len(tables) == 1 + bool(window)
     for prog in pj["programs"].values():
         names = [prog["buffers"][b]["name"] for b in prog["inputs"]]
-        assert names[-1] == "block_table"
+        assert names[-len(tables):] == [t["name"] for t in pages["tables"]]
         kv = [b for b in prog["buffers"] if b.get("state") and b["alias_of"] is None]
-        assert kv and all(b["zone"] == "kv_pages" and 400 in b["shape"] for b in kv)  # 25 blocks x 16 rows
+        assert kv and all(b["zone"] == "kv_pages" and any(t["blocks"] * 16 in b["shape"] for t in tables.values())
+                          for b in kv)
         assert prog["memory"]["zones"].get("kv_cache", 0) == 0
     assert report["patterns"]["paged_kv_write"] >= 2
 
@@ -252,7 +260,8 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     for b in prefill.buffers:  # every row of every pool: NaN
         if b["zone"] == "kv_pages" and b.get("state") and b["alias_of"] is None:
             prefill.view(b["id"], ()).fill_(float("nan"))
-    random.Random(7).shuffle(rt.kv.free)
+    for c in rt.kv.classes:
+        random.Random(7).shuffle(c.free)
     model = _upstream(ckpt)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, model.config.vocab_size, (37,), generator=g).tolist()
@@ -260,6 +269,9 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     table = rt.kv.tables[0][:4].tolist()
     assert table[3] == 0 and 0 not in table[:3] and table[:3] != [1, 2, 3]  # 48 tokens in 3 shuffled blocks
     assert out == _greedy(model, prompt, 12)
+    if window:  # 48 tokens written; the sliding pool keeps only the blocks the next query can see
+        held = rt.kv.owned(0, f"block_table_w{window}")
+        assert len(held) <= -(-window // 16) + 1 and rt.kv.table(f"block_table_w{window}", 0)[0] == 0
     # a second turn appends to the request's blocks: the history is never prefilled again
     turn = torch.randint(0, model.config.vocab_size, (5,), generator=g).tolist()
     more = rt.generate(turn, max_new_tokens=4, append=True)
@@ -280,7 +292,7 @@ def test_full_pool_fails_one_request_and_freed_blocks_serve_the_next(tmp_path):
     ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0)
     compile_model(str(ckpt), tmp_path / "art", max_seq=64, max_batch=3, kv_blocks=6)
     rt = load(tmp_path / "art")
-    assert rt.kv.stats() == {"block_size": 16, "blocks": 5, "used": 0, "free": 5}
+    assert rt.kv.stats() == {"block_table": {"block_size": 16, "window": 0, "blocks": 5, "used": 0, "free": 5}}
     model = _upstream(ckpt)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.config.vocab_size, (14,), generator=g).tolist() for _ in range(3)]
@@ -289,12 +301,12 @@ def test_full_pool_fails_one_request_and_freed_blocks_serve_the_next(tmp_path):
     assert "KV cache full" in res[2]["error"] and "--kv-blocks" in res[2]["error"]
     for p, r in zip(prompts[:2], res[:2]):
         assert r["tokens"] == _greedy(model, p, 12)
-    assert rt.kv.stats()["used"] == 4 and rt.kv.owned[2] == []
-    held = set(rt.kv.owned[0])
+    assert rt.kv.stats()["block_table"]["used"] == 4 and rt.kv.owned(2) == []
+    held = set(rt.kv.owned(0))
     rt.reset(0)
     out = rt.generate(prompts[2], max_new_tokens=12, slot=2)
     assert out == _greedy(model, prompts[2], 12)
-    assert set(rt.kv.owned[2]) & held  # freed blocks are handed out again
+    assert set(rt.kv.owned(2)) & held  # freed blocks are handed out again
 
 
 def test_bad_kv_options_are_user_errors(tmp_path):

@@ -96,8 +96,8 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
     arithmetic from config.json (fp32 cache, 4 bytes per value):
     * dense GQA (Qwen3-MoE): K and V, 2 x num_key_value_heads x head_dim x 4 (head_dim = hidden / heads
       where the config has none);
-    * gpt-oss: the same on full and on sliding layers -- the sliding layers hold all max_length rows, not the
-      window (transformers' static cache; stored is more than the model needs: window x 2 x kvh x hd x 4 bytes);
+    * gpt-oss: the same on full and on sliding layers; a sliding layer's request holds only the 16-row blocks its
+      window touches (a paged pool of its own, passes/paged_kv.py), not max_length rows;
     * DeepSeek-V3.2 (MLA + DSA): the latent and the shared rope key, (kv_lora_rank + qk_rope_head_dim) x 4, plus
       the indexer's key, index_head_dim x 4."""
     ckpt, art, _ = tiny_compiled(model_type)
@@ -119,13 +119,16 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
     if model_type == "gpt_oss":
         assert set(types) == {"sliding_attention", "full_attention"}
         sliding = types["sliding_attention"]
-        assert sliding["window"] == c["sliding_window"] < sliding["rows"] == 128  # holds more than the window
+        # a sliding layer's pool hands back the blocks behind the window: a request holds the window's blocks
+        held = (-(-c["sliding_window"] // 16) + 1) * 16
+        assert sliding["window"] == c["sliding_window"] <= sliding["rows"] == held < 128
 
 
 @pytest.mark.slow
 def test_kv_cache_of_deepseek_v4_compressed_layers(tiny_compiled):
     """DeepSeek-V4's caches (dayzero's fixed-size form, frontend/v4_cache.py), fp32, per layer type from config.json:
-    * every layer keeps K = V in one tensor of head_dim per token -- all max_length rows, not the sliding window;
+    * every layer keeps K = V in one tensor of head_dim per token, a paged pool of the sliding window's class: a
+      request holds the blocks its window touches, not max_length rows;
     * a compressed_sparse_attention layer adds one head_dim entry and one index_head_dim indexer entry per m
       tokens (compress_rates), plus per-sequence constants: the compressor's and the indexer's pending window
       (kv and gate, m rows of 2 x width each, the overlap doubles it) and overlap slice (m rows of width each);
@@ -152,7 +155,8 @@ def test_kv_cache_of_deepseek_v4_compressed_layers(tiny_compiled):
     plan = kv_layout(c, "fp32")
     assert {t: e["state_bytes"] for t, e in plan.items()} == {t: g[2] for t, g in got.items()}
     for e in kv["layer_types"].values():
-        assert e["window"] == win < e["rows"] == 128  # K=V holds every position, more than the window needs
+        kv_state = e["states"]["cache_*_keys"]  # K = V, paged in the window's class: the window's blocks
+        assert e["window"] == kv_state["window"] == win <= kv_state["rows"] == (-(-win // 16) + 1) * 16 < 128
 
 
 def _cross_layer_buffers(art, rep):

@@ -244,9 +244,9 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     for k, bid in enumerate(pj["inputs"]):  # the prefill of a stateful artifact fills the cache from position 0
         if pj["buffers"][bid]["name"] == "cache_position":
             inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
-        if pj["buffers"][bid]["name"] == "block_table":  # paged caches: blocks 1, 2, ... in order
+        if pj["buffers"][bid]["name"].startswith("block_table"):  # paged caches: blocks 1, 2, ... in order
             rt.kv.ensure(0, inputs[0].shape[-1])
-            inputs[k] = rt.kv.tables[0].clone()
+            inputs[k] = rt.kv.table(pj["buffers"][bid]["name"], 0).clone()
 
     run_upstream, tensors, fe = upstream(model, max_seq)
     tensors.update(fe.traced.weights)

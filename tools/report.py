@@ -87,11 +87,13 @@ def _checkpoint_config(artifact: str) -> dict:
     return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
 
 
-def _state_entry(b: dict, length: int, desc: dict | None) -> dict:
+def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = None) -> dict:
     """One cache state's bytes: per token of context when it covers the whole context, else a per-sequence
     constant.  ``desc`` (report.json ``kv_cache_layout``, from the compile) names the token-position dim and the
     compression rate (one row per ``compress_rate`` tokens); without it a dim equal to ``length`` is taken as the
-    position dim (older artifacts)."""
+    position dim (older artifacts).  A paged state (zone ``kv_pages``) is a pool: a request holds at most
+    ``length`` rows of it, and a sliding-window one (a ``pages`` table of its window) ceil(W / bs) + 1 blocks
+    between calls (passes/paged_kv.py)."""
     nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
     if desc is not None:
         pos, rate = desc.get("position_dim"), desc.get("compress_rate") or 1
@@ -101,10 +103,15 @@ def _state_entry(b: dict, length: int, desc: dict | None) -> dict:
     grows = rows is not None and rows * rate >= length  # a ring of the last rows (a window) does not grow
     entry = {"shape": b["shape"], "dtype": b["dtype"], "rows": rows, "compress_rate": rate,
              "bytes_per_token": nbytes / rows / rate if grows else 0, "fixed_bytes": 0 if grows else nbytes}
-    if b.get("zone") == "kv_pages" and grows:  # a pool of blocks (passes/paged_kv.py): a request holds <= length
-        entry.update(rows=length, pool_rows=rows)
-    if desc is not None and desc.get("sliding_window"):
-        entry["window"] = desc["sliding_window"]
+    window = desc.get("sliding_window") if desc is not None else None
+    if b.get("zone") == "kv_pages" and grows:
+        held = length
+        if window and pages and any(t["window"] == window for t in pages.get("tables", [])):
+            bs = pages["block_size"]
+            held = min(length, (-(-window // bs) + 1) * bs)
+        entry.update(rows=held, pool_rows=rows)
+    if window:
+        entry["window"] = window
     return entry
 
 
@@ -137,7 +144,7 @@ def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, page
         desc = described.get(name)
         layer = desc["layer"] if desc else int(m.group(1)) if m else None
         pattern = name[:m.start(1)] + "*" + name[m.end(1):] if m else name
-        per_layer.setdefault(layer, {})[pattern] = _state_entry(b, length, desc)
+        per_layer.setdefault(layer, {})[pattern] = _state_entry(b, length, desc, pages)
         if desc and desc.get("layer_type"):
             layer_type[layer] = desc["layer_type"]
         elif layer is not None and layer < len(types):
@@ -171,8 +178,9 @@ def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, page
            "layer_types": out, "described": bool(described)}
     if pages:
         pool = sum(math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]] for b in states.values() if b["zone"] == "kv_pages")
-        res["pages"] = {"block_size": pages["block_size"], "blocks": pages["blocks"] - 1,
-                        "tokens": (pages["blocks"] - 1) * pages["block_size"], "pool_bytes": pool}
+        res["pages"] = {"block_size": pages["block_size"], "pool_bytes": pool,
+                        "tables": [{"name": t["name"], "window": t["window"], "blocks": t["blocks"] - 1,
+                                    "tokens": (t["blocks"] - 1) * pages["block_size"]} for t in pages["tables"]]}
     return res
 
 
@@ -332,8 +340,10 @@ def _human(r: dict) -> None:
                    + (f" + {kv['fixed_bytes']:,} B fixed" if kv["fixed_bytes"] else ""))
         if kv.get("pages"):
             pg = kv["pages"]
-            click.echo(f"  paged: {pg['blocks']} blocks of {pg['block_size']} tokens ({pg['tokens']:,} tokens shared "
-                       f"by the requests, + 1 scratch block), {pg['pool_bytes']:,} B of pools")
+            click.echo(f"  paged: blocks of {pg['block_size']} tokens shared by the requests, {pg['pool_bytes']:,} B "
+                       "of pools: " + "; ".join(f"{t['name']} {t['blocks']} blocks ({t['tokens']:,} tokens"
+                                               + (f", window {t['window']}: blocks behind it go back" if t["window"]
+                                                  else "") + ")" for t in pg["tables"]))
         for t, e in kv["layer_types"].items():
             held = f", holds {e['rows']} rows, window {e['window']}" if e["window"] and e["rows"] else ""
             click.echo(f"  {t}: {e['layers']} layer(s), {e['bytes_per_token']:,.1f} B/token per layer"
