@@ -39,7 +39,8 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 from dayzero.passes.paged_kv import unpage
 from dayzero.passes.sparse_attention import (_NoMatch, _attend, _const, _flat_heads, _is_arange_row, _mask_terms,
-                                             _need, _qpos, _repeat_kv, _RESHAPE, _skip, valid_positions)
+                                             _need, _qpos, _repeat_kv, _RESHAPE, _skip, sink_softmax_parts,
+                                             valid_positions)
 
 OP = "compressed_attention"
 
@@ -171,19 +172,7 @@ def _match(n: Node, constants, counts) -> Node:
     view(compressed_attention [B,H,S,D])."""
     p, vf = n.inputs
     v = _repeat_kv(_flat_heads(vf))
-    sl = _skip(_flat_heads(p), ("clone",))
-    _need(sl.op == "slice.Tensor" and sl.attr.get("dim") in (-1, 3) and (sl.attr.get("start") or 0) == 0
-          and sl.attr.get("end") == -1 and (sl.attr.get("step") or 1) == 1)
-    sm = sl.inputs[0]
-    _need(sm.op in ("softmax.int", "_softmax") and sm.attr.get("dim") in (-1, 3))
-    c = sm.inputs[0]
-    if c.op == "sub.Tensor":
-        mx = c.inputs[1]
-        _need(mx.op == "getitem" and mx.attr["index"] == 0 and mx.inputs[0].op == "max.dim"
-              and mx.inputs[0].inputs[0] is c.inputs[0] and c.attr.get("alpha", 1) == 1)
-        c = c.inputs[0]
-    _need(c.op == "cat" and c.attr.get("dim") in (-1, 3) and len(c.inputs) == 2)
-    logits, sk = c.inputs
+    logits, sk = sink_softmax_parts(p)
     sinks = _through(sk)
     _need(sinks.type.ndim == 1 and sk.shape[-1] == 1)
     _need(logits.op == "add.Tensor" and logits.attr.get("alpha", 1) == 1)

@@ -443,10 +443,10 @@ def _flat_heads(n: Node, ndim4: int = 4) -> Node:
     return x
 
 
-def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
-    """bmm(P [B*H,S,L], V [B*H,L,Dv]) of the eager sink attention -> view(cache_attention [B,H,S,Dv])."""
-    p, vf = n.inputs
-    v = _flat_heads(vf)
+def sink_softmax_parts(p: Node) -> tuple[Node, Node]:
+    """The probabilities of eager attention with sinks (gpt-oss, DeepSeek-V4), flattened [B*H, S, L]::
+
+        view(softmax(cat(logits, sinks) [- max]) [..., :-1]) -> (logits [B,H,S,L], sinks column [B,H,S,1])"""
     sl = _skip(_flat_heads(p), ("clone",))
     _need(sl.op == "slice.Tensor" and sl.attr.get("dim") in (-1, 3) and (sl.attr.get("start") or 0) == 0
           and sl.attr.get("end") == -1 and (sl.attr.get("step") or 1) == 1)
@@ -459,7 +459,14 @@ def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
               and mx.inputs[0].inputs[0] is c.inputs[0] and c.attr.get("alpha", 1) == 1)
         c = c.inputs[0]
     _need(c.op == "cat" and c.attr.get("dim") in (-1, 3) and len(c.inputs) == 2)
-    logits, sk = c.inputs
+    return c.inputs[0], c.inputs[1]
+
+
+def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
+    """bmm(P [B*H,S,L], V [B*H,L,Dv]) of the eager sink attention -> view(cache_attention [B,H,S,Dv])."""
+    p, vf = n.inputs
+    v = _flat_heads(vf)
+    logits, sk = sink_softmax_parts(p)
     sinks = sk
     while sinks.op in _RESHAPE | {"expand", "clone"}:
         sinks = sinks.inputs[0]

@@ -26,11 +26,10 @@ Written as TVMScript text (like ``state.py``): data-dependent loop bounds (qpos,
 
 from __future__ import annotations
 
-import json
 
 import tvm
 
-from dayzero.codegen import lower, schedule
+from dayzero.codegen import schedule
 from dayzero.passes.ir.node import Node
 
 QB = 16  # queries per block (prefill, host CPU)
@@ -281,7 +280,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f"    for d in range({_i(Dn)}):",
             f'        qd = T.Cast("float32", q[b, h0 + hh, s, d]) * {f32}({sc!r})',
             f"        for r in range({_i(R)}):",
-            f'            qa[hh, r] = qa[hh, r] + qd * T.Cast("float32", w[w0 + d, r])',
+            '            qa[hh, r] = qa[hh, r] + qd * T.Cast("float32", w[w0 + d, r])',
             f"    for e in range({_i(Dr)}):",
             f'        qr[hh, e] = T.Cast("float32", q[b, h0 + hh, s, {_i(Dn)} + e]) * {f32}({sc!r})',
             f"    st[hh, 0] = {NEG}",
@@ -316,23 +315,5 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     return tvm.script.from_source(src)
 
 
-def _prim_func_for(node: Node) -> tvm.tirx.PrimFunc:
-    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters for the target rule."""
-    p = params(node)
-    return build(p, "llvm").with_attr("dayzero.attention_params", json.dumps(p, sort_keys=True))
-
-
-def _schedule_rule(kernel, target: tvm.target.Target):
-    """schedule.HAND_SCHEDULED entry: the kernel written for the target (CPU parallel loops / CUDA threads)."""
-    attrs = kernel.func.attrs
-    if attrs is None or "dayzero.attention_params" not in attrs:
-        return None
-    kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    f = build(json.loads(str(attrs["dayzero.attention_params"])), kind)
-    f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
-    return tvm.IRModule({"main": f})
-
-
-for _op in ("cache_attention", "sparse_attention", "mla_sparse_attention", "mla_attention"):
-    lower.PRIMFUNCS[_op] = _prim_func_for
-    schedule.HAND_SCHEDULED[_op] = _schedule_rule
+schedule.register_param_kernel(("cache_attention", "sparse_attention", "mla_sparse_attention", "mla_attention"),
+                               params, build, "dayzero.attention_params")

@@ -27,11 +27,10 @@ Written as TVMScript text, like ``attention.py`` (data-dependent loop bounds are
 
 from __future__ import annotations
 
-import json
 
 import tvm
 
-from dayzero.codegen import lower, schedule
+from dayzero.codegen import schedule
 from dayzero.codegen.kernels import attention
 from dayzero.passes.ir.node import Node
 
@@ -164,22 +163,4 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     return tvm.script.from_source(src)
 
 
-def _prim_func_for(node: Node) -> tvm.tirx.PrimFunc:
-    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters for the target rule."""
-    p = params(node)
-    return build(p, "llvm").with_attr("dayzero.compressed_attention_params", json.dumps(p, sort_keys=True))
-
-
-def _schedule_rule(kernel, target: tvm.target.Target):
-    """schedule.HAND_SCHEDULED entry: the kernel written for the target (CPU parallel loops / CUDA threads)."""
-    attrs = kernel.func.attrs
-    if attrs is None or "dayzero.compressed_attention_params" not in attrs:
-        return None
-    kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    f = build(json.loads(str(attrs["dayzero.compressed_attention_params"])), kind)
-    f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
-    return tvm.IRModule({"main": f})
-
-
-lower.PRIMFUNCS[OP] = _prim_func_for
-schedule.HAND_SCHEDULED[OP] = _schedule_rule
+schedule.register_param_kernel((OP,), params, build, "dayzero.compressed_attention_params")
