@@ -39,8 +39,8 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 from dayzero.passes.paged_kv import unpage
 from dayzero.passes.sparse_attention import (_NoMatch, _attend, _const, _flat_heads, _is_arange_row, _mask_terms,
-                                             _need, _qpos, _repeat_kv, _RESHAPE, _skip, sink_softmax_parts,
-                                             valid_positions)
+                                             _need, _qpos, _repeat_kv, _RESHAPE, _skip, scaled_qk,
+                                             sink_softmax_parts, valid_positions)
 
 OP = "compressed_attention"
 
@@ -177,17 +177,8 @@ def _match(n: Node, constants, counts) -> Node:
     _need(sinks.type.ndim == 1 and sk.shape[-1] == 1)
     _need(logits.op == "add.Tensor" and logits.attr.get("alpha", 1) == 1)
     scaled, bias = logits.inputs
-    _need(scaled.op == "mul.Tensor")
-    scale = _const(scaled.inputs[1], constants)
-    _need(scale.numel() == 1)
-    s4 = scaled.inputs[0]
-    _need(s4.op in ("view", "_unsafe_view", "reshape") and s4.type.ndim == 4)
-    qk = s4.inputs[0]
-    _need(qk.op == "bmm")
-    q = _flat_heads(qk.inputs[0])
-    kt = _flat_heads(qk.inputs[1])
-    _need(kt.op == "permute" and tuple(kt.attr["dims"]) == (0, 1, 3, 2))
-    kvc = _repeat_kv(kt.inputs[0])
+    scale, q, k = scaled_qk(scaled, constants)
+    kvc = _repeat_kv(k)
     # K = V = cat([sliding state, entries]) along the rows
     _need(kvc is v and kvc.op == "cat" and kvc.attr.get("dim") in (2, -2) and len(kvc.inputs) == 2)
     kv, ent = kvc.inputs

@@ -129,7 +129,7 @@ def sparse_reference(ins, attrs):
     q, k, v, qpos, idx = unpage(ins, attrs, SPARSE)
     if q.device.type == "meta":
         return _out(q, v)
-    B, S, L = q.shape[0], q.shape[2], k.shape[2]
+    S, L = q.shape[2], k.shape[2]
     sel = torch.zeros(idx.shape[0], S, L, dtype=torch.bool).scatter_(-1, idx.long(), True)
     mask = (sel & valid_positions(L, qpos.reshape(-1), 0)[None]).unsqueeze(1)
     return _attend(q, k, v, mask, attrs["scale"]).contiguous()
@@ -462,6 +462,22 @@ def sink_softmax_parts(p: Node) -> tuple[Node, Node]:
     return c.inputs[0], c.inputs[1]
 
 
+def scaled_qk(scaled: Node, constants) -> tuple[torch.Tensor, Node, Node]:
+    """view(bmm(q, kᵀ)) * scale of eager attention, heads flattened -> (scale, q [B,H,S,D], k [B,Hk,L,D] as fed
+    to the transpose: repeat_kv'd where the heads were repeated)."""
+    _need(scaled.op == "mul.Tensor")
+    scale = _const(scaled.inputs[1], constants)
+    _need(scale.numel() == 1)
+    s4 = scaled.inputs[0]
+    _need(s4.op in ("view", "_unsafe_view", "reshape") and s4.type.ndim == 4)
+    qk = s4.inputs[0]
+    _need(qk.op == "bmm")
+    q = _flat_heads(qk.inputs[0])
+    kt = _flat_heads(qk.inputs[1])
+    _need(kt.op == "permute" and tuple(kt.attr["dims"]) == (0, 1, 3, 2))
+    return scale, q, kt.inputs[0]
+
+
 def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
     """bmm(P [B*H,S,L], V [B*H,L,Dv]) of the eager sink attention -> view(cache_attention [B,H,S,Dv])."""
     p, vf = n.inputs
@@ -476,17 +492,8 @@ def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
     _need(bias.op == "where.self")
     mask, zero, neg = bias.inputs
     _need(float(_const(zero, constants)) == 0.0 and float(_const(neg, constants)) <= -1e30)
-    _need(scaled.op == "mul.Tensor")
-    scale = _const(scaled.inputs[1], constants)
-    _need(scale.numel() == 1)
-    s4 = scaled.inputs[0]
-    _need(s4.op in ("view", "_unsafe_view", "reshape") and s4.type.ndim == 4)
-    qk = s4.inputs[0]
-    _need(qk.op == "bmm")
-    q = _flat_heads(qk.inputs[0])
-    kt = _flat_heads(qk.inputs[1])
-    _need(kt.op == "permute" and tuple(kt.attr["dims"]) == (0, 1, 3, 2))
-    k, v = _cache_operands(q, kt.inputs[0], v)
+    scale, q, k = scaled_qk(scaled, constants)
+    k, v = _cache_operands(q, k, v)
     L = k.shape[2]
     _need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
     terms = _mask_terms(mask, q.shape[2], L, constants)

@@ -73,6 +73,17 @@ def cache_row(p: dict, pos: str) -> str:
     return f'T.Cast("int64", bt[({pos}) // {bs}]) * {bs} + ({pos}) % {bs}'
 
 
+def task_loop(total: str, kind: str) -> list[str]:
+    """The loop over ``total`` independent tasks ``t``: CPU threads (T.parallel) or CUDA threads, CUDA_THREADS
+    per block; the kernel body goes two levels in."""
+    if kind == "cuda":
+        return [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
+                f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
+                f"    t = bx * {_i(CUDA_THREADS)} + tx",
+                f"    if t < {total}:"]
+    return [f"    for t in T.parallel({total}):"]
+
+
 def table_decl(p: dict) -> list[str]:
     """The block table's match_buffer line (paged caches only)."""
     if not p.get("paged"):
@@ -113,13 +124,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}" if qb > 1 else S
     total = f"{_i(B * Hq)} * ({nqb})"
     scope = ', scope="local"' if kind == "cuda" else ""
-    if kind == "cuda":
-        lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
-                  f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
-                  f"    t = bx * {_i(CUDA_THREADS)} + tx",
-                  f"    if t < {total}:"]
-    else:
-        lines.append(f"    for t in T.parallel({total}):")
+    lines += task_loop(total, kind)
     I = "        "
     body = [f"b = t // {_i(Hq)} // ({nqb})", f"h = t // ({nqb}) % {_i(Hq)}", f"s0 = t % ({nqb}) * {_i(qb)}",
             f"g = h // {_i(rep)}",
@@ -251,13 +256,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     HG = mla_head_group(H, kind)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"
-    if kind == "cuda":
-        lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
-                  f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
-                  f"    t = bx * {_i(CUDA_THREADS)} + tx",
-                  f"    if t < {total}:"]
-    else:
-        lines.append(f"    for t in T.parallel({total}):")
+    lines += task_loop(total, kind)
     sc = p["scale"]
     if p.get("dense"):  # mla_attention: every row up to the query's position
         select = [f'for tk in range(T.max(T.min(T.Cast("int64", p[s]), {_i(L - 1)}) + {_i(1)}, {_i(0)})):',

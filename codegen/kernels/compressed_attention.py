@@ -35,7 +35,6 @@ from dayzero.codegen.kernels import attention
 from dayzero.passes.ir.node import Node
 
 OP = "compressed_attention"
-CUDA_THREADS = 64
 GROUP_MAX = 16  # heads per CPU prefill task at most (their accumulators live in the task's local buffers)
 NEG = "T.float32(-3.0e38)"
 
@@ -98,13 +97,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     lines += attention.table_decl(p)
     lines.append(f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(D)}), "{p["out_dtype"]}")')
     total = f"{_i(B * NG)} * {S}"
-    if kind == "cuda":
-        lines += [f'    bx = T.launch_thread("blockIdx.x", ({total} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)})',
-                  f'    tx = T.launch_thread("threadIdx.x", {_i(CUDA_THREADS)})',
-                  f"    t = bx * {_i(CUDA_THREADS)} + tx",
-                  f"    if t < {total}:"]
-    else:
-        lines.append(f"    for t in T.parallel({total}):")
+    lines += attention.task_loop(total, kind)
     body = [f"b = t // {_i(NG)} // {S}", f"h0 = t // {S} % {_i(NG)} * {_i(HG)}", f"s = t % {S}",
             f"g = h0 // {_i(rep)}",
             f'm = T.decl_buffer(({_i(HG)},), "float32"{scope})',
