@@ -48,19 +48,10 @@ def _time(fn, repeat: int) -> float:
 def _torch_time(fn, repeat: int, picked: dict, name: str) -> float:
     """Median time of a torch baseline on all torch threads and on one; the better one (its thread count goes
     to ``picked[name]``)."""
-    import torch
+    from dayzero.tools.bench_dequant import best_torch_time
 
-    n_all = torch.get_num_threads()
-    times = {}
-    for n in sorted({n_all, 1}, reverse=True):
-        torch.set_num_threads(n)
-        try:
-            times[n] = _time(fn, repeat)
-        finally:
-            torch.set_num_threads(n_all)
-    best = min(times, key=times.get)
-    picked[name] = best
-    return times[best]
+    t, picked[name] = best_torch_time(fn, repeat, timer=_time)
+    return t
 
 
 def _compile(f, target):

@@ -40,11 +40,11 @@ def best_time(fn, repeats: int, inner: int = 1) -> float:
     return best
 
 
-def best_torch_time(fn, repeats: int) -> tuple[float, int]:
-    """(seconds, threads): ``best_time`` of fn with torch on all its threads and on one, the better of the two. On a
-    host shared with other jobs a core taken by another job stalls torch's OpenMP barriers (bench moe measured
-    eager at 50 ms quiet, 2-3 s with one core busy), so a torch baseline gets its better setting and reports the
-    thread count it used."""
+def best_torch_time(fn, repeats: int, timer=None) -> tuple[float, int]:
+    """(seconds, threads): ``timer`` (default ``best_time``) of fn with torch on all its threads and on one, the
+    better of the two. On a host shared with other jobs a core taken by another job stalls torch's OpenMP barriers
+    (bench moe measured eager at 50 ms quiet, 2-3 s with one core busy), so a torch baseline gets its better
+    setting and reports the thread count it used."""
     import torch
 
     n_all = torch.get_num_threads()
@@ -52,7 +52,7 @@ def best_torch_time(fn, repeats: int) -> tuple[float, int]:
     for n in sorted({n_all, 1}, reverse=True):
         torch.set_num_threads(n)
         try:
-            times[n] = best_time(fn, repeats)
+            times[n] = (timer or best_time)(fn, repeats)
         finally:
             torch.set_num_threads(n_all)
     n = min(times, key=times.get)
