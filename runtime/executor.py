@@ -47,6 +47,9 @@ class _Program:
             return b if a is None else a
         # outputs that are the new contents of a state (a KV cache written in place) are not returned
         self.user_outputs = [o for o in self.outputs if self.buffers[root(o)].get("state") is None]
+        # block-table inputs (passes/paged_kv.py: block_table, block_table_w{W}), last: the runtime passes them
+        self.table_inputs = [self.buffers[b]["name"] for b in self.inputs
+                             if self.buffers[b]["name"].startswith("block_table")]
         self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None
                        and b["zone"] in PER_REQUEST_ZONES}
         # states of every request (the dequant workspace and its expert cache): one copy, zeroed at load only
@@ -325,13 +328,13 @@ class Runtime:
         are taken first (runtime/kv_pages.py; a full pool is a UserError for this request), and the slot's block
         table is passed to a program that reads paged caches."""
         prog = self.programs[name]
-        tables = [prog.buffers[b]["name"] for b in prog.inputs[len(inputs):]]  # block_table[_w{W}] inputs
-        if self.kv is None or not tables:
+        if self.kv is None or not prog.table_inputs:
             return prog.run(inputs, slot=slot)
         self.kv.ensure(slot, tokens)
-        out = prog.run(list(inputs) + [self.kv.table(t, slot) for t in tables], slot=slot)
+        out = prog.run(list(inputs) + [self.kv.table(t, slot) for t in prog.table_inputs], slot=slot)
         self.kv.trim(slot, tokens)  # sliding-window pools: blocks the next query cannot see go back
         return out
+
     @property
     def length(self) -> int:
         return self.lengths.get(0, 0)

@@ -28,6 +28,7 @@ class _Class:
         self.tables = {k: torch.zeros(table_len, dtype=torch.int32) for k in range(slots)}
         self.owned: dict[int, dict[int, int]] = {k: {} for k in range(slots)}  # slot -> {logical: block}
         self.behind: dict[int, int] = {k: 0 for k in range(slots)}  # logical blocks below this are handed back
+        self.top: dict[int, int] = {k: 0 for k in range(slots)}  # logical blocks below this were handed out
 
 
 class KVPages:
@@ -54,17 +55,20 @@ class KVPages:
         if need > self.table_len:
             raise UserError(f"{tokens} tokens exceed the block table of {self.table_len} blocks of "
                             f"{self.block_size} tokens")
-        wanted = [(c, [i for i in range(c.behind[slot], need) if i not in c.owned[slot]]) for c in self.classes]
-        for c, idx in wanted:  # all or nothing
-            if len(idx) > len(c.free):
-                raise UserError(f"KV cache full: the request needs {len(idx)} more blocks of {self.block_size} tokens"
+        # blocks are handed out in logical order and back from the bottom: [behind, top) is held, so a call costs
+        # the blocks it adds, not the request's length
+        for c in self.classes:  # all or nothing
+            missing = need - max(c.top[slot], c.behind[slot])
+            if missing > len(c.free):
+                raise UserError(f"KV cache full: the request needs {missing} more blocks of {self.block_size} tokens"
                                 f" in {c.name} but {len(c.free)} of {c.blocks - 1} are free (compile with a larger "
                                 f"--kv-blocks or serve fewer requests at once)")
-        for c, idx in wanted:
-            for i in idx:
+        for c in self.classes:
+            for i in range(max(c.top[slot], c.behind[slot]), need):
                 b = c.free.pop()
                 c.owned[slot][i] = b
                 c.tables[slot][i] = b
+            c.top[slot] = max(c.top[slot], need)
 
     def trim(self, slot: int, tokens: int) -> None:
         for c in self.classes:
@@ -82,7 +86,7 @@ class KVPages:
         for c in self.classes:
             c.free.extend(reversed(list(c.owned[slot].values())))
             c.owned[slot] = {}
-            c.behind[slot] = 0
+            c.behind[slot] = c.top[slot] = 0
             c.tables[slot].zero_()
 
     def owned(self, slot: int, name: str = "block_table") -> list[int]:
