@@ -50,15 +50,15 @@ READERS: dict[str, dict[int, int]] = {
 }
 
 
-def table_rows(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    """Pool row of each logical position [0, length): table[p // bs] * bs + p % bs."""
-    p = torch.arange(length, device=table.device)
+def table_rows(table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
+    """Pool row of each logical position p: table[p // bs] * bs + p % bs."""
+    p = positions.long()
     return table.long()[p // block_size] * block_size + p % block_size
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, dim: int, block_size: int, length: int) -> torch.Tensor:
     """The logically contiguous cache [.., length, ..] of one request, read through its table."""
-    return pool.index_select(dim, table_rows(table, block_size, length))
+    return pool.index_select(dim, table_rows(table, block_size, torch.arange(length, device=table.device)))
 
 
 def unpage(ins: list, attrs: dict, op: str) -> list:
@@ -76,9 +76,8 @@ def unpage(ins: list, attrs: dict, op: str) -> list:
 
 def _write_reference(ins, attrs):
     state, idx, values, table = ins
-    rows = table.long()[idx.long() // attrs["block_size"]] * attrs["block_size"] + idx.long() % attrs["block_size"]
     index = [None] * state.dim()
-    index[attrs["dim"]] = rows
+    index[attrs["dim"]] = table_rows(table, attrs["block_size"], idx)
     return torch.ops.aten.index_put_(state, index, values)
 
 
@@ -163,6 +162,14 @@ def paged_kv(g: Graph, ctx) -> Graph:
         w = ws.pop() if len(ws) == 1 else 0
         # a window that spans (almost) the whole cache gains nothing from its own table
         cls_of[sid] = w if w and -(-w // bs) + 1 < nt else 0
+    changed = True
+    while changed:  # a reader takes one table: its caches share a class (the full one where they differ)
+        changed = False
+        for n in readers:
+            sids = [id(_cache_root(n.inputs[k])) for k in READERS[n.op] if id(_cache_root(n.inputs[k])) in cls_of]
+            if len({cls_of[s] for s in sids}) > 1:
+                cls_of.update({s: 0 for s in sids})
+                changed = True
     batch = int(cfg.get("max_batch", 1))
     full = int(cfg.get("blocks") or batch * nt + 1)
     tables, classes = {}, []
@@ -172,7 +179,8 @@ def paged_kv(g: Graph, ctx) -> Graph:
         blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
         name = TABLE if w == 0 else f"{TABLE}_w{w}"
         tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", (nt,)),)), blocks)
-        classes.append({"name": name, "window": w, "blocks": blocks})
+        classes.append({"name": name, "window": w, "blocks": blocks,
+                        "states": sorted(paged[sid][0].attr["name"] for sid, c in cls_of.items() if c == w)})
     cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}
 
     new_state: dict[int, Node] = {}

@@ -241,11 +241,12 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
         inputs, _ = prog.pad(inputs)
     pages = rt.program_json.get("kv_pages")
+    if rt.kv is not None:  # paged caches: blocks 1, 2, ... in order for the prompt
+        rt.kv.ensure(0, inputs[0].shape[-1])
     for k, bid in enumerate(pj["inputs"]):  # the prefill of a stateful artifact fills the cache from position 0
         if pj["buffers"][bid]["name"] == "cache_position":
             inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
-        if pj["buffers"][bid]["name"].startswith("block_table"):  # paged caches: blocks 1, 2, ... in order
-            rt.kv.ensure(0, inputs[0].shape[-1])
+        if pj["buffers"][bid]["name"] in prog.table_inputs:
             inputs[k] = rt.kv.table(pj["buffers"][bid]["name"], 0).clone()
 
     run_upstream, tensors, fe = upstream(model, max_seq)

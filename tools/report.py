@@ -92,8 +92,8 @@ def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = N
     constant.  ``desc`` (report.json ``kv_cache_layout``, from the compile) names the token-position dim and the
     compression rate (one row per ``compress_rate`` tokens); without it a dim equal to ``length`` is taken as the
     position dim (older artifacts).  A paged state (zone ``kv_pages``) is a pool: a request holds at most
-    ``length`` rows of it, and a sliding-window one (a ``pages`` table of its window) ceil(W / bs) + 1 blocks
-    between calls (passes/paged_kv.py)."""
+    ``length`` rows of it, and one in a sliding-window pool (the ``pages`` table listing it) ceil(W / bs) + 1
+    blocks between calls (passes/paged_kv.py)."""
     nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
     if desc is not None:
         pos, rate = desc.get("position_dim"), desc.get("compress_rate") or 1
@@ -106,9 +106,10 @@ def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = N
     window = desc.get("sliding_window") if desc is not None else None
     if b.get("zone") == "kv_pages" and grows:
         held = length
-        if window and pages and any(t["window"] == window for t in pages.get("tables", [])):
-            bs = pages["block_size"]
-            held = min(length, (-(-window // bs) + 1) * bs)
+        pool_window = next((t["window"] for t in (pages or {}).get("tables", []) if b["state"] in t.get("states", ())),
+                           0)
+        if pool_window:  # blocks behind the window go back: ceil(W / bs) + 1 blocks between calls
+            held = min(length, (-(-pool_window // pages["block_size"]) + 1) * pages["block_size"])
         entry.update(rows=held, pool_rows=rows)
     if window:
         entry["window"] = window
