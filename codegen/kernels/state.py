@@ -57,24 +57,39 @@ def _loops(shape, dims: _Dims, indent: str = "    ") -> tuple[str, list[str]]:
     return code, names
 
 
+def _row_write(state, idx, values, dim: int, table=None, block_size: int = 0):
+    """state[.., row(idx[s]), ..] = values[.., s, ..] along ``dim``: row(p) = p, or through a paged cache's block
+    table, table[p // bs] * bs + p % bs (passes/paged_kv.py)."""
+    dims = _Dims()
+    ty = state.dtype
+    matches = [f's = T.match_buffer(s_, {_shape(dims, state.shape)}, "{ty}")',
+               f'p = T.match_buffer(p_, {_shape(dims, idx.shape)}, "{idx.dtype}")',
+               f'v = T.match_buffer(v_, {_shape(dims, values.shape)}, "{values.dtype}")']
+    loops, a = _loops(values.shape, dims)
+    target = list(a)
+    target[dim] = f"p[{a[dim]}]"
+    if table is not None:
+        matches.append(f't = T.match_buffer(t_, {_shape(dims, table.shape)}, "{table.dtype}")')
+        pos, bs = f'T.Cast("int64", p[{a[dim]}])', f"T.int64({block_size})"
+        target[dim] = f'T.Cast("int64", t[{pos} // {bs}]) * {bs} + {pos} % {bs}'
+    indent = "            " if len(a) > 1 else "        "
+    body = loops + f"{indent}s[{', '.join(target)}] = T.Cast(\"{ty}\", v[{', '.join(a)}])\n"
+    return _func(["s_", "p_", "v_"] + (["t_"] if table is not None else []), matches, body, dims)
+
+
 def state_index_put(n: Node):
     state, *idx, values = n.inputs
     present = list(n.attr["indices"])
     pos = [k for k, p in enumerate(present) if p]
     if len(pos) != 1 or len(idx) != 1 or idx[0].type.ndim != 1 or values.type.ndim != state.type.ndim:
         return None  # passes/inplace_state.py only creates the one-index-dim form
-    (dim,) = pos
-    dims = _Dims()
-    ty = state.dtype
-    matches = [f's = T.match_buffer(s_, {_shape(dims, state.shape)}, "{ty}")',
-               f'p = T.match_buffer(p_, {_shape(dims, idx[0].shape)}, "{idx[0].dtype}")',
-               f'v = T.match_buffer(v_, {_shape(dims, values.shape)}, "{values.dtype}")']
-    loops, a = _loops(values.shape, dims)
-    target = list(a)
-    target[dim] = f"p[{a[dim]}]"
-    indent = "            " if len(a) > 1 else "        "
-    body = loops + f"{indent}s[{', '.join(target)}] = T.Cast(\"{ty}\", v[{', '.join(a)}])\n"
-    return _func(["s_", "p_", "v_"], matches, body, dims)
+    return _row_write(state, idx[0], values, pos[0])
+
+
+def paged_state_index_put(n: Node):
+    """state[.., table[idx[s] // bs] * bs + idx[s] % bs, ..] = values[.., s, ..] (passes/paged_kv.py)."""
+    state, idx, values, table = n.inputs
+    return _row_write(state, idx, values, int(n.attr["dim"]), table, int(n.attr["block_size"]))
 
 
 def assign(n: Node):
@@ -86,25 +101,6 @@ def assign(n: Node):
     indent = "            " if len(a) > 1 else "        "
     body = loops + f"{indent}s[{', '.join(a)}] = T.Cast(\"{state.dtype}\", v[{', '.join(a)}])\n"
     return _func(["s_", "v_"], matches, body, dims)
-
-
-def paged_state_index_put(n: Node):
-    """state[.., table[idx[s] // bs] * bs + idx[s] % bs, ..] = values[.., s, ..] (passes/paged_kv.py)."""
-    state, idx, values, table = n.inputs
-    dim, bs = int(n.attr["dim"]), int(n.attr["block_size"])
-    dims = _Dims()
-    ty = state.dtype
-    matches = [f's = T.match_buffer(s_, {_shape(dims, state.shape)}, "{ty}")',
-               f'p = T.match_buffer(p_, {_shape(dims, idx.shape)}, "{idx.dtype}")',
-               f'v = T.match_buffer(v_, {_shape(dims, values.shape)}, "{values.dtype}")',
-               f't = T.match_buffer(t_, {_shape(dims, table.shape)}, "{table.dtype}")']
-    loops, a = _loops(values.shape, dims)
-    target = list(a)
-    pos = f'T.Cast("int64", p[{a[dim]}])'
-    target[dim] = f'T.Cast("int64", t[{pos} // T.int64({bs})]) * T.int64({bs}) + {pos} % T.int64({bs})'
-    indent = "            " if len(a) > 1 else "        "
-    body = loops + f"{indent}s[{', '.join(target)}] = T.Cast(\"{ty}\", v[{', '.join(a)}])\n"
-    return _func(["s_", "p_", "v_", "t_"], matches, body, dims)
 
 
 lower.PRIMFUNCS["state_index_put"] = state_index_put
