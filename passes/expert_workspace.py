@@ -73,9 +73,9 @@ def compute_dtype_of(name: str) -> str:
     return COMPUTE_DTYPES[name]
 
 
-def route_for(program: str, *, compute_dtype: str, cache_bytes: int, route: str = "auto",
-              target_kind: str = "llvm") -> str:
-    """"workspace" or "fused" for the MXFP4 experts of ``program`` (see the kernel's docstring for why)."""
+def route_for(*, compute_dtype: str, cache_bytes: int, route: str = "auto", target_kind: str = "llvm") -> str:
+    """"workspace" or "fused" for the MXFP4 experts of every program of the artifact (the kernel's docstring says
+    why); one answer for all, since a cache persists across programs only if they all read it."""
     if route not in ROUTES:
         raise UserError(f"expert route {route!r} is not one of {', '.join(ROUTES)}")
     if cache_bytes < 0:

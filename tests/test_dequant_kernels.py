@@ -104,7 +104,7 @@ def test_scale_code_zero_and_extremes_exact(target):
 @pytest.mark.parametrize("kind,args", [("mxfp4_gemv", (3, 129, 320)), ("mxfp4_gemm", (129, 320))])
 def test_portable_decode_matches_torch(kind, args):
     # the decode a CPU without AVX2 (or CUDA) gets: integer bit arithmetic, no table lookups
-    assert dq._lookup_mode(GENERIC_X86) == "arith"
+    assert dq.lookup_mode(GENERIC_X86) == "arith"
     O, K = args[-2:]
     blocks, scales, W = _weights("mxfp4", O, K)
     f = dq.build(kind, *args, target=GENERIC_X86)
@@ -126,7 +126,7 @@ def test_x86_schedules_compile_vectorised(mcpu, mode, must_have):
     import re
 
     tgt = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
-    assert dq._lookup_mode(tgt) == mode
+    assert dq.lookup_mode(tgt) == mode
     for f in (dq.mxfp4_gemv(1, 64, 256, target=tgt), dq.mxfp4_gemm(64, 256, target=tgt)):
         asm = tvm.compile(tvm.IRModule({"main": f}), target=tgt).mod.inspect_source("asm")
         assert re.search(must_have, asm), mcpu

@@ -229,13 +229,12 @@ def test_rewrite_shares_one_workspace_placed_once():
 def test_route_policy():
     # measured (kernel docstring): fp32 without a cache decodes in registers (fused) in every program; a cache or a
     # non-fp32 compute dtype asks every program to read the workspace
-    assert ew.route_for("prefill", compute_dtype="float32", cache_bytes=0) == "fused"
-    assert ew.route_for("prefill", compute_dtype="float32", cache_bytes=0, route="workspace") == "workspace"
-    assert ew.route_for("decode", compute_dtype="float32", cache_bytes=0) == "fused"
-    assert ew.route_for("decode", compute_dtype="float32", cache_bytes=1 << 20) == "workspace"
-    assert ew.route_for("decode", compute_dtype="bfloat16", cache_bytes=0) == "workspace"
-    assert ew.route_for("prefill", compute_dtype="float32", cache_bytes=0, route="fused") == "fused"
-    assert ew.route_for("prefill", compute_dtype="float32", cache_bytes=0, target_kind="cuda") == "fused"
+    assert ew.route_for(compute_dtype="float32", cache_bytes=0) == "fused"
+    assert ew.route_for(compute_dtype="float32", cache_bytes=0, route="workspace") == "workspace"
+    assert ew.route_for(compute_dtype="float32", cache_bytes=1 << 20) == "workspace"
+    assert ew.route_for(compute_dtype="bfloat16", cache_bytes=0) == "workspace"
+    assert ew.route_for(compute_dtype="float32", cache_bytes=0, route="fused") == "fused"
+    assert ew.route_for(compute_dtype="float32", cache_bytes=0, target_kind="cuda") == "fused"
 
 
 def test_spec_compute_dtype():

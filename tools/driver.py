@@ -316,17 +316,14 @@ def resolve_compute_dtype(compute_dtype: str | None, target: dict) -> str:
                         f"usable target spec ({e})") from None
 
 
-def route_experts(g: Graph, ctx: PassContext, program: str, target: dict, experts: dict,
-                  verify: bool = False) -> Graph:
-    """The MXFP4 expert route of one program (passes/expert_workspace.py): the workspace route or the fused one."""
+def route_experts(g: Graph, ctx: PassContext, route: str, experts: dict, verify: bool = False) -> Graph:
+    """A program's MXFP4 experts on ``route`` (passes/expert_workspace.route_for): the workspace or the fused one."""
     from dayzero.passes import expert_workspace as ew
 
-    cd = ew.compute_dtype_of(experts["compute_dtype"])
-    route = ew.route_for(program, compute_dtype=cd, cache_bytes=experts["cache_bytes"], route=experts["route"],
-                         target_kind=target.get("kind", "llvm"))
     if route != "workspace":
         return g
-    g = ew.expert_workspace(g, ctx, compute_dtype=cd, cache_bytes=experts["cache_bytes"])
+    g = ew.expert_workspace(g, ctx, compute_dtype=ew.compute_dtype_of(experts["compute_dtype"]),
+                            cache_bytes=experts["cache_bytes"])
     if verify:
         from dayzero.passes.ir.verify import verify as verify_graph
         verify_graph(g)
@@ -351,8 +348,8 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     experts = {"compute_dtype": resolve_compute_dtype(compute_dtype, tgt), "route": expert_route,
                "cache_bytes": int(expert_cache_bytes)}
     from dayzero.passes import expert_workspace as ew
-    ew.route_for("prefill", compute_dtype=ew.compute_dtype_of(experts["compute_dtype"]),
-                 cache_bytes=experts["cache_bytes"], route=expert_route, target_kind=tgt.get("kind", "llvm"))
+    route = ew.route_for(compute_dtype=ew.compute_dtype_of(experts["compute_dtype"]),
+                         cache_bytes=experts["cache_bytes"], route=expert_route, target_kind=tgt.get("kind", "llvm"))
     if max_batch < 1:
         raise UserError("--max-batch must be at least 1")
     if kv_block_size < 0:
@@ -366,14 +363,14 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     kv_pages = ({"block_size": kv_block_size, "blocks": kv_blocks, "max_batch": max_batch}
                 if fe.decode is not None and kv_block_size else None)
     g, ctx = optimize(fe, verify=verify, kv_pages=kv_pages)
-    g = route_experts(g, ctx, "prefill", tgt, experts, verify)
+    g = route_experts(g, ctx, route, experts, verify)
     shared: dict = {}
     prog = build_program(g, "prefill", shared)  # raises UnsupportedOpsError before anything is written
     progs = [prog]
     graphs = [g]
     if fe.decode is not None:
         dctx = PassContext(constants=ctx.constants, kv_pages=kv_pages)
-        gd = route_experts(run_pipeline(fe.decode.graph, dctx, verify=verify), dctx, "decode", tgt, experts, verify)
+        gd = route_experts(run_pipeline(fe.decode.graph, dctx, verify=verify), dctx, route, experts, verify)
         progs.append(build_program(gd, "decode", shared))
         graphs.append(gd)
     for name, t in fe.extra.items():  # vision programs of a multimodal checkpoint, one per image grid

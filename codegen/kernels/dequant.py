@@ -150,9 +150,6 @@ def lookup_mode(target) -> str:
     return "arith"
 
 
-_lookup_mode = lookup_mode  # the name the kernel tests use
-
-
 def _lookup_lanes(target: dict) -> int:
     """fp32 vector lanes of the decoded weights and accumulators: 16 on AVX-512 (a zmm), 8 otherwise (a ymm)."""
     return 16 if lookup_mode(target) == "permvar16" else 8
