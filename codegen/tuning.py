@@ -41,6 +41,7 @@ with a ``TuningDatabaseWarning``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -579,6 +580,24 @@ def _cost_model() -> str:
     return "xgb"
 
 
+@contextlib.contextmanager
+def _unnamed_handlers_detached(name: str = "tvm.s_tir.meta_schedule"):
+    """MetaSchedule's ``create_loggers`` re-lists the handlers already on its logger *by name* in a dictConfig, and
+    fails on a handler without one (``'NoneType' object has no attribute 'format'``). Others attach such handlers:
+    pytest >= 9 adds its unnamed log-capture handlers to non-propagating loggers like this one, and so may an
+    application. Detach them for the call and put them back after, so tuning works whoever else logs."""
+    log = logging.getLogger(name)
+    unnamed = [h for h in log.handlers if h.get_name() is None]
+    for h in unnamed:
+        log.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in unnamed:
+            if h not in log.handlers:
+                log.addHandler(h)
+
+
 def tune(
     prim_func,
     target,
@@ -620,7 +639,7 @@ def tune(
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
         logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.WARNING)
     try:
-        with tempfile.TemporaryDirectory(prefix="dayzero-tune-") as work_dir:
+        with tempfile.TemporaryDirectory(prefix="dayzero-tune-") as work_dir, _unnamed_handlers_detached():
             ms.tune_tir(
                 mod, t, work_dir,
                 max_trials_global=trials,

@@ -284,3 +284,21 @@ def test_default_schedule_for_cuda_builds_without_a_gpu():
     assert mod["main"].attrs["tirx.is_scheduled"]
     src = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source()
     assert "__global__" in src
+
+
+def test_tuning_works_beside_unnamed_handlers_on_metaschedules_logger(target, tmp_path):
+    """pytest >= 9 (and any application) may attach handlers without a name to MetaSchedule's non-propagating
+    logger; MetaSchedule's create_loggers re-lists handlers by name and failed on them ('NoneType' object has no
+    attribute 'format'), which broke the fresh-clone test run. Tuning works, and the handler stays attached."""
+    import logging
+
+    log = logging.getLogger("tvm.s_tir.meta_schedule")
+    foreign = logging.Handler()
+    log.addHandler(foreign)
+    try:
+        res = tuning.tune(matmul(n=32), target, trials=2, minutes=None, db=tuning.TuningDatabase(tmp_path),
+                          strategy="replay-trace", trials_per_iter=2, timer=FAST_TIMER)
+        assert res.trials_done > 0 and res.record_path.is_file()
+        assert foreign in log.handlers
+    finally:
+        log.removeHandler(foreign)
