@@ -152,3 +152,14 @@ def test_compare_user_errors(compiled_factory, tmp_path):
     assert r.exit_code == 2 and "outside the artifact's range" in r.output
     r = CliRunner().invoke(main, ["compare", "dayzero.tools.examples:tiny_dense", str(art)])
     assert r.exit_code == 2 and "not compiled from this model" in r.output
+
+
+@pytest.mark.slow
+def test_compare_on_an_mxfp4_checkpoint(lowprec_compiled):
+    """The upstream reference of a checkpoint with MXFP4 experts loads on a fresh install (transformers' MXFP4
+    loader needs accelerate: a declared dependency), and the artifact matches it."""
+    ckpt, art, _ = lowprec_compiled("gpt_oss", "mxfp4")
+    r = CliRunner().invoke(main, ["compare", str(ckpt), str(art), "--json", "--seq-len", "9"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["ok"] and res["max_abs_diff"] <= 1e-4
