@@ -9,6 +9,12 @@ index (``ID_BASE + i``, float64 or int64), and reads back in each parameter whic
 where. The result is a *recipe* per parameter, a list of copy runs ``(dst, key, src, length)`` over flattened
 tensors, that the runtime replays from the real checkpoint at load time. Stacking, concatenation, chunking and
 renaming all come out as a few long runs.
+
+Every file is untrusted input: each safetensors header is parsed and validated here (``read_header``: bounded
+length, JSON, known dtypes, byte ranges that tile the data section exactly) before safetensors maps the file;
+the checkpoint's tensors must be exactly those the model reads (``check_coverage``), float weights finite
+(``first_nonfinite``), and the runtime checks the same headers, by fingerprint and per tensor, before binding
+(``check_bound_files``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import struct
 import tempfile
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +44,21 @@ class TensorInfo:
     file: str  # absolute path
     dtype: str
     shape: tuple[int, ...]
+    offsets: tuple[int, int] = (0, 0)  # byte range within the file's data section
+
+
+@dataclass(frozen=True)
+class Header:
+    """One validated safetensors header: its tensors, metadata, and the file's fingerprint."""
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    size: int  # bytes of the whole file
+    sha256: str  # of the header's JSON bytes
+
+    @property
+    def fingerprint(self) -> dict:
+        return {"bytes": self.size, "header_sha256": self.sha256}
 
 
 class Checkpoint:
@@ -52,18 +74,30 @@ class Checkpoint:
         except json.JSONDecodeError as e:
             raise UserError(f"{cfg}: invalid JSON ({e.msg} at line {e.lineno})") from None
         index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_index(index) if index.is_file() else None
+        if weight_map is not None:
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
         if not files:
             raise UserError(f"{directory}: no *.safetensors files")
         self.files = [str(self.dir / f) for f in files]
+        self.headers: dict[str, Header] = {}
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:
-            for key, (dtype, shape) in read_header(f).items():
-                self.tensors[key] = TensorInfo(key, f, dtype, tuple(shape))
+            if not os.path.isfile(f):
+                raise UserError(f"{index}: names {os.path.basename(f)}, which is not in {self.dir}")
+            self.headers[f] = read_header(f)
+            for key, info in self.headers[f].tensors.items():
+                if key in self.tensors:
+                    raise UserError(f"{self.dir}: tensor {key} is in both {os.path.basename(self.tensors[key].file)} "
+                                    f"and {os.path.basename(f)}")
+                self.tensors[key] = info
+        if weight_map is not None:
+            for key, name in sorted(weight_map.items()):
+                info = self.tensors.get(key)
+                if info is None or os.path.basename(info.file) != name:
+                    raise UserError(f"{index}: maps tensor {key} to {name}, which does not hold it")
 
     def get(self, key: str) -> torch.Tensor:
         info = self.tensors.get(key)
@@ -76,43 +110,174 @@ class Checkpoint:
         """Per file: size and the sha256 of its safetensors header (names, dtypes, shapes, offsets).
 
         Hashing the header identifies the tensor layout in O(header) instead of reading terabytes."""
-        out = {}
-        for f in self.files:
-            with open(f, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                header = fh.read(n)
-            out[f] = {"bytes": os.path.getsize(f), "header_sha256": hashlib.sha256(header).hexdigest()}
-        return out
+        return {f: self.headers[f].fingerprint for f in self.files}
 
 
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors dtype code -> (torch dtype name, bytes per element)
+_ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+              "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+              "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+              "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+              "F8_E8M0": ("float8_e8m0fnu", 1)}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
 
-def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
-    """The tensors a safetensors file declares, checked against the file's size (a truncated file is an error)."""
-    size = os.path.getsize(path)
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_uint(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_header(path: str) -> Header:
+    """The validated header of a safetensors file; every violation a UserError naming the file (and tensor).
+
+    Checked: the 8-byte length is within the file and ``MAX_HEADER_BYTES``; the header is a JSON object without
+    repeated keys; ``__metadata__`` maps strings to strings; every tensor has a known dtype, a shape of
+    non-negative ints and ``data_offsets`` [begin, end] with end - begin = numel * itemsize; and the tensors'
+    byte ranges tile the data section exactly (no overlap, no gap, nothing past the end): what safetensors
+    itself requires before mapping, so a file that passes here maps without error."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as fh:
             raw = fh.read(8)
             if len(raw) < 8:
-                raise ValueError("shorter than its 8-byte header length")
+                raise UserError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             n = struct.unpack("<Q", raw)[0]
+            if n > MAX_HEADER_BYTES:
+                raise UserError(f"{path}: safetensors header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
             if n > size - 8:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(fh.read(n))
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: not a valid safetensors file ({e})") from None
-    out = {}
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        if 8 + n + end > size:
-            raise UserError(f"{path}: tensor {key} runs past the end of the file (truncated?)")
-        out[key] = (_ST_DTYPES.get(meta["dtype"], meta["dtype"]), meta["shape"])
-    return out
+                raise UserError(f"{path}: safetensors header length {n} runs past the end of the file (truncated?)")
+            text = fh.read(n)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{path}: safetensors header is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise UserError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data = size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    for key, m in header.items():
+        where = f"{path}: tensor {key}"
+        if not isinstance(m, dict) or set(m) != {"dtype", "shape", "data_offsets"}:
+            raise UserError(f"{where}: header entry must have exactly dtype, shape and data_offsets")
+        code, shape, offs = m["dtype"], m["shape"], m["data_offsets"]
+        if not isinstance(code, str) or code not in _ST_DTYPES:
+            raise UserError(f"{where}: unknown dtype {code!r} (known: {', '.join(_ST_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise UserError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_is_uint(o) for o in offs) or offs[0] > offs[1]:
+            raise UserError(f"{where}: data_offsets {offs!r} is not [begin, end] with 0 <= begin <= end")
+        dtype, itemsize = _ST_DTYPES[code]
+        nbytes = _numel(shape) * itemsize
+        if offs[1] - offs[0] != nbytes:
+            raise UserError(f"{where}: data_offsets {offs} span {offs[1] - offs[0]} bytes but {code} {shape} "
+                            f"needs {nbytes}")
+        tensors[key] = TensorInfo(key, str(path), dtype, tuple(shape), (offs[0], offs[1]))
+    end, last = 0, None
+    for info in sorted(tensors.values(), key=lambda i: (i.offsets, i.key)):
+        b, e = info.offsets
+        if b < end:
+            raise UserError(f"{path}: tensor {info.key} bytes [{b}, {e}) overlap tensor {last} (ends at {end})")
+        if b > end:
+            raise UserError(f"{path}: tensor {info.key} starts at byte {b} of the data, leaving a gap after "
+                            f"{last or 'the header'} (ends at {end})")
+        end, last = e, info.key
+    if end > data:
+        raise UserError(f"{path}: tensor {last} runs past the end of the file (truncated?)")
+    if end < data:
+        raise UserError(f"{path}: {data - end} bytes after the last tensor {last} that no tensor claims")
+    return Header(tensors, dict(meta), size, hashlib.sha256(text).hexdigest())
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map, validated: tensor name -> a file name inside the directory."""
+    try:
+        doc = json.loads(index.read_text(), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{index}: not a valid index ({str(e).splitlines()[0]})") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise UserError(f"{index}: weight_map must map tensor names to file names")
+    for v in set(wm.values()):
+        if v in ("", ".", "..") or "/" in v or "\\" in v or not v.endswith(".safetensors"):
+            raise UserError(f"{index}: {v!r} is not a .safetensors file name in the checkpoint directory")
+    return wm
+
+
+def check_bound_files(files: dict, tensors: dict[str, dict]) -> dict[str, Header]:
+    """At load: every checkpoint file the artifact binds from still has the fingerprint recorded at compile
+    (``files``: path -> {bytes, header_sha256}) and a valid header, and every source tensor (``tensors``: key ->
+    {file, dtype, shape}) its recorded dtype and shape. Returns the headers by path; any difference is a
+    UserError naming the file (and tensor), asking for a recompile."""
+    headers = {}
+    for f, want in sorted(files.items()):
+        if not os.path.isfile(f):
+            raise UserError(f"checkpoint file missing: {f} (the artifact was compiled from it)")
+        h = read_header(f)
+        if h.fingerprint != want:
+            raise UserError(f"{f}: checkpoint file changed since compile (size or safetensors header differ); "
+                            "recompile the artifact")
+        headers[f] = h
+    for key, want in sorted(tensors.items()):
+        h = headers.get(want.get("file"))
+        info = h.tensors.get(key) if h is not None else None
+        if info is None:
+            raise UserError(f"{want.get('file')}: tensor {key}, bound by the artifact, is not in the checkpoint")
+        if info.dtype != want.get("dtype") or list(info.shape) != list(want.get("shape", ())):
+            raise UserError(f"{info.file}: tensor {key} is {info.dtype} {list(info.shape)}, compiled for "
+                            f"{want.get('dtype')} {want.get('shape')}; recompile the artifact")
+    return headers
+
+
+_FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+SCAN_CHUNK = 1 << 24  # elements per read while scanning for non-finite values
+
+
+def first_nonfinite(ckpt: Checkpoint, keys) -> str | None:
+    """A one-line description of the first float tensor among ``keys`` holding NaN or Inf, else None.
+
+    Streamed: each tensor is read through safetensors' memory map in slices of its leading dimension (about
+    ``SCAN_CHUNK`` elements each), never the checkpoint, nor a large tensor, in memory at once."""
+    by_file: dict[str, list[TensorInfo]] = {}
+    for k in sorted(keys):
+        info = ckpt.tensors[k]
+        if info.dtype in _FLOAT_DTYPES and _numel(info.shape):
+            by_file.setdefault(info.file, []).append(info)
+    for f in sorted(by_file):
+        with safe_open(f, framework="pt") as h:
+            for info in by_file[f]:
+                sl = h.get_slice(info.key)
+                if not info.shape:
+                    chunks = [(0, h.get_tensor(info.key).reshape(-1))]
+                else:
+                    row = _numel(info.shape[1:])
+                    step = max(1, SCAN_CHUNK // max(row, 1))
+                    chunks = ((r, sl[r:r + step]) for r in range(0, info.shape[0], step))
+                for r0, part in chunks:
+                    bad = ~torch.isfinite(part.float())
+                    if bad.any():
+                        first = [int(i) for i in bad.nonzero()[0]]
+                        if info.shape:
+                            first[0] += r0
+                        return (f"{f}: tensor {info.key} holds non-finite values (NaN/Inf), first at index {first}; "
+                                "pass --allow-nonfinite to compile it anyway")
+    return None
 
 
 Run = tuple[int, str, int, int]  # (dst offset, checkpoint key, src offset, length), in elements
@@ -177,7 +342,10 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None, sh
         Path(tmp, "config.json").write_text(json.dumps(cfg))
         save_file(ids, str(Path(tmp, "model.safetensors")))
         del ids
-        model = load_model(tmp, torch.float64)
+        try:
+            model = load_model(tmp, torch.float64)
+        except (RuntimeError, ValueError) as e:  # transformers' loader refused the tensors (shapes, conversion)
+            raise UserError(_load_failure(ckpt, tmp, e)) from None
     recipes, missing, lowp = {}, set(), set()
     for name, t in model.state_dict().items():
         if shapes is not None:
@@ -196,6 +364,11 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None, sh
                 missing.add(name)
                 continue
             flat = flat.to(torch.int64)
+            ints = sorted(k for k in _keys_of(flat, starts) if ckpt.tensors[k].dtype not in _FLOAT_DTYPES)
+            if ints:  # transformers would cast the integers: a float weight stored as int is a broken header
+                k = ints[0]
+                raise UserError(f"{getattr(ckpt, 'dir', '')}: tensor {k} is {ckpt.tensors[k].dtype}, but it fills "
+                                f"the floating-point parameter {name}")
         elif not torch.all(flat >= id_base):
             missing.add(name)
             continue
@@ -212,6 +385,95 @@ def _learn(ckpt: Checkpoint, load_model, id_base: int, only: set[str] | None, sh
             i = j
         recipes[name] = runs
     return recipes, missing, lowp
+
+
+def _keys_of(ids: torch.Tensor, starts) -> set[str]:
+    """The checkpoint keys whose element ids occur in ``ids`` (int64)."""
+    bases = torch.tensor([b for b, _ in starts], dtype=torch.int64)
+    pos = torch.bucketize(ids, bases, right=True) - 1
+    return {starts[int(i)][1] for i in torch.unique(pos)}
+
+
+def expected_layout(config_dir) -> dict[str, tuple[int, ...]] | None:
+    """Checkpoint key -> shape as transformers would save this causal LM (its own reverse weight conversion on a
+    meta model built from the config; tied weights left out, as save_pretrained does). A diagnosis aid only:
+    None when transformers cannot say (another model class, a conversion without a reverse)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .hf import _quiet
+
+    try:
+        with _quiet(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_dir)))
+        sd = model.state_dict()
+        for k in getattr(model, "all_tied_weights_keys", None) or {}:
+            sd.pop(k, None)
+        return {k: tuple(int(d) for d in v.shape) for k, v in revert_weight_conversion(model, sd).items()}
+    except Exception:  # noqa: BLE001 - best effort: the caller falls back to transformers' own message
+        return None
+
+
+def _load_failure(ckpt, config_dir, err: Exception) -> str:
+    """One line naming the checkpoint tensor transformers' loader could not place (else its own message)."""
+    where = getattr(ckpt, "dir", config_dir)
+    layout = expected_layout(config_dir)
+    if layout is not None:
+        for k, info in sorted(ckpt.tensors.items()):
+            if k in layout and tuple(info.shape) != layout[k]:
+                return f"{where}: tensor {k} has shape {list(info.shape)}, the model expects {list(layout[k])}"
+        lacking = sorted(set(layout) - set(ckpt.tensors))
+        if lacking:
+            return f"{where}: the checkpoint lacks tensor(s) {_names(lacking)}"
+    first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+    return f"{where}: transformers cannot load the checkpoint's tensors: {first}"
+
+
+def _names(keys, most: int = 5) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return ", ".join(keys[:most]) + more
+
+
+def transformers_reports(model, unexpected=(), missing=()) -> tuple[set[str], set[str]]:
+    """(unexpected, missing) keys transformers' loader still reports for ``model``'s class: it drops those its
+    ``_keys_to_ignore_on_load_unexpected`` / ``_missing`` patterns match (real DeepSeek checkpoints ship MTP
+    layers it skips), and old rotary ``inv_freq`` / ``position_ids`` entries (``_adjust_missing_and_unexpected_keys``,
+    called here on the model itself so the rule is transformers' own)."""
+    info = types.SimpleNamespace(unexpected_keys=set(unexpected), missing_keys=set(missing))
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is None:
+        raise InternalError(f"{type(model).__name__} has no _adjust_missing_and_unexpected_keys: this transformers "
+                            "version loads differently from the one dayzero mirrors")
+    adjust(info)
+    return set(info.unexpected_keys), set(info.missing_keys)
+
+
+def check_coverage(ckpt: Checkpoint, recipes: dict[str, list[Run]], missing: set[str], model) -> None:
+    """The checkpoint holds exactly the model's tensors: every state-dict tensor ``learn_recipes`` found no
+    checkpoint elements for (``missing``) and every checkpoint tensor no recipe reads is a UserError naming it,
+    unless transformers' loader itself accepts it for ``model``'s class (``transformers_reports``).
+    Non-persistent buffers (rotary inv_freq) are not in the state dict: the config computes them."""
+    persistent = {k for k, v in model.state_dict().items() if v.numel()}
+    _, lacking = transformers_reports(model, missing=set(missing) & persistent)
+    if lacking:
+        layout = expected_layout(ckpt.dir) or {}
+        keys = sorted(set(layout) - set(ckpt.tensors)) or sorted(lacking)
+        raise UserError(f"{ckpt.dir}: the checkpoint lacks tensor(s) {_names(keys)} (the model's "
+                        f"{_names(lacking, 3)})")
+    used = {key for runs in recipes.values() for _, key, _, _ in runs}
+    unused = set(ckpt.tensors) - used
+    if unused:
+        unused, _ = transformers_reports(model, unexpected=unused)
+    if unused:
+        raise UserError(f"{ckpt.dir}: {len(unused)} checkpoint tensor(s) the model never reads: {_names(unused)}")
+
+
+def bound_tensors(ckpt: Checkpoint, recipes: dict[str, list[Run]]) -> dict[str, dict]:
+    """key -> {file, dtype, shape} of every checkpoint tensor the recipes read: what the runtime checks."""
+    used = {key for runs in recipes.values() for _, key, _, _ in runs}
+    return {k: {"file": ckpt.tensors[k].file, "dtype": ckpt.tensors[k].dtype, "shape": list(ckpt.tensors[k].shape)}
+            for k in sorted(used)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,6 +625,7 @@ class _Dequantised:
     """The checkpoint as transformers' loader would see it dequantised (only ``tensors`` and ``config``)."""
 
     def __init__(self, ckpt: Checkpoint, groups: dict[str, LowPrecGroup]):
+        self.dir = ckpt.dir
         self.config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
         hidden = {g.scale_key for g in groups.values()} | {g.data_key for g in groups.values()}
         self.tensors = {k: v for k, v in ckpt.tensors.items() if k not in hidden}

@@ -18,7 +18,7 @@ import numpy as np
 import sympy
 import torch
 import tvm
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dayzero import InternalError, UserError
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
@@ -258,11 +258,21 @@ class Runtime:
             self.reset()
 
     def _bind_weights(self) -> None:
+        """Copy every weight into the arena: the artifact's own tensors, and checkpoint tensors by their recipes'
+        copy runs. The checkpoint is untrusted: its files must still have the fingerprints recorded at compile and
+        every source tensor its recorded dtype and shape (``check_bound_files``), each run must lie within its
+        source and destination, and, unless the artifact was compiled with --allow-nonfinite, the bound float
+        weights must be finite. Every failure is a UserError naming the file and tensor."""
+        from dayzero.frontend.checkpoint import check_bound_files
+
         tensors = self.manifest["tensors"]
         ck = self.manifest.get("checkpoint")
         own = self.path / "weights.safetensors"
+        if ck is not None:
+            check_bound_files(ck.get("files", {}), ck.get("tensors", {}))
         handles = {}
         done = set()  # a weight is placed once by name; programs may read different weights (vision, text)
+        name = None
         try:
             for prog, bid, b in ((p, i, b) for p in self.programs.values() for i, b in enumerate(p.buffers)):
                 name = b.get("weight")
@@ -276,21 +286,40 @@ class Runtime:
                         handles["own"] = safe_open(str(own), framework="pt")
                     dst.copy_(handles["own"].get_tensor(name).reshape(dst.shape))
                     continue
+                if ck is None or "tensors" not in ck:
+                    raise UserError(f"{self.path}/weights.json: weight {name} comes from a checkpoint the artifact "
+                                    "does not record (compiled by an older dayzero? recompile it)")
                 flat = dst.reshape(-1)
                 for d0, key, s0, length in entry["runs"]:
-                    f = ck["keys"][key]
+                    src_info = ck["tensors"].get(key)
+                    if src_info is None:
+                        raise UserError(f"{self.path}/weights.json: weight {name} reads checkpoint tensor {key}, "
+                                        "which the artifact does not record")
+                    f = src_info["file"]
+                    shape = src_info["shape"]
+                    numel = int(np.prod(shape)) if shape else 1
+                    if min(d0, s0, length) < 0 or d0 + length > flat.numel() or s0 + length > numel:
+                        raise UserError(f"{self.path}/weights.json: weight {name}: copy run {[d0, key, s0, length]} "
+                                        f"lies outside {key} ({numel} elements) or the weight ({flat.numel()})")
                     if f not in handles:
                         handles[f] = safe_open(f, framework="pt")
                     src = handles[f].get_slice(key)
-                    shape = src.get_shape()
                     row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
                     # read only the rows the run covers (safetensors slices the leading dim without reading more)
                     r0, r1 = s0 // row, -(-(s0 + length) // row)
                     part = src[r0:r1].reshape(-1)
                     off = s0 - r0 * row
                     flat[d0:d0 + length].copy_(part[off:off + length])
+                if not self.manifest.get("allow_nonfinite", False) and dst.dtype.is_floating_point:
+                    bad = ~torch.isfinite(dst.float() if dst.element_size() == 1 else dst)
+                    if bool(bad.any()):
+                        keys = sorted({r[1] for r in entry["runs"]})
+                        raise UserError(f"weight {name} (checkpoint tensor {', '.join(keys[:3])}) holds NaN/Inf "
+                                        "values; the artifact was compiled without --allow-nonfinite")
         except FileNotFoundError as e:
-            raise UserError(f"checkpoint file missing: {e.filename}") from None
+            raise UserError(f"checkpoint file missing: {e.filename or e}") from None
+        except SafetensorError as e:
+            raise UserError(f"checkpoint file unreadable while binding {name}: {e}") from None
         finally:
             handles.clear()
 

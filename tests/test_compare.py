@@ -139,8 +139,12 @@ def test_diff_tolerance():
     assert diff(out, ref, 1e-4, 1e-4)["bad"] == 0  # ... inside a stated relative bound
     d = diff(out, ref, 1e-4, 0.0)
     assert abs(d["rel"] - 1e-5) < 1e-7 and abs(d["abs"] - 0.01) < 1e-4  # float32 inputs
-    assert diff(torch.tensor([float("nan")]), torch.tensor([float("nan")]), 1e-4, 0.0)["bad"] == 0
-    assert diff(torch.tensor([float("nan")]), torch.tensor([1.0]), 1e-4, 0.0)["bad"] == 1
+    nan = torch.tensor([float("nan")])
+    assert diff(nan, nan, 1e-4, 0.0)["bad"] == 1  # NaN never agrees: NaN weights give NaN on both sides
+    assert diff(nan, nan, 1e-4, 0.0, skip_ref_nan=True)["bad"] == 0  # ... unless the reference is undefined there
+    assert diff(nan, torch.tensor([1.0]), 1e-4, 0.0)["bad"] == 1
+    assert diff(torch.tensor([1.0]), nan, 1e-4, 0.0)["bad"] == 1
+    assert diff(torch.tensor([float("inf")]), torch.tensor([float("inf")]), 1e-4, 0.0)["bad"] == 0
     assert diff(torch.zeros(2), torch.zeros(3), 1e-4, 0.0)["bad"] > 0
 
 

@@ -97,9 +97,11 @@ def main(debug: bool) -> None:
                                       "codegen/kernels/expert_workspace.py)")
 @click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
               help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def compile_cmd(model, out, target, max_seq, max_batch, kv_block_size, kv_blocks, image_grids, verify, tune,
-                tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, as_json):
+                tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, allow_nonfinite, as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -113,7 +115,7 @@ def compile_cmd(model, out, target, max_seq, max_batch, kv_block_size, kv_blocks
                         tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
                         image_grids=list(image_grids) or None, compute_dtype=compute_dtype,
                         expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"),
-                        kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                        kv_block_size=kv_block_size, kv_blocks=kv_blocks, allow_nonfinite=allow_nonfinite)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],

@@ -63,13 +63,14 @@ _LAYER = re.compile(r"^(.*?\blayers\.\d+)(?:\.|$)")
 
 def diff(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, skip_ref_nan: bool = False) -> dict:
     """``{abs, rel, bad}`` of ``out`` against ``ref``: largest errors and how many elements are outside tolerance.
+    A NaN on either side is a mismatch (error inf), even NaN against NaN: NaN weights must not pass as agreement.
     ``skip_ref_nan``: elements where the reference is NaN are undefined (derived from uninitialised memory)."""
     if tuple(out.shape) != tuple(ref.shape):
         return {"abs": float("inf"), "rel": float("inf"), "bad": max(out.numel(), ref.numel(), 1)}
     if out.numel() == 0:
         return {"abs": 0.0, "rel": 0.0, "bad": 0}
     a, b = out.detach().to(torch.float64), ref.detach().to(torch.float64)
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # equal infinities and NaN where upstream has NaN agree
+    same = a == b  # equal infinities agree; NaN equals nothing
     if skip_ref_nan:
         same |= torch.isnan(b)
     d = torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=float("inf")))

@@ -25,7 +25,8 @@ from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.schedule import tune_kernels
 from dayzero.frontend import hf
-from dayzero.frontend.checkpoint import Checkpoint, learn_recipes_low_precision
+from dayzero.frontend.checkpoint import (Checkpoint, bound_tensors, check_coverage, first_nonfinite,
+                                         learn_recipes_low_precision)
 from dayzero.frontend.lowprec import bind_low_precision
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph
@@ -72,7 +73,10 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) ->
         if vision.is_multimodal(ckpt.config):  # image + text (Qwen3-VL-MoE): frontend/vision.py
             return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend)
         # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
-        recipes, lowp, _ = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
+        recipes, lowp, missing = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
+        for p in lowp.values():
+            recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
+        check_coverage(ckpt, recipes, missing, hf.meta_model(ckpt)[0])  # before the (slow) trace
         traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq)
         if traced is None:  # no static cache for this architecture: a stateless prefill only
             module, _ = hf.meta_model(ckpt)
@@ -88,8 +92,6 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) ->
             if t is not None and lowp:
                 t.weights = own
                 bind_low_precision(t, lowp)
-        for p in lowp.values():
-            recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
         traced.weights = own
         if decode is not None:
             decode.weights = own
@@ -225,6 +227,8 @@ def _rename_states(g: Graph) -> Graph:
 
 
 def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors the model reads that no checkpoint tensor fills: only non-persistent buffers (rotary inv_freq)
+    or what transformers lets a checkpoint omit get here (``check_coverage`` rejected the rest)."""
     from transformers import AutoModelForCausalLM
 
     cfg = hf._config(ckpt)
@@ -271,7 +275,8 @@ def weights_manifest(fe: Frontend, graphs: list[Graph], ctx: PassContext) -> tup
     if fe.checkpoint is not None:
         ck = fe.checkpoint
         manifest["checkpoint"] = {"dir": str(ck.dir), "files": ck.fingerprints(),
-                                  "keys": {k: v.file for k, v in sorted(ck.tensors.items())}}
+                                  "keys": {k: v.file for k, v in sorted(ck.tensors.items())},
+                                  "tensors": bound_tensors(ck, fe.recipes)}
     return manifest, own
 
 
@@ -334,7 +339,8 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
                   verify: bool = False, tune: int | None = None, tune_minutes: float | None = None,
                   tuning_dir: str | None = None, max_batch: int = 4, image_grids=None,
                   compute_dtype: str | None = None, expert_route: str = "auto", expert_cache_bytes: int = 0,
-                  kv_block_size: int = DEFAULT_KV_BLOCK, kv_blocks: int | None = None) -> dict:
+                  kv_block_size: int = DEFAULT_KV_BLOCK, kv_blocks: int | None = None,
+                  allow_nonfinite: bool = False) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report.
 
     ``kv_block_size`` tokens per KV-cache block (0: one contiguous cache per request slot) and ``kv_blocks``
@@ -342,7 +348,10 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     passes/paged_kv.py.
 
     ``compute_dtype`` (fp32 | bf16 | fp8_e4m3 | a target spec), ``expert_route`` (auto | fused | workspace) and
-    ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace)."""
+    ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace).
+
+    A checkpoint float weight holding NaN/Inf is an error unless ``allow_nonfinite`` (recorded in the artifact:
+    the runtime then skips its own finiteness check of the bound weights)."""
     times = {}
     tgt = resolve_target(target)
     experts = {"compute_dtype": resolve_compute_dtype(compute_dtype, tgt), "route": expert_route,
@@ -358,6 +367,10 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         raise UserError("--kv-blocks must be at least 2 (block 0 is the scratch block)")
     t0 = time.perf_counter()
     fe = trace_model(model, max_seq, image_grids=image_grids)
+    if fe.checkpoint is not None and not allow_nonfinite:
+        bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
+        if bad is not None:
+            raise UserError(bad)
     times["trace_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     kv_pages = ({"block_size": kv_block_size, "blocks": kv_blocks, "max_batch": max_batch}
@@ -396,6 +409,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     times["codegen_s"] = time.perf_counter() - t0
     layout = plan_programs(progs, slots=max_batch if fe.decode is not None else 1)
     manifest, own = weights_manifest(fe, graphs, ctx)
+    manifest["allow_nonfinite"] = bool(allow_nonfinite)
     report = {
         "format": artifact.FORMAT,
         "model_type": fe.model_type,
@@ -413,6 +427,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         "build": build_stats,
         "kv_cache_layout": fe.cache_layout,
         "kv_pages": (kv_pages or {}).get("resolved"),
+        "allow_nonfinite": bool(allow_nonfinite),
     }
     pjs = {}
     for p in progs:
