@@ -566,8 +566,8 @@ def low_precision_groups(ckpt: Checkpoint, check_values: bool = True) -> dict[st
     t = ckpt.tensors
     in_major: dict[str, set | None] = {}
     for f in ckpt.files:
-        meta = _metadata(f) or {}
-        in_major[f] = set(json.loads(meta[IN_MAJOR_META])) if IN_MAJOR_META in meta else None
+        meta = ckpt.headers[f].metadata
+        in_major[f] = _name_list(f, meta[IN_MAJOR_META]) if IN_MAJOR_META in meta else None
     out = {}
     for k, info in sorted(t.items()):
         if k.endswith("_blocks"):
@@ -609,16 +609,21 @@ def low_precision_groups(ckpt: Checkpoint, check_values: bool = True) -> dict[st
     return out
 
 
+def _name_list(path: str, text: str) -> set[str]:
+    try:
+        names = json.loads(text)
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{path}: metadata {IN_MAJOR_META} must be a JSON list of tensor names")
+    return set(names)
+
+
 def _check_e8m0(scales: torch.Tensor, name: str) -> None:
     bad = scales.view(torch.uint8) == 0xFF
     if bad.any():
         raise UserError(f"{name}_scales: {int(bad.sum())} NaN E8M0 scale code(s) 0xFF, first at index "
                         f"{[int(i) for i in bad.nonzero()[0]]}")
-
-
-def _metadata(path: str) -> dict | None:
-    with safe_open(path, framework="pt") as f:
-        return f.metadata()
 
 
 class _Dequantised:
