@@ -84,13 +84,15 @@ def corrupt(rng: random.Random, raw: bytes) -> tuple[str, bytes]:
     return f"{kind} {key}", _pack(out) + data
 
 
-def _snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int]]:
+def _snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int] | None]:
+    """Every path under root except skip's tree: a file's (size, mtime), a directory's existence (its mtime
+    changes when a temporary entry comes and goes)."""
     out = {}
     for p in root.rglob("*"):
         if p == skip or skip in p.parents:
             continue
         st = p.lstat()
-        out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+        out[str(p.relative_to(root))] = None if p.is_dir() else (st.st_size, st.st_mtime_ns)
     return out
 
 
