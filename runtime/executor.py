@@ -279,7 +279,9 @@ class Runtime:
                 if name is None or b.get("alias_of") is not None or name in done:
                     continue
                 done.add(name)
-                entry = tensors[name]
+                entry = tensors.get(name)
+                if entry is None:
+                    raise UserError(f"{self.path}/weights.json: no entry for weight {name}, which the programs read")
                 dst = prog.view(bid, ())
                 if entry["source"] == "artifact":
                     if "own" not in handles:
