@@ -422,11 +422,16 @@ def _load_failure(ckpt, config_dir, err: Exception) -> str:
         for k, info in sorted(ckpt.tensors.items()):
             if k in layout and tuple(info.shape) != layout[k]:
                 return f"{where}: tensor {k} has shape {list(info.shape)}, the model expects {list(layout[k])}"
-        lacking = sorted(set(layout) - set(ckpt.tensors))
+        lacking = _absent(ckpt, layout)
         if lacking:
             return f"{where}: the checkpoint lacks tensor(s) {_names(lacking)}"
     first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
     return f"{where}: transformers cannot load the checkpoint's tensors: {first}"
+
+
+def _absent(ckpt, layout: dict) -> list[str]:
+    """The keys of ``expected_layout`` the checkpoint lacks (dense names: an MXFP4 NAME is stored as NAME_blocks)."""
+    return sorted(k for k in set(layout) - set(ckpt.tensors) if k + "_blocks" not in ckpt.tensors)
 
 
 def _names(keys, most: int = 5) -> str:
@@ -457,8 +462,7 @@ def check_coverage(ckpt: Checkpoint, recipes: dict[str, list[Run]], missing: set
     persistent = {k for k, v in model.state_dict().items() if v.numel()}
     _, lacking = transformers_reports(model, missing=set(missing) & persistent)
     if lacking:
-        layout = expected_layout(ckpt.dir) or {}
-        keys = sorted(set(layout) - set(ckpt.tensors)) or sorted(lacking)
+        keys = _absent(ckpt, expected_layout(ckpt.dir) or {}) or sorted(lacking)
         raise UserError(f"{ckpt.dir}: the checkpoint lacks tensor(s) {_names(keys)} (the model's "
                         f"{_names(lacking, 3)})")
     used = {key for runs in recipes.values() for _, key, _, _ in runs}

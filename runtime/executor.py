@@ -292,7 +292,12 @@ class Runtime:
                     raise UserError(f"{self.path}/weights.json: weight {name} comes from a checkpoint the artifact "
                                     "does not record (compiled by an older dayzero? recompile it)")
                 flat = dst.reshape(-1)
-                for d0, key, s0, length in entry["runs"]:
+                for run in entry.get("runs", ()):
+                    if not (isinstance(run, list) and len(run) == 4 and isinstance(run[1], str) and
+                            all(isinstance(x, int) and not isinstance(x, bool) for x in (run[0], *run[2:]))):
+                        raise UserError(f"{self.path}/weights.json: weight {name}: copy run {run!r} is not "
+                                        "[dst, key, src, length]")
+                    d0, key, s0, length = run
                     src_info = ck["tensors"].get(key)
                     if src_info is None:
                         raise UserError(f"{self.path}/weights.json: weight {name} reads checkpoint tensor {key}, "

@@ -302,6 +302,10 @@ def test_tampered_runs_and_shapes_in_manifest(base, tmp_path):
     w.write_text(json.dumps(m))
     _run_fails(art, name, "outside")
     m = json.loads(good)
+    m["tensors"][name]["runs"][0][2] = "0"
+    w.write_text(json.dumps(m))
+    _run_fails(art, name, "is not [dst, key, src, length]")
+    m = json.loads(good)
     m["checkpoint"]["tensors"][K]["shape"] = [32, 64 * 2]
     w.write_text(json.dumps(m))
     _run_fails(art, K, "compiled for")
