@@ -3,7 +3,9 @@
 Spec:
 - safetensors headers are validated before anything maps the file (``read_header``): overlapping byte ranges, a
   byte size that disagrees with dtype x shape, gaps, bytes past the last tensor, unknown dtypes, bad shapes,
-  repeated keys, an oversized length prefix: each a UserError naming the file and the tensor.
+  repeated keys, an oversized length prefix: each a UserError naming the file and the tensor. An index whose
+  weight_map names a file outside the directory, a missing file or the wrong file, and a tensor in two files, are
+  refused too.
 - compile: a tensor the model reads that the checkpoint lacks, a checkpoint tensor the model never reads, a
   wrong-shape expert tensor (MXFP4 and FP8 storage) and NaN weights are exit 2 naming the tensor, nothing
   written; ``--allow-nonfinite`` compiles the NaN checkpoint (recorded in the artifact). Tensors transformers
@@ -113,6 +115,32 @@ def test_header_gap_repeated_key_and_length(tmp_path):
     f.write_bytes(b"\x01\x02")
     with pytest.raises(UserError, match="shorter than its 8-byte header length"):
         read_header(str(f))
+
+
+@pytest.mark.parametrize("weight_map,needle", [
+    ({"a": "../outside.safetensors", "b": "model.safetensors"}, "not a .safetensors file name"),
+    ({"a": "other.safetensors", "b": "model.safetensors"}, "names other.safetensors, which is not in"),
+    ({"a": "model.safetensors", "b": "model.safetensors", "c": "model.safetensors"}, "maps tensor c"),
+    ({"a": ["model.safetensors"]}, "weight_map must map tensor names to file names"),
+])
+def test_bad_index_is_refused(tmp_path, weight_map, needle):
+    from dayzero.frontend.checkpoint import Checkpoint
+
+    _small(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(UserError, match=needle):
+        Checkpoint(tmp_path)
+
+
+def test_tensor_in_two_files_is_refused(tmp_path):
+    from dayzero.frontend.checkpoint import Checkpoint
+
+    _small(tmp_path / "a.safetensors")
+    _small(tmp_path / "b.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="tensor [ab] is in both a.safetensors and b.safetensors"):
+        Checkpoint(tmp_path)
 
 
 def _raw_edit(ckpt: Path, fn) -> None:
