@@ -66,6 +66,18 @@ def test_cli_run_bad_values_are_user_errors_naming_the_option(qwen, case):
         assert "--input-ids" not in lines[0]
 
 
+def test_cli_run_bad_value_in_a_real_process_is_one_stderr_line(qwen):
+    """The same through a real process: stderr holds exactly the error line (no traceback, no warning)."""
+    import subprocess
+    import sys
+
+    art, _ = qwen
+    r = subprocess.run([sys.executable, "-m", "dayzero.tools.cli", "run", str(art), "--input-ids", "1,2",
+                        "--max-new-tokens", "2", "--temperature", "nan"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["error: --temperature must be a finite number >= 0 (0: greedy), got nan"]
+
+
 def test_cli_run_good_values_still_run(qwen):
     art, rt = qwen
     r = CliRunner().invoke(main, ["run", str(art), "--input-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
