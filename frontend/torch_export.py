@@ -14,7 +14,7 @@ activations), and translated node by node:
   IR verifier and the runtime instead.
 
 Every node keeps a span: the upstream module path (``nn_module_stack``) and the innermost source line outside
-torch itself.
+torch itself and outside generated code.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def _span(fx_node, strip_prefix: str) -> Span:
     trace = fx_node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
     for path, line in reversed(frames):
-        if "/torch/" not in path:
+        # generated code (torch.fx's "<eval_with_key>.N", "<string>") is no upstream line, and its name counts the
+        # graphs this process generated: a span naming it would differ between two traces of the same model
+        if "/torch/" not in path and not path.startswith("<"):
             m = re.search(r"(?:site-packages|dist-packages)/(.+)$", path)
             source = f"{m.group(1) if m else path.rsplit('/', 1)[-1]}:{line}"
             break

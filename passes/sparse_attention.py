@@ -152,7 +152,8 @@ def mla_sparse_reference(ins, attrs):
         return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
                            device="meta")
     k, v = mla_expand(lat, rope, w, attrs["nope"], H)
-    return sparse_reference([q, k, v, qpos, idx], attrs)
+    # k, v are already the logical cache (unpaged above): sparse_reference must not read a table again
+    return sparse_reference([q, k, v, qpos, idx], {**attrs, "paged": None})
 
 
 def mla_dense_reference(ins, attrs):

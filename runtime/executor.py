@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from dayzero import InternalError, UserError
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 
+from . import validate
 from .kv_pages import KVPages
 
 ALIGN = 64
@@ -347,9 +348,18 @@ class Runtime:
         """Requests that can be in flight at once (each has its own KV-cache slot)."""
         return self.programs["prefill"].state_slots
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the model takes are in [0, vocab_size) (None: the artifact does not state a range)."""
+        prog = self.programs["prefill"]
+        if not prog.inputs:
+            return None
+        rng = prog.input_ranges.get(prog.buffers[prog.inputs[0]]["name"])
+        return None if rng is None else int(rng[1])
+
     def reset(self, slot: int | None = None) -> None:
         """Forget the request in a cache slot (all slots when None): states are zero when a request starts."""
-        slots = range(self.max_batch) if slot is None else [slot]
+        slots = range(self.max_batch) if slot is None else [validate.slot(slot, self.max_batch)]
         prog = self.programs["prefill"]
         for k in slots:
             for bid in prog.states.values():
@@ -375,16 +385,15 @@ class Runtime:
     def length(self) -> int:
         return self.lengths.get(0, 0)
 
-    @staticmethod
-    def _ids(input_ids) -> torch.Tensor:
-        ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
-        if ids.dim() == 0:
-            ids = ids[None]
-        if ids.dim() == 1:
-            ids = ids[None]
-        ids = ids.to(torch.int64)
-        if ids.numel() == 0:
-            raise UserError("empty prompt: give at least one token id")
+    def _ids(self, input_ids, name: str = "input_ids") -> torch.Tensor:
+        """One request's token ids -> int64 [1, n], each in the vocabulary (runtime/validate.py)."""
+        return validate.token_ids(input_ids, self.vocab_size, name)
+
+    def _token(self, token_id) -> torch.Tensor:
+        """The one token id ``decode`` appends -> int64 [1, 1]."""
+        ids = self._ids(token_id, "token_id")
+        if ids.shape[1] != 1:
+            raise UserError(f"token_id: decode appends one token id, got {ids.shape[1]}")
         return ids
 
     def prefill(self, input_ids, slot: int = 0, append: bool = False) -> torch.Tensor:
@@ -392,6 +401,7 @@ class Runtime:
         ``slot`` (fills its cache). ``append=True`` adds the tokens to the request already in the slot (a second
         turn of a conversation): positions continue after its history, which is read from the cache, never
         prefilled again."""
+        slot = validate.slot(slot, self.max_batch)
         if self.multimodal is not None:
             return self.multimodal.prefill(input_ids, slot=slot)
         ids = self._ids(input_ids)
@@ -421,6 +431,7 @@ class Runtime:
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
         """Logits [1, 1, V] after appending one token to the request in ``slot``; reads and extends its cache."""
+        slot = validate.slot(slot, self.max_batch)
         if not self.stateful:
             raise UserError("this artifact has no decode program (its model's cache has no static form): "
                             "generation is not available for it")
@@ -431,7 +442,7 @@ class Runtime:
             raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
         if self.multimodal is not None:
             return self.multimodal.decode(token_id, slot=slot)
-        ids = self._ids(token_id).reshape(1, 1)
+        ids = self._token(token_id)
         out = self.run_program("decode", [ids, torch.tensor([length])], slot, length + 1)[0]
         self.lengths[slot] = length + 1
         return out
@@ -443,14 +454,15 @@ class Runtime:
         ``images`` (paths, PIL images, arrays) join the prompt at its image tokens (multimodal artifacts).
         ``append=True`` continues the conversation in ``slot``: its history (including the last generated token)
         stays in the cache and only the new turn is prefilled."""
+        validate.sampling(max_new_tokens, temperature, top_p, seed)
+        slot = validate.slot(slot, self.max_batch)
         if self.multimodal is not None:
             return self.multimodal.generate(prompt_ids, max_new_tokens, images or (), stop_ids, temperature,
                                             top_p, seed)
         if images:
             raise UserError("this artifact has no vision program: images need a multimodal checkpoint")
-        if max_new_tokens < 0:
-            raise UserError("max_new_tokens must be >= 0")
         ids = self._ids(prompt_ids)
+        stops = self._stops(stop_ids)
         if append and self.pending.get(slot) is not None:  # the last generated token is not in the cache yet
             ids = torch.cat([torch.tensor([[self.pending[slot]]]), ids], dim=1)
         history = self.lengths.get(slot, 0) if append else 0
@@ -461,7 +473,6 @@ class Runtime:
         logits = self.prefill(ids, slot=slot, append=append)[0, -1]
         self.pending[slot] = None
         out: list[int] = []
-        stops = set(int(s) for s in stop_ids)
         for k in range(max_new_tokens):
             tok = _pick(logits, temperature, top_p, gen)
             out.append(tok)
@@ -470,6 +481,12 @@ class Runtime:
                 break
             logits = self.decode(tok, slot=slot)[0, -1]
         return out
+
+    def _stops(self, stop_ids) -> set[int]:
+        """Stop token ids (any iterable of ids, or one id) -> a set, each in the vocabulary."""
+        if isinstance(stop_ids, (set, frozenset, range)):
+            stop_ids = list(stop_ids)
+        return set(validate.token_ids(stop_ids, self.vocab_size, "stop_ids", allow_empty=True)[0].tolist())
 
     def run(self, *inputs) -> list[torch.Tensor]:
         """Run the prefill program on generic inputs (ONNX models: any names, dtypes, ranks), given in the
@@ -485,8 +502,13 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
     """Serve several requests at once, each in its own KV-cache slot, decode steps interleaved.
 
     A request that fails (empty prompt, a token outside the vocabulary, a prompt longer than the compiled maximum,
-    a request beyond the cache budget) gets its error; the others keep going. Returns per request
-    ``{"tokens": [...], "error": str | None}``."""
+    a request beyond the cache budget, a malformed one: not a list of int ids) gets its error; the others keep going.
+    Bad parameters shared by every request (max_new_tokens, stop_ids, temperature, top_p, seed) raise a
+    UserError before any request runs. Returns per request ``{"tokens": [...], "error": str | None}``."""
+    validate.sampling(max_new_tokens, temperature, top_p, seed)
+    stops = rt._stops(stop_ids)
+    if not isinstance(prompts, (list, tuple)):
+        raise UserError(f"prompts: expected a list of requests (token id lists), got {type(prompts).__name__}")
     if len(prompts) > rt.max_batch:
         raise UserError(f"{len(prompts)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
     results = [{"tokens": [], "error": None} for _ in prompts]
@@ -510,14 +532,15 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
         except UserError:
             rt.reset(k)  # a request that failed (the KV pool is full) frees its blocks for the others
             raise
-    decode_interleaved(results, logits, gens, step, max_new_tokens, stop_ids, temperature, top_p)
+    decode_interleaved(results, logits, gens, step, max_new_tokens, stops, temperature, top_p)
     return results
 
 
 def decode_interleaved(results: list[dict], logits: dict, gens: dict, step, max_new_tokens: int, stop_ids,
                        temperature: float, top_p: float, raise_errors: bool = False) -> None:
     """One decode step per live request in turn until each stops; ``step(token, k) -> next logits`` of request k.
-    A request whose step raises a UserError records it and drops out (others keep going)."""
+    A request whose step raises a UserError records it and drops out (others keep going). The parameters are the
+    callers', already checked (validate.sampling; stop_ids: ints)."""
     stops = set(int(s) for s in stop_ids)
     active = sorted(k for k in logits if max_new_tokens > 0)
     while active:

@@ -30,6 +30,8 @@ import torch
 
 from dayzero import UserError
 
+from . import validate
+
 
 class Multimodal:
     """Drives a multimodal artifact's programs for one :class:`~dayzero.runtime.executor.Runtime`."""
@@ -161,6 +163,9 @@ class Multimodal:
     def prepare(self, input_ids, images=(), fit: bool = False):
         """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta)."""
         ids = self.rt._ids(input_ids)
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise UserError(f"images: expected a list of images (paths, PIL images, arrays), got "
+                            f"{type(images).__name__}")
         images = list(images or [])
         encoded = [self.encode(im, fit) for im in images]
         grids = [list(g) for _, g in encoded]
@@ -182,6 +187,7 @@ class Multimodal:
     # -- serving ------------------------------------------------------------------------------------------------
     def prefill(self, input_ids, images=(), slot: int = 0, fit: bool = False) -> torch.Tensor:
         """Logits [1, n, V] of the prompt (image tokens expanded) and start the request in cache slot ``slot``."""
+        slot = validate.slot(slot, self.rt.max_batch)
         ids, pos, visual, mask, delta = self.prepare(input_ids, images, fit)
         return self._prefill(ids, pos, visual, mask, delta, slot)
 
@@ -196,12 +202,13 @@ class Multimodal:
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
         rt = self.rt
+        slot = validate.slot(slot, rt.max_batch)
         length = rt.lengths.get(slot, 0)
         if length == 0:
             raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
         if length >= rt.max_length:
             raise UserError(f"the request reached the cache budget of {rt.max_length} tokens")
-        ids = rt._ids(token_id).reshape(1, 1)
+        ids = rt._token(token_id)
         pos = torch.full((3, 1, 1), length + self.deltas.get(slot, 0), dtype=torch.int64)
         out = rt.run_program("decode", [ids, pos, torch.tensor([length]), torch.zeros(self.rows, 1, self.hidden),
                                         torch.zeros(1, 1, dtype=torch.int64)], slot, length + 1)[0]
@@ -221,15 +228,23 @@ class Multimodal:
         from dayzero.runtime.executor import decode_interleaved
 
         rt = self.rt
-        if max_new_tokens < 0:
-            raise UserError("max_new_tokens must be >= 0")
+        validate.sampling(max_new_tokens, temperature, top_p, seed)
+        stops = rt._stops(stop_ids)
+        if not isinstance(requests, (list, tuple)):
+            raise UserError(f"requests: expected a list, got {type(requests).__name__}")
         if len(requests) > rt.max_batch:
             raise UserError(f"{len(requests)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
         results = [{"tokens": [], "error": None} for _ in requests]
         logits, gens = {}, {}
         for k, req in enumerate(requests):
-            ids, images = (req.get("input_ids"), req.get("images") or []) if isinstance(req, dict) else (req, [])
             try:
+                if isinstance(req, dict):
+                    if set(req) - {"input_ids", "images"} or "input_ids" not in req:
+                        raise UserError(f"a request is token ids or {{'input_ids': ..., 'images': [...]}}; got a "
+                                        f"dict with keys {sorted(map(str, req))}")
+                    ids, images = req["input_ids"], req.get("images") or []
+                else:
+                    ids, images = req, []
                 ids, pos, visual, mask, delta = self.prepare(ids, images, fit)
                 if ids.shape[1] + max_new_tokens > rt.max_length:
                     raise UserError(f"prompt ({ids.shape[1]} tokens with image tokens) + max_new_tokens "
@@ -242,7 +257,7 @@ class Multimodal:
                     raise
                 results[k]["error"] = str(e)
         decode_interleaved(results, logits, gens, lambda tok, k: self.decode(tok, slot=k)[0, -1], max_new_tokens,
-                           stop_ids, temperature, top_p, raise_errors)
+                           stops, temperature, top_p, raise_errors)
         return results
 
 

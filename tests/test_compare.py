@@ -167,3 +167,64 @@ def test_compare_on_an_mxfp4_checkpoint(lowprec_compiled):
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
     assert res["ok"] and res["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq_len", ["1", "16"])
+def test_compare_on_deepseek_v32_with_paged_sparse_attention(tiny_compiled, seq_len):
+    """DeepSeek-V3.2's MLA sparse attention reads a paged cache: compare's reference gathers it through the block
+    table (it crashed with an IndexError, exit 3, reading the table twice), and the artifact matches upstream."""
+    ckpt, art, _ = tiny_compiled("deepseek_v32")
+    r = CliRunner().invoke(main, ["compare", str(ckpt), str(art), "--json", "--seq-len", seq_len])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["ok"] and res["trace_ok"] and res["max_abs_diff"] <= 1e-4 and res["seq_len"] == int(seq_len)
+
+
+def _png(path, h, w, seed):
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.RandomState(seed).randint(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_compare_with_an_image_on_a_multimodal_checkpoint(tiny_compiled, tmp_path):
+    """``compare --image``: the tiny Qwen3-VL-MoE prefill with one 64x64 image (grid 1x4x4: 4 image tokens after
+    the 2x2 merge) matches upstream's AutoModelForImageTextToText, and the compiled vision features match
+    upstream's encoder."""
+    ckpt, art, _ = tiny_compiled("qwen3_vl_moe")
+    img = _png(tmp_path / "a.png", 64, 64, 1)
+    r = CliRunner().invoke(main, ["compare", str(ckpt), str(art), "--json", "--seq-len", "9", "--image", img])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["ok"] and res["trace_ok"] and res["max_abs_diff"] <= 1e-4 and res["stage"] is None
+    assert res["vision"]["ok"] and res["vision"]["max_abs_diff"] <= 1e-4
+    assert res["images"] == [img] and res["prompt_tokens"] == 9 + 2 + 4  # text, vision start/end, image tokens
+
+
+def test_compare_image_on_a_text_only_artifact_is_a_user_error(compiled_factory, tmp_path):
+    art, _, _ = compiled_factory("tiny_moe")
+    img = _png(tmp_path / "a.png", 64, 64, 1)
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(art), "--image", img])
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and "no vision program" in r.output and "--image" in r.output
+
+
+@pytest.mark.slow
+def test_compare_with_an_image_localises_a_vision_divergence(tiny_compiled, tmp_path, monkeypatch):
+    """Image features off by 0.01 (the vision program's output perturbed after it ran) are reported as stage
+    ``vision``, not blamed on the text program or the trace."""
+    from dayzero.runtime.multimodal import Multimodal
+
+    ckpt, art, _ = tiny_compiled("qwen3_vl_moe")
+    encode = Multimodal.encode
+
+    def off(self, image, fit=False):
+        feats, grid = encode(self, image, fit)
+        return feats + 0.01, grid
+    monkeypatch.setattr(Multimodal, "encode", off)
+    res = compare(str(ckpt), art, seq_len=5, images=[_png(tmp_path / "a.png", 64, 64, 2)])
+    assert not res["ok"] and res["stage"] == "vision" and not res["vision"]["ok"]
+    assert abs(res["vision"]["max_abs_diff"] - 0.01) < 1e-3 and res["first_divergence"]["source"] == "vision"

@@ -106,3 +106,20 @@ def test_parse_errors_are_user_errors():
     with pytest.raises(UserError):
         parse_graph("graph main symbols() {\n  %0 = add.Tensor(%7) : float32[1]\n  return %0\n}\n")
     assert issubclass(VerifyError, InternalError)
+
+
+def test_span_source_is_the_upstream_line_not_generated_code():
+    """A node traced through torch.fx-generated code (``<eval_with_key>.N``: N counts the graphs this process
+    generated) takes the upstream line that called it, so two traces of one model in one process have the same
+    spans (compare checks the artifact's steps against a re-trace by span)."""
+    import types
+
+    from dayzero.frontend.torch_export import _span
+
+    trace = ('  File "/x/site-packages/transformers/models/deepseek_v32/modeling_deepseek_v32.py", line 120, in f\n'
+             '  File "/x/site-packages/torch/fx/graph_module.py", line 400, in __call__\n'
+             '  File "<eval_with_key>.68", line 5, in forward\n')
+    node = types.SimpleNamespace(meta={"stack_trace": trace, "nn_module_stack": {"a": ("L['self'].model.x", None)}})
+    span = _span(node, "model.")
+    assert span.source == "transformers/models/deepseek_v32/modeling_deepseek_v32.py:120"
+    assert span.module == "x"

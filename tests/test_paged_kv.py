@@ -99,6 +99,23 @@ def test_paged_mla_kernel_reads_only_selected_rows_through_the_table(S, start):
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_mla_reference_reads_the_pool_through_the_table_once():
+    """The reference of a paged MLA sparse attention (what ``dayzero compare`` runs on DeepSeek-V3.2) equals the
+    contiguous one: the cache is gathered through the table once, the expanded K/V not read as a pool again."""
+    g = torch.Generator().manual_seed(3)
+    L, blocks, H, K, S, start = 64, 7, 4, 4, 5, 20
+    q = torch.randn(1, H, S, 24, generator=g)
+    lat, rope = torch.randn(1, 1, L, 32, generator=g), torch.randn(1, 1, L, 8, generator=g)
+    w = torch.randn(H * 32, 32, generator=g) * 0.1
+    qpos = torch.arange(S) + start
+    idx = torch.stack([torch.randperm(int(qpos[s]) + 1, generator=g)[:K] for s in range(S)])[None]
+    ref = sa.mla_sparse_reference([q, lat, rope, w, qpos, idx], {"scale": 0.2, "nope": 16})
+    table = _table(L, L, blocks + 4, seed=1)
+    paged = [q, _page(lat, 2, table, blocks + 4), _page(rope, 2, table, blocks + 4), w, qpos, idx, table]
+    out = sa.mla_sparse_reference(paged, {"scale": 0.2, "nope": 16, "paged": BS, "length": L})
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("S,start,paged", [(1, 50, True), (1, 0, False), (9, 20, True), (5, 3, False)])
 def test_dense_mla_kernel_equals_attention_over_upstreams_expansion(S, start, paged):
     """mla_attention (MLA without an indexer: DeepSeek-V3, Kimi-K2): the absorbed kernel equals causal attention

@@ -134,13 +134,14 @@ def _parse_bytes(text: str, option: str) -> int:
     return int(m.group(1)) * unit[m.group(2)]
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, option: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3]; ``option`` (--input-ids, --stop-ids) names the flag in the error."""
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise UserError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"{option} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise UserError("--input-ids is empty: give at least one token id")
+        raise UserError(f"{option} is empty: give at least one token id")
     return ids
 
 
@@ -157,10 +158,14 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True)
 def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images, as_json):
     """Run the compiled model on INPUT_IDS: the prefill logits' shape and argmax, or generated tokens."""
-    from dayzero.runtime import load
+    from dayzero.runtime import load, validate
 
-    ids = _parse_ids(input_ids)
+    ids = _parse_ids(input_ids, "--input-ids")
+    stops = _parse_ids(stop_ids, "--stop-ids") if stop_ids else []
+    validate.sampling(max_new_tokens or 0, temperature, top_p, seed, cli=True)
     rt = load(artifact)
+    validate.token_ids(ids, rt.vocab_size, "--input-ids")
+    validate.token_ids(stops, rt.vocab_size, "--stop-ids", allow_empty=True)
     t0 = time.perf_counter()
     if images and getattr(rt, "multimodal", None) is None:
         raise UserError(f"{artifact}: no vision program (compile a multimodal checkpoint to pass --image)")
@@ -171,7 +176,6 @@ def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_
         logits = rt.prefill(ids)
         res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist()}
     else:
-        stops = _parse_ids(stop_ids) if stop_ids else []
         toks = rt.generate(ids, max_new_tokens, stop_ids=stops, temperature=temperature, top_p=top_p, seed=seed,
                            **({"images": list(images)} if images else {}))
         res = {"tokens": toks}

@@ -31,6 +31,15 @@ Ops that allocate without initialising (``empty``...) are not compared: their by
 until a later step writes them. In the lockstep reference their floating outputs are NaN, so every element
 derived from uninitialised bytes is NaN there and skipped (only in graphs that have such ops).
 
+Multimodal artifacts (Qwen3-VL-MoE, ``--image PATH``, repeatable). The fixed-seed prompt is one
+``<vision_start> <image> <vision_end>`` per image, then ``seq_len`` text ids drawn below the special tokens; the
+request is prepared as ``dayzero run --image`` prepares it (runtime/multimodal.py: upstream's image processor,
+the compiled vision program, upstream's ``get_rope_index``). Upstream is
+``AutoModelForImageTextToText.from_pretrained`` run eagerly on the same processor outputs (pixel values, grids,
+expanded ids, mm_token_type_ids). The compiled vision features are first checked against upstream's encoder
+(stage ``vision`` when they differ); the prefill is then compared in lockstep as above, fed the compiled features.
+Without ``--image`` a multimodal artifact is compared on a text-only prompt the same way.
+
 Tolerance: element-wise ``|compiled - ref| <= atol + rtol * |ref|`` (defaults 1e-4 and 0, i.e. absolute;
 ``--rtol`` states a relative bound where magnitudes are large). ``max_rel_diff`` is the largest
 ``|compiled - ref| / |ref|`` over elements with ``|ref| > atol``.
@@ -205,9 +214,60 @@ def upstream(model, max_seq: int):
 
         def run_hf(inputs):
             return _logits(module(*inputs))
+    return run_hf, _tensors(module), fe
+
+
+def _tensors(module) -> dict:
     tensors = dict(module.state_dict())
     tensors.update(module.named_buffers())
-    return run_hf, tensors, fe
+    return tensors
+
+
+def multimodal_request(rt, seq: int, images, seed: int = 0) -> tuple[dict, dict, torch.Tensor]:
+    """The fixed-seed request of a multimodal artifact (see the module docstring) -> (program inputs by name,
+    upstream's keyword arguments, the compiled vision features at the image tokens [rows, tokens, hidden])."""
+    mm = rt.multimodal
+    info = mm.info
+    special = [info.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                     "vision_end_token_id")]
+    hi = min([int(t) for t in special if t is not None] + [rt.vocab_size or mm.image_token_id])
+    text = torch.randint(0, hi, (seq,), generator=torch.Generator().manual_seed(seed)).tolist()
+    wrap = [info.get("vision_start_token_id"), mm.image_token_id, info.get("vision_end_token_id")]
+    prompt = [int(t) for _ in images for t in wrap if t is not None] + text
+    ids, pos, visual, mask, _ = mm.prepare(prompt, images)
+    n = ids.shape[1]
+    program = {"input_ids": ids, "position_ids": pos, "cache_position": torch.arange(n), "visual": visual,
+               "image_mask": mask}
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    if images:
+        pre = [mm.preprocess(im) for im in images]
+        kwargs.update(pixel_values=torch.cat([p for p, _ in pre]), image_grid_thw=torch.tensor([g for _, g in pre]),
+                      mm_token_type_ids=mask.to(torch.int32))
+    return program, kwargs, visual[:, mask[0] != 0]
+
+
+def upstream_multimodal(model, max_seq: int, grids):
+    """``(module, tensors by name, frontend)`` of a multimodal checkpoint: transformers'
+    ``AutoModelForImageTextToText`` (eager) and the re-trace with the artifact's image grids."""
+    from transformers import AutoModelForImageTextToText
+
+    from dayzero.frontend.hf import _quiet
+    from dayzero.tools.driver import trace_model
+
+    try:
+        with _quiet():
+            module = AutoModelForImageTextToText.from_pretrained(str(model)).eval()
+    except (ImportError, ValueError, OSError) as e:
+        raise UserError(f"{model}: transformers cannot load the upstream image-text model: "
+                        f"{str(e).splitlines()[0]}") from None
+    fe = trace_model(model, max_seq, image_grids=grids)
+    return module, _tensors(module), fe
+
+
+def _upstream_features(module, kwargs: dict) -> torch.Tensor:
+    """Upstream's vision encoder on the request's pixel values -> [1 + deepstack, tokens, hidden]."""
+    out = module.model.visual(kwargs["pixel_values"], grid_thw=kwargs["image_grid_thw"], return_dict=True)
+    return torch.stack([out.pooler_output, *out.deepstack_features])
 
 
 # ---- the comparison ---------------------------------------------------------------------------------------------
@@ -218,8 +278,9 @@ def _where(n) -> dict:
 
 
 def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rtol: float = 0.0,
-            per_node: bool = False) -> dict:
-    """Compare MODEL's upstream forward with the compiled ARTIFACT; see the module docstring."""
+            per_node: bool = False, images=()) -> dict:
+    """Compare MODEL's upstream forward with the compiled ARTIFACT; see the module docstring. ``images`` (paths,
+    PIL images, arrays) join the prompt of a multimodal artifact."""
     from dayzero.passes.ir import ops
     from dayzero.passes.ir.interp import infer_env, run_graph
     from dayzero.passes.ir.ops import torch_dtype
@@ -230,6 +291,11 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     if not (art / "program.json").is_file():
         raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
     rt = load(art)
+    images = list(images or ())
+    mm = getattr(rt, "multimodal", None)
+    if images and mm is None:
+        raise UserError(f"{artifact}: no vision program, so --image cannot be compared (compile a multimodal "
+                        f"checkpoint, e.g. Qwen3-VL-MoE, to compare images)")
     # a stateful artifact (prefill + decode sharing a KV cache) is compared on its prefill, from an empty cache
     pname = "prefill" if "prefill" in rt.programs else next(iter(rt.programs))
     prog = rt.programs[pname]
@@ -239,6 +305,9 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     if seq_len is not None and not 1 <= seq_len <= max_seq:
         raise UserError(f"--seq-len {seq_len} is outside the artifact's range [1, {max_seq}]")
     inputs = fixed_inputs(pj, seq)
+    if mm is not None:  # the request as the runtime prepares it (image tokens, 3D positions, vision features)
+        request, up_kwargs, features = multimodal_request(rt, seq, images)
+        inputs = [request.get(pj["buffers"][bid]["name"], t) for bid, t in zip(pj["inputs"], inputs)]
     if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
         inputs, _ = prog.pad(inputs)
     pages = rt.program_json.get("kv_pages")
@@ -250,7 +319,13 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
         if pj["buffers"][bid]["name"] in prog.table_inputs:
             inputs[k] = rt.kv.table(pj["buffers"][bid]["name"], 0).clone()
 
-    run_upstream, tensors, fe = upstream(model, max_seq)
+    if mm is not None:
+        module, tensors, fe = upstream_multimodal(model, max_seq, mm.info["grids"])
+
+        def run_upstream(_inputs):  # upstream takes its own arguments (pixel values, grids), not the program's
+            return module(**up_kwargs)
+    else:
+        run_upstream, tensors, fe = upstream(model, max_seq)
     tensors.update(fe.traced.weights)
     g, _ = optimize(fe, kv_pages=dict(pages) if pages else None)
     compute = [n for n in g.nodes() if n.op not in ("input", "weight", "state") and not ops.get(n.op).view]
@@ -343,10 +418,18 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
         index = {id(n): i for i, n in enumerate(g.nodes())}
         has_undefined = any(n.op.split(".")[0] in UNDEFINED_OPS for n in compute)
         got = prog.run(inputs, observe=observe)[0]
+        vision = None
+        if images:
+            vision = diff(features, _upstream_features(module, up_kwargs), atol, rtol)
 
     res = {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model[0]).__name__,
            "artifact": str(art.resolve()), "program": pname, "seq_len": seq, "atol": atol, "rtol": rtol,
            "input_shapes": [list(t.shape) for t in inputs]}
+    if mm is not None:
+        res["images"] = [str(im) if isinstance(im, (str, os.PathLike)) else type(im).__name__ for im in images]
+        res["prompt_tokens"] = int(inputs[0].shape[-1])
+    if vision is not None:
+        res["vision"] = {"max_abs_diff": vision["abs"], "max_rel_diff": vision["rel"], "ok": vision["bad"] == 0}
     head = diff(got, expected, atol, rtol)
     trace = diff(interp, expected, atol, rtol)
     res.update(max_abs_diff=head["abs"], max_rel_diff=head["rel"], logits_ok=head["bad"] == 0,
@@ -355,7 +438,13 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     res["ties"] = [f"tie at {t['node']} ({t['op']} at {t['module'] or '-'} {t['source']}): {t['rows']} row(s)"
                    + (", k-th and (k+1)-th scores equal" if t["kth_tied"] else ", order among equal scores")
                    for t in ties]
-    if not res["trace_ok"]:
+    if vision is not None and vision["bad"]:
+        res["stage"] = "vision"
+        res["first_divergence"] = {"node": None, "op": None, "layer": None, "source": "vision",
+                                   "abs_diff": vision["abs"],
+                                   "message": "the compiled vision program's image features differ from upstream's "
+                                              "encoder (Qwen3VLMoeVisionModel) on the same pixel values"}
+    elif not res["trace_ok"]:
         res["stage"] = "trace"
         res["first_divergence"] = {"node": None, "op": None, "layer": None, "source": "trace",
                                    "abs_diff": trace["abs"],
@@ -369,7 +458,8 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
         res["stage"] = None
         res["first_divergence"] = None
     # explained by ties: every step agrees once the reference follows the compiled tie-break
-    res["ok"] = res["trace_ok"] and (head["bad"] == 0 or (bool(ties) and first is None))
+    res["ok"] = res["trace_ok"] and (head["bad"] == 0 or (bool(ties) and first is None)) \
+        and (vision is None or vision["bad"] == 0)
     # groups: decoder layers, and the modules outside them (embedding, final norm, head); a graph whose spans name
     # no small set of modules (an ONNX graph names every node) keeps those in one group: --per-node shows them
     outside = {r["module"] for r in rows if not r["layer"]}
@@ -401,6 +491,10 @@ def _human(r: dict) -> None:
                + (f", rtol {r['rtol']:g}" if r["rtol"] else "") + ")")
     click.echo(f"logits: max abs diff {r['max_abs_diff']:.3g}, max rel diff {r['max_rel_diff']:.3g}  "
                f"({'ok' if r['logits_ok'] else 'OUTSIDE TOLERANCE'})")
+    if "vision" in r:
+        v = r["vision"]
+        click.echo(f"images {', '.join(r['images'])} ({r['prompt_tokens']} prompt tokens): vision features max abs "
+                   f"diff {v['max_abs_diff']:.3g}  ({'ok' if v['ok'] else 'OUTSIDE TOLERANCE'})")
     click.echo(f"trace (interpreter vs upstream): max abs diff {r['trace_max_abs_diff']:.3g}  "
                f"({'ok' if r['trace_ok'] else 'DIFFERS: the divergence is in tracing'})")
     for t in r["ties"]:
@@ -415,7 +509,7 @@ def _human(r: dict) -> None:
     fd = r["first_divergence"]
     if fd is None:
         click.echo("first divergence: none" + (" (after aligning ties)" if r["ties"] else ""))
-    elif r["stage"] == "trace":
+    elif r["stage"] in ("trace", "vision"):
         click.echo(f"first divergence: {fd['message']}")
     else:
         click.echo(f"first divergence: {fd['node']} {fd['op']} in {fd['layer'] or fd['module']} at {fd['source']}, "
@@ -431,12 +525,14 @@ def _human(r: dict) -> None:
 @click.option("--per-node", is_flag=True, help="report every compiled step, not only every layer")
 @click.option("--atol", type=float, default=ATOL, show_default=True, help="absolute tolerance")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance (large magnitudes)")
-def compare_cmd(model, out, as_json, seq_len, per_node, atol, rtol):
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="multimodal artifacts: an image file joining the prompt (repeat for several)")
+def compare_cmd(model, out, as_json, seq_len, per_node, atol, rtol, images):
     """Compare the artifact OUT with MODEL run eagerly upstream on the same fixed-seed input; localise the first
     divergence layer by layer (exit 1 when outside tolerance)."""
     if atol < 0 or rtol < 0:
         raise UserError("--atol and --rtol must be non-negative")
-    r = compare(model, out, seq_len=seq_len, atol=atol, rtol=rtol, per_node=per_node)
+    r = compare(model, out, seq_len=seq_len, atol=atol, rtol=rtol, per_node=per_node, images=images)
     if as_json:
         click.echo(json.dumps(r, indent=1, sort_keys=True, default=str))
     else:
