@@ -13,7 +13,8 @@ Rules, in one bottom-up sweep (a node sees its inputs already rewritten):
   in-place ops (their write is the point) are left alone. codegen/program.py gives an empty value a buffer of 0
   bytes and no kernel.
 * cat -- statically empty inputs are dropped (ATen skips them, including the legacy 1-D ``[0]`` tensor); a cat
-  left with one input of its own type is that input.
+  left with one input is that input. Where a dropped input decided the result dtype (ATen promotes over all
+  inputs), what is left is cast to it (``_to_copy``).
 * fill -- a node whose every input is statically empty but whose output is not (a reduction over an empty
   dimension: sum -> 0, prod -> 1, any -> False, mean -> nan) becomes ``full`` of the value its reference computes
   on empty inputs, when every element gets that one value (checked at two bindings of the symbols). A reference
@@ -24,6 +25,7 @@ Ordering: before fold_constants, which leaves 0-element values alone, so empties
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,6 +40,10 @@ EMPTY = "empty.memory_format"
 def empty_like_type(t: TensorType, span) -> Node:
     """The canonical empty value of type ``t`` (which must be statically empty)."""
     return Node.make(EMPTY, (), {"size": t.shape, "dtype": t.dtype}, [t], span)
+
+
+def _is_empty(n: Node) -> bool:
+    return all(t.is_empty for t in n.types)
 
 
 def _bindings(g: Graph) -> list[dict[str, int]]:
@@ -75,6 +81,16 @@ def _same(a, b) -> bool:
     return a == b or (a != a and b != b)  # nan equals nan here
 
 
+def _cat_without_empties(n: Node) -> Node:
+    """cat of the non-empty inputs; an empty input may still have decided the dtype (ATen promotes over every
+    input): then the cat of the others is cast to it."""
+    keep = [i for i in n.inputs if not _is_empty(i)]
+    dtype = ops.dtype_name(functools.reduce(torch.promote_types, (ops.torch_dtype(i.dtype) for i in keep)))
+    cat = keep[0] if len(keep) == 1 else \
+        Node.make("cat", keep, dict(n.attr, tensors=len(keep)), [TensorType(dtype, n.shape)], n.span)
+    return cat if dtype == n.dtype else Node.make("_to_copy", (cat,), {"dtype": n.dtype}, n.types, n.span)
+
+
 def fold_empty(g: Graph) -> Graph:
     envs = _bindings(g)
 
@@ -83,12 +99,9 @@ def fold_empty(g: Graph) -> Graph:
             return None
         if n.type.is_empty:
             return empty_like_type(n.type, n.span)
-        if n.op == "cat" and any(i.type.is_empty for i in n.inputs):
-            keep = [i for i in n.inputs if not i.type.is_empty]
-            if len(keep) == 1 and keep[0].type == n.type:
-                return keep[0]
-            return n.replace(inputs=tuple(keep), attrs=dict(n.attr, tensors=len(keep)))
-        if n.inputs and all(i.type.is_empty for i in n.inputs):
+        if n.op == "cat" and any(_is_empty(i) for i in n.inputs):
+            return _cat_without_empties(n)
+        if n.inputs and all(_is_empty(i) for i in n.inputs):
             v = _uniform_value(n, envs)
             if v is not None:
                 return Node.make("full", (), {"size": n.shape, "fill_value": v, "dtype": n.dtype}, n.types, n.span)
