@@ -544,11 +544,14 @@ def _reduce_axes(extents: dict):
 
     TVM writes a reduction's initial value inside its loop nest, at the first iteration, so a reduction over an
     extent that is 0 (statically, or at run: ``seq - 1`` at seq 1) never writes its output: sum of nothing gave
-    whatever the arena held. Such an extent (not a positive constant, not a bare symbol, which is >= 1) loops
-    ``max(extent, 1)`` times, and the caller reduces the identity where the mask is false."""
+    whatever the arena held. An extent not provably >= 1 (symbols are >= 1) loops ``max(extent, 1)`` times, and
+    the caller reduces the identity where the mask is false."""
     axes, masks = [], []
     for name, e in extents.items():
-        if (isinstance(e, tvm.tirx.IntImm) and e.value > 0) or isinstance(e, tvm.tirx.Var):
+        ana = tvm.sym.Analyzer()
+        for v in tvm.tirx.analysis.undefined_vars(e):
+            ana.bind(v, tvm.ir.Range(1, 1 << 31))
+        if ana.can_prove(e >= 1):
             axes.append(te.reduce_axis((0, e), name=name))
         else:
             axes.append(te.reduce_axis((0, tvm.tirx.max(e, tvm.tirx.const(1, IDX))), name=name))
