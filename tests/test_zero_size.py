@@ -231,3 +231,27 @@ def test_dimension_empty_at_run(tmp_path):
     prog = rt.programs["prefill"]
     calls, _, _ = prog._prepare(prog.bind([torch.zeros(2, 1, 8)]))
     assert sum(f is not step[0] for (f, _), step in zip(calls, prog.steps)) == 2
+
+
+def test_reductions_that_can_be_empty_keep_their_schedules():
+    """The masked reductions (extent ``seq - 1``) still take the default schedule rules and compile for CUDA
+    (codegen runs without a GPU; running them needs one)."""
+    import tvm
+
+    from dayzero.codegen import program, schedule
+    from dayzero.passes.ir.node import Node, TensorType
+    from dayzero.passes.ir.text import make_symbol
+
+    s = make_symbol("seq")
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (2, s - 1, 64))])
+    xt = Node.make("input", (), {"name": "xt"}, [TensorType("float32", (2, 64, s - 1))])
+    w = Node.make("input", (), {"name": "w"}, [TensorType("float32", (32, s - 1))])
+    nodes = [Node.make("sum.dim_IntList", [x], {"dim": (1,), "keepdim": False}, [TensorType("float32", (2, 64))]),
+             Node.make("amax", [x], {"dim": (1,), "keepdim": False}, [TensorType("float32", (2, 64))]),
+             Node.make("linear", [xt, w], {"bias": False}, [TensorType("float32", (2, 64, 32))])]
+    for target in ({"kind": "cuda", "arch": "sm_90"}, {"kind": "llvm"}):
+        t = tvm.target.Target(target)
+        for n in nodes:
+            k = program.Kernel("k", n.op, program.make_prim_func(n, "k"), "key", node=n)
+            tvm.compile(schedule.schedule_kernel(k, t, None, {"seq": (1, 64)}), target=t)
+            assert k.route == "default", (n.op, target["kind"])
