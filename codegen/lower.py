@@ -538,6 +538,31 @@ def _gather(ctx, ins, attrs, outs):
 
 # ---- reductions ---------------------------------------------------------------------------------------------
 
+def _reduce_axes(extents: dict):
+    """Reduce axes ({name: extent}) whose loops run at least once, and the mask of their real iterations (None:
+    every iteration is real).
+
+    TVM writes a reduction's initial value inside its loop nest, at the first iteration, so a reduction over an
+    extent that is 0 (statically, or at run: ``seq - 1`` at seq 1) never writes its output: sum of nothing gave
+    whatever the arena held. An extent not provably >= 1 (symbols are >= 1) loops ``max(extent, 1)`` times, and
+    the caller reduces the identity where the mask is false."""
+    axes, masks = [], []
+    for name, e in extents.items():
+        ana = tvm.sym.Analyzer()
+        for v in tvm.tirx.analysis.undefined_vars(e):
+            ana.bind(v, tvm.ir.Range(1, 1 << 31))
+        if ana.can_prove(e >= 1):
+            axes.append(te.reduce_axis((0, e), name=name))
+        else:
+            axes.append(te.reduce_axis((0, tvm.tirx.max(e, tvm.tirx.const(1, IDX))), name=name))
+            masks.append(axes[-1].var < e)
+    return axes, (tvm.tirx.all(*masks) if masks else None)
+
+
+def _masked(mask, v, identity):
+    return v if mask is None else tvm.tirx.if_then_else(mask, v, identity)
+
+
 def _reduce(ctx, ins, attrs, outs, kind: str):
     x = ins[0]
     nd = len(x.shape)
@@ -549,7 +574,7 @@ def _reduce(ctx, ins, attrs, outs, kind: str):
     cd = out.dtype if kind in ("sum", "mean") else _dt(x)
     if kind in ("sum", "mean") and not cd.startswith("float"):
         cd = out.dtype
-    axes = [te.reduce_axis((0, x.shape[d]), name=f"r{d}") for d in dims]
+    axes, mask = _reduce_axes({f"r{d}": x.shape[d] for d in dims})
 
     def body(*o):
         o = list(o)
@@ -563,15 +588,15 @@ def _reduce(ctx, ins, attrs, outs, kind: str):
                 src.append(next(oi))
         v = _cast(x[tuple(src)], cd)
         if kind in ("sum", "mean"):
-            return te.sum(v, axis=axes)
+            return te.sum(_masked(mask, v, _const(0, cd)), axis=axes)
         if kind == "amax":
-            return te.max(v, axis=axes)
+            return te.max(_masked(mask, v, tvm.tirx.min_value(cd)), axis=axes)
         if kind == "amin":
-            return te.min(v, axis=axes)
+            return te.min(_masked(mask, v, tvm.tirx.max_value(cd)), axis=axes)
         if kind == "any":
-            return te.max(v.astype("int8"), axis=axes)
+            return te.max(_masked(mask, v.astype("int8"), _const(0, "int8")), axis=axes)
         if kind == "all":
-            return te.min(v.astype("int8"), axis=axes)
+            return te.min(_masked(mask, v.astype("int8"), _const(1, "int8")), axis=axes)
         raise InternalError(kind)
     r = te.compute(ctx.shape(out.shape), body, name="R")
     if kind == "mean":
@@ -689,15 +714,14 @@ def _linear(ctx, ins, attrs, outs):
     x, w = ins[0], ins[1]
     b = ins[2] if attrs.get("bias") else None
     nd = len(x.shape)
-    kdim = x.shape[nd - 1]
-    k = te.reduce_axis((0, kdim), name="k")
+    (k,), mask = _reduce_axes({"k": x.shape[nd - 1]})
     out = outs[0]
     cd = out.dtype if out.dtype.startswith("float") else "float32"
     acc = "float32" if cd in ("bfloat16", "float16") else cd
 
     def body(*i):
-        s = te.sum(_cast(x[tuple(i[:-1]) + (k,)], acc) * _cast(w[i[-1], k], acc), axis=k)
-        return s
+        return te.sum(_masked(mask, _cast(x[tuple(i[:-1]) + (k,)], acc) * _cast(w[i[-1], k], acc),
+                              _const(0, acc)), axis=k)
     mm = te.compute(ctx.shape(out.shape), body, name="matmul")
     if b is None and acc == out.dtype:
         return mm
@@ -711,14 +735,14 @@ def _mm(ctx, ins, attrs, outs):
     a, b = ins
     out = outs[0]
     nd = len(out.shape)
-    k = te.reduce_axis((0, a.shape[len(a.shape) - 1]), name="k")
+    (k,), mask = _reduce_axes({"k": a.shape[len(a.shape) - 1]})
     acc = "float32" if out.dtype in ("bfloat16", "float16") else out.dtype
 
     def body(*i):
         lead = list(i[:-2])
         ai = _bcast_load_lead(a, lead, nd - 2) + [i[-2], k]
         bi = _bcast_load_lead(b, lead, nd - 2) + [k, i[-1]]
-        return te.sum(_cast(a[tuple(ai)], acc) * _cast(b[tuple(bi)], acc), axis=k)
+        return te.sum(_masked(mask, _cast(a[tuple(ai)], acc) * _cast(b[tuple(bi)], acc), _const(0, acc)), axis=k)
     mm = te.compute(ctx.shape(out.shape), body, name="matmul")
     if acc == out.dtype:
         return mm

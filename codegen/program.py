@@ -4,6 +4,9 @@
           ──► kernels   one PrimFunc per distinct (op, attrs, types): the two layers of a model share kernels
           ──► steps     [(kernel, argument buffers)] in topological order
 
+A value with no elements at any binding (a static 0 in its shape, see passes/fold_empty.py) gets a buffer of 0
+bytes and no kernel: nothing computes it, nothing reads its bytes.
+
 Every buffer has a symbolic shape and a zone (``weights``, ``io``, ``activations``); the memory plan (the last
 pass) gives it an offset in the arena, sized at the symbols' declared upper bounds.
 """
@@ -82,13 +85,18 @@ def check_supported(g: Graph) -> None:
     bad = []
     seen = set()
     for n in g.nodes():
-        if n.op in ("input", "weight", "state") or ops.get(n.op).view:
+        if n.op in ("input", "weight", "state") or ops.get(n.op).view or _no_kernel(n):
             continue
         if not lower.can_lower(n.op) and (n.op, str(n.span)) not in seen:
             seen.add((n.op, str(n.span)))
             bad.append((n.op, str(n.span) or "<unknown>"))
     if bad:
         raise UnsupportedOpsError(bad)
+
+
+def _no_kernel(n: Node) -> bool:
+    """Every output is statically empty: there is nothing to compute (an in-place op still has its write)."""
+    return not ops.get(n.op).inplace and all(t.is_empty for t in n.types)
 
 
 def _kernel_key(n: Node) -> str:
@@ -169,6 +177,8 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
             zone = "io" if id(n) in out_nodes else "activations"
             outs = [new_buffer(t, zone) for t in n.types]
             buf_of[id(n)] = outs
+            if _no_kernel(n):
+                continue
         key = _kernel_key(n)
         kernel = by_key.get(key)
         if kernel is None:

@@ -5,7 +5,8 @@
     full([], True)
 
 Only statically shaped values are folded (a value shaped by ``seq`` depends on the input's length) and only small
-ones (at most ``MAX_ELEMENTS``): folding a large broadcast would trade a cheap kernel for resident bytes.
+ones (at most ``MAX_ELEMENTS``): folding a large broadcast would trade a cheap kernel for resident bytes. Empty
+values (0 elements) are left in fold_empty's form (``empty.memory_format``: no bytes, no manifest entry).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def fold_constants(g: Graph, constants: dict[str, torch.Tensor]) -> Graph:
         numel = 1
         for d in n.shape:
             numel *= d
-        if numel > MAX_ELEMENTS:
+        if numel > MAX_ELEMENTS or numel == 0:
             return None
         v = ops.get(n.op).call([values[id(i)] for i in n.inputs], n.attr)
         raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -17,6 +17,7 @@ from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
 from .fold_constants import fold_constants
+from .fold_empty import fold_empty
 from .inplace_state import inplace_state
 from .moe import moe
 
@@ -41,6 +42,7 @@ def _inplace_state(g: Graph, ctx: PassContext) -> Graph:
 
 PIPELINE: list[tuple[str, Pass]] = [
     # -- canonicalize ----------------------------------------------------------------------------------------
+    ("fold_empty", lambda g, ctx: fold_empty(g)),  # before fold_constants, which leaves empty values alone
     ("fold_constants", lambda g, ctx: fold_constants(g, ctx.constants)),
     # -- identify patterns (dequant, moe, sparse attention, cross-layer state) plug in here ------------------
     ("moe", moe),

@@ -91,7 +91,10 @@ class _Program:
         nbytes = n * DTYPE_BYTES[b["dtype"]]
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
-        return self.arena[off:off + nbytes].view(torch_dtype(b["dtype"])).view(shape)
+        v = self.arena[off:off + nbytes].view(torch_dtype(b["dtype"]))
+        if n == 0:  # torch strides a 0-element tensor as if each 0 were 1; kernels check TVM's compact strides
+            return v.as_strided(shape, [int(np.prod(shape[k + 1:])) for k in range(len(shape))])
+        return v.view(shape)
 
     def _prepare(self, env: tuple, slot: int = 0):
         views = {}
@@ -101,7 +104,8 @@ class _Program:
                 views[bid] = self.view(bid, env, slot)
             return views[bid]
         values = dict(zip(self._order, env))
-        calls = [(f, [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, _ in self.steps]
+        calls = [(_no_call if n_out and all(v(a).numel() == 0 for a in args[-n_out:]) else f,  # nothing to write
+                  [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, n_out in self.steps]
         return calls, [v(i) for i in self.inputs], [v(o) for o in self.user_outputs]
 
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
@@ -211,6 +215,10 @@ class _Program:
                 n_in = len(bids) - n_out
                 observe(k, node, args[n_in:n_in + n_out])
         return [o.clone() for o in out_views]
+
+
+def _no_call(*args) -> None:
+    """Stands for a kernel whose outputs are all empty at this binding (a dimension such as ``seq - 1`` is 0)."""
 
 
 def use_all_cores() -> int:

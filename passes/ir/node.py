@@ -45,6 +45,11 @@ class TensorType:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def is_empty(self) -> bool:
+        """Statically empty: some dimension is the integer 0 (no elements at any binding of the symbols)."""
+        return any(isinstance(d, int) and d == 0 for d in self.shape)
+
     def free_symbols(self) -> set[str]:
         out: set[str] = set()
         for d in self.shape:
