@@ -62,6 +62,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from .. import InternalError, UserError
+from .trace_check import TraceRefused, check_trace
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,13 @@ class TuningDatabase:
         if rec.target != _target_str(t) or rec.workload_hash != workload_hash(prim_func):
             logger.debug("tuning record %s is for another target/workload; ignored", path)
             return None
+        if rec.trace is not None:
+            try:  # untrusted input: only allowlisted schedule instructions and annotations are ever replayed
+                check_trace(rec.trace)
+            except TraceRefused as err:
+                warnings.warn(f"tuning record {path} refused: {err}; the kernel keeps its default schedule",
+                              TuningDatabaseWarning, stacklevel=2)
+                return None
         try:
             same = tvm_ffi.structural_equal(tvm.ir.load_json(rec.workload), normalize(prim_func)["main"])
         except Exception as err:  # noqa: BLE001 - a record written by another TVM version may not load
@@ -290,7 +298,9 @@ def _trace_to_json(trace) -> list:
 
 def apply_trace(prim_func, trace_json: list) -> tvm.IRModule:
     """A fresh schedule of the normalized workload with the recorded trace replayed on it. The trace names blocks,
-    so pass the workload stored with the record (the caller's copy may name its blocks differently)."""
+    so pass the workload stored with the record (the caller's copy may name its blocks differently).
+    Raises ``TraceRefused`` for a trace outside the allowlist (codegen/trace_check.py), before replaying anything."""
+    check_trace(trace_json)
     sch = tvm.s_tir.Schedule(normalize(prim_func))
     tvm.s_tir.schedule.Trace.apply_json_to_schedule(trace_json, sch)
     return sch.mod
