@@ -36,7 +36,9 @@ built twice, by any model, finds the same record. A record also stores the full 
 (checked with structural equality on lookup), so a record from another target or a hash collision is never used.
 Writes go to a temp file in the same directory, then ``os.replace``: readers and concurrent writers never see a
 partial file, and a killed tuning run leaves the previous record (or none). A file that does not parse is skipped
-with a ``TuningDatabaseWarning``.
+with a ``TuningDatabaseWarning``. Records are untrusted (a database may be shared): a trace is replayed only after
+``trace_check.check_trace`` accepts every instruction and annotation in it; a refused record is warned about and
+the kernel keeps its default schedule.
 """
 
 from __future__ import annotations

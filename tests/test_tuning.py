@@ -174,6 +174,37 @@ def test_real_records_pass_the_trace_allowlist(tuned):
     check_trace(trace)  # raises if the allowlist misses what MetaSchedule emits
 
 
+def _softmax(n=64, m=256):
+    from tvm import topi
+
+    x = te.placeholder((n, m), "float32", name="X")
+    return te.create_prim_func([x, topi.nn.softmax(x)])
+
+
+@pytest.mark.parametrize("kind", ["llvm", "cuda"])
+def test_metaschedule_design_spaces_pass_the_trace_allowlist(kind):
+    """Every trace MetaSchedule's default design spaces and postprocessors make (matmul: tiling, caches, unroll,
+    binding; softmax: rfactor / cross-thread reduction, inlining) is accepted, on CPU and GPU targets."""
+    target = tvm.target.Target(host_target_dict() if kind == "llvm" else {
+        **cuda_target_dict(), "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+        "thread_warp_size": 32, "max_num_threads": 1024})
+    kinds = set()
+    for func in (matmul(64), _softmax()):
+        mod = tuning.normalize(func)
+        ctx = tuning.ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", task_name="t",
+                                    rand_state=0)
+        for sch in ctx.generate_design_space():
+            sch.enter_postproc()
+            for pp in ctx.space_generator.postprocs:
+                if not pp.apply(sch):
+                    break
+            trace = tuning._trace_to_json(sch.trace)
+            check_trace(trace)
+            kinds |= {i[0] for i in trace[0]}
+    assert {"SamplePerfectTile", "Split", "Annotate", "Fuse"} <= kinds
+    assert ("Bind" in kinds) == (kind == "cuda")
+
+
 _LLVM_IR = '"; ModuleID = \'x\'\ndefine void @f() { call i32 @system(i8* null) ret void }"'
 _REFUSED = {  # name in the warning -> what is appended to the real trace
     "pragma_import_llvm": [["GetSBlock", [], ["root", "main"], ["b900"]],
