@@ -36,7 +36,9 @@ built twice, by any model, finds the same record. A record also stores the full 
 (checked with structural equality on lookup), so a record from another target or a hash collision is never used.
 Writes go to a temp file in the same directory, then ``os.replace``: readers and concurrent writers never see a
 partial file, and a killed tuning run leaves the previous record (or none). A file that does not parse is skipped
-with a ``TuningDatabaseWarning``.
+with a ``TuningDatabaseWarning``. Records are untrusted (a database may be shared): a trace is replayed only after
+``trace_check.check_trace`` accepts every instruction and annotation in it; a refused record is warned about and
+the kernel keeps its default schedule.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from .. import InternalError, UserError
+from .trace_check import TraceRefused, check_trace
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +206,13 @@ class TuningDatabase:
         if rec.target != _target_str(t) or rec.workload_hash != workload_hash(prim_func):
             logger.debug("tuning record %s is for another target/workload; ignored", path)
             return None
+        if rec.trace is not None:
+            try:  # untrusted input: only allowlisted schedule instructions and annotations are ever replayed
+                check_trace(rec.trace)
+            except TraceRefused as err:
+                warnings.warn(f"tuning record {path} refused: {err}; the kernel keeps its default schedule",
+                              TuningDatabaseWarning, stacklevel=2)
+                return None
         try:
             same = tvm_ffi.structural_equal(tvm.ir.load_json(rec.workload), normalize(prim_func)["main"])
         except Exception as err:  # noqa: BLE001 - a record written by another TVM version may not load
@@ -290,7 +300,9 @@ def _trace_to_json(trace) -> list:
 
 def apply_trace(prim_func, trace_json: list) -> tvm.IRModule:
     """A fresh schedule of the normalized workload with the recorded trace replayed on it. The trace names blocks,
-    so pass the workload stored with the record (the caller's copy may name its blocks differently)."""
+    so pass the workload stored with the record (the caller's copy may name its blocks differently).
+    Raises ``TraceRefused`` for a trace outside the allowlist (codegen/trace_check.py), before replaying anything."""
+    check_trace(trace_json)
     sch = tvm.s_tir.Schedule(normalize(prim_func))
     tvm.s_tir.schedule.Trace.apply_json_to_schedule(trace_json, sch)
     return sch.mod

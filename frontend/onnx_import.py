@@ -126,7 +126,7 @@ class _Importer:
         """A python int for a concrete size, a sympy expression over the graph's symbols otherwise."""
         if isinstance(v, torch.SymInt):
             e = v.node.expr
-            return int(e) if e.is_Integer else sympy.sympify(e).xreplace(self.sym_map)
+            return int(e) if e.is_Integer else e.xreplace(self.sym_map)
         if isinstance(v, (list, tuple)):
             return tuple(self.expr(x) for x in v)
         if isinstance(v, np.integer):

@@ -117,7 +117,7 @@ class _Translator:
             return d
         if isinstance(d, torch.SymInt):
             e = d.node.expr
-            return self._simplify(sympy.sympify(e).xreplace(self.sym_map)) if not e.is_Integer else int(e)
+            return self._simplify(e.xreplace(self.sym_map)) if not e.is_Integer else int(e)
         if isinstance(d, sympy.Expr):
             return self._simplify(d.xreplace(self.sym_map))
         raise InternalError(f"not a dimension: {d!r}")

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from dayzero import InternalError, UserError
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
+from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
 
 from . import validate
 from .kv_pages import KVPages
@@ -33,7 +34,8 @@ PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request 
 class _Program:
     def __init__(self, pj: dict, lib, arena: torch.Tensor):
         self.name = pj["name"]
-        self.symbols = {s: (lo, hi) for s, lo, hi in pj["symbols"]}
+        # shape text -> expression, parsed by a grammar, never evaluated (program.json is untrusted input)
+        self.symbols, self._exprs = parse_program_shapes(pj)
         self.buffers = pj["buffers"]
         self.offsets = {int(k): v for k, v in pj["memory"]["offsets"].items()}
         self.state_slots = pj["memory"].get("state_slots", 1)
@@ -58,17 +60,9 @@ class _Program:
                               and b["zone"] not in PER_REQUEST_ZONES}
         self._in_state = {b["id"] for b in self.buffers if self.buffers[root(b["id"])].get("state")
                           and self.buffers[root(b["id"])]["zone"] in PER_REQUEST_ZONES}
-        syms = {s: sympy.Symbol(s, integer=True, positive=True) for s in self.symbols}
-        order = list(syms)
-        self._shape_fns = []
-        for b in self.buffers:
-            dims = []
-            for d in b["shape"]:
-                if isinstance(d, int):
-                    dims.append(d)
-                else:
-                    dims.append(sympy.lambdify([syms[s] for s in order], sympy.sympify(d, locals=syms), "math"))
-            self._shape_fns.append(dims)
+        order = list(self.symbols)
+        fns = {d: dim_function(e, order) for d, e in self._exprs.items()}
+        self._shape_fns = [[fns[d] if isinstance(d, str) else d for d in b["shape"]] for b in self.buffers]
         self._order = order
         self._funcs = {}
         self.steps = []
@@ -122,7 +116,7 @@ class _Program:
                 if isinstance(d, str) and d in self.symbols:
                     env[d] = int(size)
                 elif isinstance(d, str):  # a linear dimension of one symbol (8*seq_blocks): solve for it
-                    e = sympy.sympify(d)
+                    e = self._exprs[d]
                     free = list(e.free_symbols)
                     if len(free) == 1 and free[0].name in self.symbols and free[0].name not in env:
                         poly = sympy.Poly(e, free[0])
@@ -151,7 +145,7 @@ class _Program:
             for axis, d in enumerate(self.buffers[bid]["shape"]):
                 if not isinstance(d, str) or d in self.symbols or axis >= t.dim():
                     continue
-                e = sympy.sympify(d)
+                e = self._exprs[d]
                 free = list(e.free_symbols)
                 if len(free) != 1 or free[0].name not in self.symbols:
                     continue

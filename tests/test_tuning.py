@@ -21,6 +21,9 @@ from tvm import te
 
 from dayzero import UserError
 from dayzero.codegen import tuning
+from dayzero.codegen.program import Kernel
+from dayzero.codegen.schedule import schedule_kernel
+from dayzero.codegen.trace_check import TraceRefused, check_trace
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 
 FAST_TIMER = tuning.TimerConfig(repeat=1, min_repeat_ms=5)
@@ -158,10 +161,84 @@ def test_corrupt_record_is_skipped_with_a_warning(tuned, target, tmp_path, damag
 def test_trace_that_no_longer_applies_is_skipped_with_a_warning(tuned, target, tmp_path):
     db, path = copy_db(tuned, tmp_path, target)
     rec = json.loads(path.read_text())
-    rec["trace"] = [[["GetSBlock", [], ["no_such_block", "main"], None, ["b0"]]], []]
+    rec["trace"] = [[["GetSBlock", [], ["no_such_block", "main"], ["b0"]]], []]
     path.write_text(json.dumps(rec))
     with pytest.warns(tuning.TuningDatabaseWarning, match="does not apply"):
         assert tuning.lookup(db, matmul(), target) is None
+
+
+def test_real_records_pass_the_trace_allowlist(tuned):
+    _, res, _ = tuned
+    trace = json.loads(res.record_path.read_text())["trace"]
+    assert trace is not None and any(i[0] == "Annotate" for i in trace[0])
+    check_trace(trace)  # raises if the allowlist misses what MetaSchedule emits
+
+
+def _softmax(n=64, m=256):
+    from tvm import topi
+
+    x = te.placeholder((n, m), "float32", name="X")
+    return te.create_prim_func([x, topi.nn.softmax(x)])
+
+
+@pytest.mark.parametrize("kind", ["llvm", "cuda"])
+def test_metaschedule_design_spaces_pass_the_trace_allowlist(kind):
+    """Every trace MetaSchedule's default design spaces and postprocessors make (matmul: tiling, caches, unroll,
+    binding; softmax: rfactor / cross-thread reduction, inlining) is accepted, on CPU and GPU targets."""
+    target = tvm.target.Target(host_target_dict() if kind == "llvm" else {
+        **cuda_target_dict(), "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+        "thread_warp_size": 32, "max_num_threads": 1024})
+    kinds = set()
+    for func in (matmul(64), _softmax()):
+        mod = tuning.normalize(func)
+        ctx = tuning.ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", task_name="t",
+                                    rand_state=0)
+        for sch in ctx.generate_design_space():
+            sch.enter_postproc()
+            for pp in ctx.space_generator.postprocs:
+                if not pp.apply(sch):
+                    break
+            trace = tuning._trace_to_json(sch.trace)
+            check_trace(trace)
+            kinds |= {i[0] for i in trace[0]}
+    assert {"SamplePerfectTile", "Split", "Annotate", "Fuse"} <= kinds
+    assert ("Bind" in kinds) == (kind == "cuda")
+
+
+_LLVM_IR = '"; ModuleID = \'x\'\ndefine void @f() { call i32 @system(i8* null) ret void }"'
+_REFUSED = {  # name in the warning -> what is appended to the real trace
+    "pragma_import_llvm": [["GetSBlock", [], ["root", "main"], ["b900"]],
+                           ["Annotate", ["b900", _LLVM_IR], ["pragma_import_llvm"], []]],
+    "pragma_import_c": [["GetSBlock", [], ["root", "main"], ["b900"]],
+                        ["Annotate", ["b900", '"int f(){return system(0);}"'], ["pragma_import_c"], []]],
+    "TransformLayout": [["GetSBlock", [], ["C", "main"], ["b900"]],
+                        ["TransformLayout", ["b900", 0, 1, "index_map:{}", "None"], [], []]],
+    "meta_schedule.tiling_structure": [["GetSBlock", [], ["C", "main"], ["b900"]],
+                                       ["Annotate", ["b900", '"__import__(\'os\')"'],
+                                        ["meta_schedule.tiling_structure"], []]],
+    "pragma_auto_unroll_max_step": [["GetSBlock", [], ["C", "main"], ["b900"]],
+                                    ["Annotate", ["b900", '"x"'], ["pragma_auto_unroll_max_step"], []]],
+    "index_map": [["GetSBlock", [], ["C", "main"], ["b900"]],
+                  ["GetLoops", ["b900", "index_map:{}"], [], ["l901"]]],
+}
+
+
+@pytest.mark.parametrize("name", list(_REFUSED))
+def test_record_with_a_disallowed_instruction_or_annotation_is_refused(tuned, target, tmp_path, name):
+    db, path = copy_db(tuned, tmp_path, target)
+    rec = json.loads(path.read_text())
+    rec["trace"][0] += _REFUSED[name]
+    path.write_text(json.dumps(rec))
+    with pytest.warns(tuning.TuningDatabaseWarning, match=f"refused.*{name}"):
+        assert tuning.lookup(db, matmul(), target) is None
+    with pytest.raises(TraceRefused, match=name):  # replaying it directly is refused too, before any step
+        tuning.apply_trace(matmul(), rec["trace"])
+    # the compile's path: the kernel keeps its default schedule, and that schedule computes the matmul
+    k = Kernel("mm128", "matmul", matmul(symbol="mm128"), "k")
+    with pytest.warns(tuning.TuningDatabaseWarning, match=name):
+        mod = schedule_kernel(k, target, db)
+    assert k.route == "default" and k.tuned is None
+    check_matmul(mod, target)
 
 
 def test_leftover_temp_file_of_a_killed_writer_is_ignored(tuned, target, tmp_path):

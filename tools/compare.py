@@ -123,30 +123,29 @@ def _is_batch(d) -> bool:
 
 def length_bound(pj: dict) -> int:
     """The longest input length the program accepts: its length dimensions at the symbols' upper bounds."""
-    import sympy
+    from dayzero.passes.ir.shape_expr import dim_at
 
     hi = {s: h for s, lo, h in pj["symbols"]}
     best = 0
     for bid in pj["inputs"]:
         for d in pj["buffers"][bid]["shape"]:
             if isinstance(d, str) and not _is_batch(d):
-                best = max(best, int(sympy.sympify(d).subs(hi)))
+                best = max(best, dim_at(d, hi))
     return best or DEFAULT_SEQ
 
 
 def fixed_inputs(pj: dict, seq_len: int, seed: int = 0) -> list[torch.Tensor]:
     """One tensor per program input, from a fixed seed: token ids uniform over the embedding's rows, floats
     standard normal; every length dimension ``seq_len`` long, a batch dimension at its lower bound."""
-    import sympy
-
     from dayzero.passes.ir.ops import torch_dtype
+    from dayzero.passes.ir.shape_expr import dim_at
 
     lo = {s: low for s, low, h in pj["symbols"]}
     gen = torch.Generator().manual_seed(seed)
     out = []
     for bid in pj["inputs"]:
         b = pj["buffers"][bid]
-        shape = [d if isinstance(d, int) else int(sympy.sympify(d).subs(lo)) if _is_batch(d) else seq_len
+        shape = [d if isinstance(d, int) else dim_at(d, lo) if _is_batch(d) else seq_len
                  for d in b["shape"]]
         dt = torch_dtype(b["dtype"])
         if dt.is_floating_point:

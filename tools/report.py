@@ -33,6 +33,7 @@ from collections import Counter
 import click
 
 from dayzero import UserError
+from dayzero.passes.ir.shape_expr import check_symbols, dim_at, parse_program_shapes
 
 ROUTES = ("hand-scheduled", "tuned", "default", "generic")
 MIB = 1 << 20
@@ -64,14 +65,12 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64"
 
 def _max_length(prog: dict) -> int | None:
     """The longest sequence the program takes: the token-id input's length at the symbols' upper bounds."""
-    import sympy
-
-    bounds = {s: hi for s, lo, hi in prog.get("symbols", [])}
+    bounds = {s: hi for s, (lo, hi) in check_symbols(prog.get("symbols", [])).items()}
     names = set(prog.get("input_ranges", {}))
     for b in prog.get("buffers", []):
         if b.get("zone") == "io" and b.get("name") in names and b["shape"]:
             d = b["shape"][-1]
-            return d if isinstance(d, int) else int(sympy.sympify(d).subs(bounds))
+            return dim_at(d, bounds)
     return None
 
 
@@ -190,6 +189,8 @@ def build_report(artifact: str) -> dict:
     rep = _read_json(os.path.join(artifact, "report.json"), "report.json")
     pfile = os.path.join(artifact, "program.json")
     progs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
+    for pj in progs.values():  # untrusted: every symbol and shape parses (a grammar) before anything reads them
+        parse_program_shapes(pj)
     routes = rep.get("routes", {})
     kops = rep.get("kernel_ops", {})
     tuned = rep.get("tuned", {})

@@ -64,7 +64,9 @@ def norm_dim(d: Any) -> Dim:
         raise TypeError("a dimension is not a bool")
     if isinstance(d, int):
         return d
-    e = sympy.sympify(d)
+    if isinstance(d, str):  # text is parsed where it is read (passes/ir/shape_expr.py), never sympified here
+        raise TypeError(f"a dimension is an int or a sympy expression, not the text {d[:80]!r}")
+    e = sympy.sympify(d, strict=True)  # strict: sympy objects and numbers only, no parsing of str(d)
     if e.is_Integer:
         return int(e)
     return sympy.simplify(e)

@@ -24,6 +24,7 @@ import sympy
 
 from dayzero import UserError
 from .node import Graph, Node, Span, TensorType
+from .shape_expr import check_symbols, make_symbol, parse_dim
 
 
 # ---- printing -----------------------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class _Parser:
         return v
 
     def expr(self, src: str):
-        return sympy.sympify(src, locals=self.symbols)
+        return parse_dim(src, self.symbols)  # a grammar, never evaluated: IR text is a file like any other
 
     def value(self) -> Any:
         k, v = self.toks[self.i]
@@ -158,6 +159,8 @@ class _Parser:
         if k == "num":
             return int(v)
         if k == "name":
+            if v not in self.symbols:
+                raise UserError(f"IR text: dimension {v!r} is not a declared symbol")
             return self.symbols[v]
         if k == "expr":
             return self.expr(v[1:-1])
@@ -189,10 +192,11 @@ class _Parser:
             hi = int(self.next("num"))
             self.next("]")
             symbols.append((s, lo, hi))
-            self.symbols[s] = sympy.Symbol(s, integer=True, positive=True)
+            self.symbols[s] = make_symbol(s)
             if self.peek(","):
                 self.next()
         self.next(")")
+        check_symbols(symbols)
         self.next("{")
         env: dict[str, Node] = {}
         inputs = []
@@ -257,7 +261,3 @@ class _Parser:
 def parse_graph(text: str) -> Graph:
     return _Parser(text).graph()
 
-
-def make_symbol(name: str) -> sympy.Symbol:
-    """Every symbolic dimension is a positive integer symbol (so sympy simplifies shapes soundly)."""
-    return sympy.Symbol(name, integer=True, positive=True)
