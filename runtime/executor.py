@@ -10,7 +10,6 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import tvm
 from safetensors import safe_open
 
 from dayzero import InternalError, UserError
+from dayzero.codegen.artifact import recover_interrupted_swap
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 
+from . import validate
 from .kv_pages import KVPages
 
 ALIGN = 64
@@ -230,12 +231,15 @@ class Runtime:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        pfile = self.path / "program.json"
-        if not pfile.is_file():
-            raise UserError(f"{path}: not a dayzero artifact (no program.json)")
-        self.program_json = json.loads(pfile.read_text())
-        self.manifest = json.loads((self.path / "weights.json").read_text())
+        # every file checked (format, sizes, hashes, schema, bounds, overlap) before dlopen and any kernel: validate.py
+        recover_interrupted_swap(self.path)
+        validate.check_files(self.path)
+        self.program_json = validate.read_json(self.path / "program.json")
+        self.manifest = validate.read_json(self.path / "weights.json")
+        validate.check_program_json(self.program_json)
+        validate.check_weights(self.manifest, self.program_json)
         self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
+        validate.check_kernels(self.program_json, self.lib)
         self.threads = use_all_cores()
         progs = self.program_json["programs"]
         arena_bytes = max(p["memory"]["arena_bytes"] for p in progs.values())
@@ -274,7 +278,11 @@ class Runtime:
                 if entry["source"] == "artifact":
                     if "own" not in handles:
                         handles["own"] = safe_open(str(own), framework="pt")
-                    dst.copy_(handles["own"].get_tensor(name).reshape(dst.shape))
+                    t = handles["own"].get_tensor(name)
+                    if t.numel() != dst.numel():
+                        raise UserError(f"weights.safetensors: {name} has {t.numel()} elements, its buffer "
+                                        f"{dst.numel()}")
+                    dst.copy_(t.reshape(dst.shape))
                     continue
                 flat = dst.reshape(-1)
                 for d0, key, s0, length in entry["runs"]:
@@ -283,6 +291,7 @@ class Runtime:
                         handles[f] = safe_open(f, framework="pt")
                     src = handles[f].get_slice(key)
                     shape = src.get_shape()
+                    validate.check_run_source(name, key, s0, length, shape)
                     row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
                     # read only the rows the run covers (safetensors slices the leading dim without reading more)
                     r0, r1 = s0 // row, -(-(s0 + length) // row)

@@ -53,6 +53,21 @@ def _read_json(path: str, what: str) -> dict:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def _check_artifact(artifact: str) -> None:
+    """An artifact (its files against artifact.json's sizes and hashes), or at least its program and kernels."""
+    from pathlib import Path
+
+    from dayzero.codegen.artifact import MANIFEST
+    from dayzero.runtime.validate import check_files
+
+    if os.path.isfile(os.path.join(artifact, MANIFEST)):
+        check_files(Path(artifact))
+        return
+    for what in ("program.json", "kernels.so"):
+        if not os.path.isfile(os.path.join(artifact, what)):
+            raise UserError(f"{artifact}: not a dayzero artifact (no {what})")
+
+
 def _step_op(node: str) -> str:
     return node.split(" at ", 1)[0]
 
@@ -187,9 +202,9 @@ def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, page
 
 def build_report(artifact: str) -> dict:
     """The report object (what ``--json`` prints)."""
+    _check_artifact(artifact)
     rep = _read_json(os.path.join(artifact, "report.json"), "report.json")
-    pfile = os.path.join(artifact, "program.json")
-    progs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
+    progs = _read_json(os.path.join(artifact, "program.json"), "program.json").get("programs", {})
     routes = rep.get("routes", {})
     kops = rep.get("kernel_ops", {})
     tuned = rep.get("tuned", {})
@@ -198,7 +213,7 @@ def build_report(artifact: str) -> dict:
     op_counts: Counter = Counter()
     for pj in progs.values():
         op_counts.update(_step_op(s["node"]) for s in pj.get("steps", []))
-    if not op_counts:  # an artifact without program.json: count kernels instead of steps
+    if not op_counts:  # programs without steps listed: count kernels instead
         op_counts.update(kops.values())
     programs = {}
     for name, p in rep.get("programs", {}).items():
