@@ -196,6 +196,8 @@ class _Program:
     def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
         if not 0 <= slot < self.state_slots:
             raise InternalError(f"request slot {slot} outside [0, {self.state_slots})")
+        if len(inputs) != len(self.inputs):  # an input left unbound would be read as whatever the arena holds
+            raise UserError(f"program {self.name} takes {len(self.inputs)} inputs, got {len(inputs)}")
         env = self.bind(inputs)
         calls, in_views, out_views = self._cache(env, slot)
         for view, t in zip(in_views, inputs):
@@ -244,7 +246,11 @@ class Runtime:
         progs = self.program_json["programs"]
         arena_bytes = max(p["memory"]["arena_bytes"] for p in progs.values())
         # torch's CPU allocator aligns large allocations to 64 bytes; checked, since kernels require it
-        self.arena = torch.empty(arena_bytes + ALIGN, dtype=torch.uint8)
+        try:
+            self.arena = torch.empty(arena_bytes + ALIGN, dtype=torch.uint8)
+        except RuntimeError as e:  # validated, but may still exceed this machine's memory
+            raise UserError(f"{path}: cannot allocate the artifact's arena of {arena_bytes} bytes "
+                            f"({str(e).splitlines()[0][:120]})") from None
         shift = (-self.arena.data_ptr()) % ALIGN
         self.arena = self.arena[shift:shift + arena_bytes]
         self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
@@ -278,6 +284,8 @@ class Runtime:
                 if entry["source"] == "artifact":
                     if "own" not in handles:
                         handles["own"] = safe_open(str(own), framework="pt")
+                    if name not in handles["own"].keys():
+                        raise UserError(f"weights.safetensors has no tensor {name} (weights.json lists it there)")
                     t = handles["own"].get_tensor(name)
                     if t.numel() != dst.numel():
                         raise UserError(f"weights.safetensors: {name} has {t.numel()} elements, its buffer "

@@ -13,8 +13,8 @@ this order, and each raises ``UserError`` with one line naming the file and the 
                               ``shape_dim``), offsets >= 0 and 64-byte aligned, aliases at their root's offset,
                               every buffer's end (at the symbols' upper bounds, each request slot of the
                               per-request state zones) within arena_bytes, and no two buffers live at the same
-                              step sharing bytes: lifetimes recomputed from the steps here, checked by the
-                              memory planner's independent verifier (passes/memory_plan.verify); persistent buffers
+                              step sharing bytes (lifetimes recomputed from the steps here, independently of the
+                              planner, and a sweep over byte offsets: ``overlapping_live``); persistent buffers
                               (weights, states) at one offset and size in every program; the KV pools' block
                               counts against the pool buffers (runtime/kv_pages.py hands out block ids below them)
     check_weights(wj, pj)     weights.json: every weight buffer has an entry of its dtype and shape; copy runs lie
@@ -35,10 +35,10 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
-from dayzero import InternalError, UserError
+from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_digest
 from dayzero.passes.ir.ops import DTYPE_BYTES
-from dayzero.passes.memory_plan import ZONES, Buffer, Plan, verify
+from dayzero.passes.memory_plan import ZONES
 
 ALIGN = 64
 PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
@@ -278,6 +278,11 @@ def _check_program(name: str, pj, w: _Where) -> dict:
         a = b["alias_of"]
         if a is not None and (a >= i or bufs[a]["alias_of"] is not None):
             w.fail(f"{path}.buffers[{i}].alias_of", f"{a} is not an earlier root buffer")
+        # a root in a weights zone is bound from weights.json and one in a cache zone is a named state; without
+        # the name the runtime would leave its bytes unset
+        role = {"weights": "weight", "low_precision_weights": "weight", "kv_cache": "state", "kv_pages": "state"}
+        if a is None and b["zone"] in role and b.get(role[b["zone"]]) is None:
+            w.fail(f"{path}.buffers[{i}]", f"in zone {b['zone']} but has no {role[b['zone']]} name")
     n = len(bufs)
 
     def bid(x, p):
@@ -289,6 +294,8 @@ def _check_program(name: str, pj, w: _Where) -> dict:
         if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] < r[1]):
             w.fail(f"{path}.input_ranges.{k}", "expected [lo, hi) integers with lo < hi")
     kernels = w.obj(w.key(pj, "kernels", path), f"{path}.kernels")
+    for k, v in kernels.items():
+        w.obj(v, f"{path}.kernels.{k}")
     for j, st in enumerate(w.lst(w.key(pj, "steps", path), f"{path}.steps")):
         sp = f"{path}.steps[{j}]"
         w.obj(st, sp)
@@ -380,12 +387,12 @@ def check_program_json(pj) -> None:
             if stride < hi - lo:
                 w.fail("memory.state_stride", f"{stride} is smaller than the per-request state span {hi - lo}")
     for name, p in progs.items():
-        _check_overlap(name, p, persistent, sizes, slots, stride, arena_bytes)
+        _check_overlap(name, p, persistent, sizes, slots, stride)
+        _check_index_inputs(name, p, w)
     _check_kv_pages(pj.get("kv_pages"), progs, sizes, w)
 
 
-def _check_overlap(name: str, p: dict, persistent: dict, sizes: dict, slots: int, stride: int,
-                   arena_bytes: int) -> None:
+def _check_overlap(name: str, p: dict, persistent: dict, sizes: dict, slots: int, stride: int) -> None:
     """No two buffers live at the same step share bytes: lifetimes from the steps (a root lives from the first to
     the last step that uses it through any view; inputs and outputs the whole program; persistent buffers of
     every program always, each request slot's replica of the per-request states too)."""
@@ -401,36 +408,75 @@ def _check_overlap(name: str, p: dict, persistent: dict, sizes: dict, slots: int
     for a in p["inputs"] + p["outputs"]:
         r = _root(bufs, a)
         first[r], last[r] = 0, n
-    items: list[Buffer] = []
-    offsets = {}
-    for key, (off, size, _, per) in persistent.items():
+    items = []  # (offset, bytes, first step, last step, what)
+    for key, (off, size, where, per) in persistent.items():
         for k in range(slots if per else 1):
-            items.append(Buffer((key, k), size, 0, n))
-            offsets[(key, k)] = off + k * stride
+            items.append((off + k * stride, size, 0, n, f"{where} ({key[2:]}{f', request slot {k}' if per else ''})"))
     for i, b in enumerate(bufs):
         if b["alias_of"] is None and _persistent_key(b) is None and i in first:
-            items.append(Buffer(i, sizes[name, i], first[i], last[i]))
-            offsets[i] = offs[str(i)]
-    try:
-        verify(items, Plan(offsets, arena_bytes, 0, "artifact", {}), ALIGN)
-    except InternalError as e:
-        raise UserError(f"program.json: programs.{name}: {str(e).removeprefix('memory plan verifier: ')}") from None
+            items.append((offs[str(i)], sizes[name, i], first[i], last[i], f"programs.{name}.buffers[{i}]"))
+    clash = overlapping_live(items)
+    if clash is not None:
+        (o1, s1, a1, b1, w1), (o2, s2, a2, b2, w2) = clash
+        raise UserError(f"program.json: {w1} [{o1}, {o1 + s1}) steps [{a1}, {b1}] and {w2} [{o2}, {o2 + s2}) steps "
+                        f"[{a2}, {b2}] overlap while both are live")
+
+
+def overlapping_live(items: list[tuple]) -> tuple | None:
+    """The first pair of ``(offset, bytes, first step, last step, ...)`` items that share bytes while both are live,
+    or None. Independent of the planner (passes/memory_plan.py), like its own ``verify``, but a sweep over byte
+    offsets: only pairs whose byte ranges meet are compared (verify compares every pair, O(n^2): a minute for a
+    few thousand buffers, too slow for every load)."""
+    order = sorted((it for it in items if it[1] > 0), key=lambda it: it[0])
+    for k, a in enumerate(order):
+        end = a[0] + a[1]
+        for b in order[k + 1:]:
+            if b[0] >= end:
+                break
+            if max(a[2], b[2]) <= min(a[3], b[3]):
+                return a, b
+    return None
+
+
+def _check_index_inputs(name: str, p: dict, w: _Where) -> None:
+    """A program input an embedding step reads as row indices has a checked range within the table's rows (the
+    runtime checks every input against input_ranges before any kernel runs; the kernel itself does not)."""
+    bufs, ranges = p["buffers"], p.get("input_ranges", {})
+    inputs = set(p["inputs"])
+    for j, st in enumerate(p["steps"]):
+        if p["kernels"][st["kernel"]].get("op") != "embedding" or len(st["args"]) < 3:
+            continue
+        table, idx = st["args"][0], st["args"][1]
+        if idx not in inputs:
+            continue
+        rows = bufs[table]["shape"][0] if bufs[table]["shape"] else None
+        r = ranges.get(bufs[idx].get("name"))
+        if r is None or not _is_int(rows) or r[0] < 0 or r[1] > rows:
+            w.fail(f"programs.{name}.input_ranges", f"input {bufs[idx].get('name')!r:.40} indexes {rows!r:.20} rows "
+                                                    f"(steps[{j}]) but its range is {r!r:.40}")
 
 
 def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
     """The pools' block counts against the pool buffers: runtime/kv_pages.py hands out block ids below
     ``blocks``, and a kernel writes row ``block * block_size + p % block_size`` of the pool."""
-    if cfg is None:
-        return
-    w.obj(cfg, "kv_pages")
-    bs = w.int(w.key(cfg, "block_size", "kv_pages"), "kv_pages.block_size", 1, 1 << 20)
-    tl = w.int(w.key(cfg, "table_len", "kv_pages"), "kv_pages.table_len", 1, 1 << 30)
     pools = {}
     for name, p in progs.items():
         for i, b in enumerate(p["buffers"]):
             if b["alias_of"] is None and b.get("state") is not None and b["zone"] == "kv_pages":
                 pools.setdefault(b["state"], (name, i, b))
-    paged = set()
+    if cfg is None:
+        if pools:
+            w.fail("kv_pages", f"missing, but {sorted(pools)[0]} is a paged state (zone kv_pages)")
+        return
+    w.obj(cfg, "kv_pages")
+    bs = w.int(w.key(cfg, "block_size", "kv_pages"), "kv_pages.block_size", 1, 1 << 20)
+    tl = w.int(w.key(cfg, "table_len", "kv_pages"), "kv_pages.table_len", 1, 1 << 30)
+    length = w.int(w.key(cfg, "length", "kv_pages"), "kv_pages.length", 1, tl * bs)
+    # the runtime serves requests up to the largest symbol bound; positions past `length` have no table entry
+    top = max((hi for p in progs.values() for _, _, hi in p["symbols"]), default=0)
+    if top > length:
+        w.fail("kv_pages.length", f"{length} is below the programs' largest symbol bound {top}")
+    paged, names = set(), set()
     for k, t in enumerate(w.lst(w.key(cfg, "tables", "kv_pages"), "kv_pages.tables")):
         tp = f"kv_pages.tables[{k}]"
         w.obj(t, tp)
@@ -445,12 +491,18 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
                 w.fail(f"{tp}.blocks", f"{blocks} blocks of {bs} rows do not match the pool of {s} "
                                        f"(programs.{pname}.buffers[{i}] shape {b['shape']})")
             paged.add(s)
+        names.add(tname)
         for name, p in progs.items():
             for i in p["inputs"]:
                 b = p["buffers"][i]
                 if b.get("name") == tname and b["shape"] != [tl]:
                     w.fail(f"programs.{name}.buffers[{i}].shape", f"the block table {tname} is {b['shape']}, "
                                                                   f"kv_pages.table_len is {tl}")
+    for name, p in progs.items():  # the runtime passes a table to each input named block_table*
+        for i in p["inputs"]:
+            n = p["buffers"][i].get("name") or ""
+            if n.startswith("block_table") and n not in names:
+                w.fail(f"programs.{name}.buffers[{i}].name", f"{n!r:.40} is not a table of kv_pages.tables")
     if set(pools) - paged:
         w.fail("kv_pages.tables", f"no table maps the paged state(s) {sorted(set(pools) - paged)}")
 

@@ -318,3 +318,31 @@ def test_artifact_json_lists_every_file_with_its_hash(dense):
     assert sorted(man["files"]) == sorted(p.name for p in dense.iterdir() if p.name != MANIFEST)
     for name, e in man["files"].items():
         assert e == {"bytes": (dense / name).stat().st_size, "sha256": file_digest(dense / name)}
+
+
+def test_overlap_sweep_agrees_with_the_planners_verifier():
+    """validate.overlapping_live (a sweep over byte offsets, fast enough for every load) finds a clash exactly when
+    passes/memory_plan.verify (every pair) does, on random placements."""
+    import random
+
+    from dayzero import InternalError
+    from dayzero.passes.memory_plan import Buffer, Plan, verify
+    from dayzero.runtime.validate import overlapping_live
+
+    rng = random.Random(0)
+    clashes = 0
+    for _ in range(300):
+        bufs, offs = [], {}
+        for i in range(rng.randint(1, 12)):
+            start = rng.randint(0, 10)
+            bufs.append(Buffer(i, rng.choice([0, 64, 128, 192, 256]), start, start + rng.randint(0, 5)))
+            offs[i] = 64 * rng.randint(0, 12)
+        try:
+            verify(bufs, Plan(offs, 1 << 20, 0, "random", {}), 64)
+            expected = False
+        except InternalError:
+            expected = True
+        got = overlapping_live([(offs[b.id], b.size, b.start, b.end, b.id) for b in bufs]) is not None
+        assert got == expected, (bufs, offs)
+        clashes += expected
+    assert 50 < clashes < 250  # both outcomes were exercised
