@@ -31,8 +31,9 @@ PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request 
 
 
 class _Program:
-    def __init__(self, pj: dict, lib, arena: torch.Tensor):
+    def __init__(self, pj: dict, lib, arena: torch.Tensor, max_bytes: list[int]):
         self.name = pj["name"]
+        self.max_bytes = max_bytes  # per buffer, as validated (runtime/validate.py): no view is larger
         self.symbols = {s: (lo, hi) for s, lo, hi in pj["symbols"]}
         self.buffers = pj["buffers"]
         self.offsets = {int(k): v for k, v in pj["memory"]["offsets"].items()}
@@ -89,6 +90,9 @@ class _Program:
         n = int(np.prod(shape)) if shape else 1
         off = self.offsets[bid] + (slot * self.state_stride if bid in self._in_state else 0)
         nbytes = n * DTYPE_BYTES[b["dtype"]]
+        if nbytes > self.max_bytes[bid]:
+            raise UserError(f"buffer {bid} of program {self.name} is {nbytes} bytes at {env}, above the "
+                            f"{self.max_bytes[bid]} its memory plan was checked for")
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
         return self.arena[off:off + nbytes].view(torch_dtype(b["dtype"])).view(shape)
@@ -238,7 +242,7 @@ class Runtime:
         validate.check_files(self.path)
         self.program_json = validate.read_json(self.path / "program.json")
         self.manifest = validate.read_json(self.path / "weights.json")
-        validate.check_program_json(self.program_json)
+        max_bytes = validate.check_program_json(self.program_json)
         validate.check_weights(self.manifest, self.program_json)
         self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
         validate.check_kernels(self.program_json, self.lib)
@@ -253,7 +257,7 @@ class Runtime:
                             f"({str(e).splitlines()[0][:120]})") from None
         shift = (-self.arena.data_ptr()) % ALIGN
         self.arena = self.arena[shift:shift + arena_bytes]
-        self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
+        self.programs = {name: _Program(pj, self.lib, self.arena, max_bytes[name]) for name, pj in progs.items()}
         self._bind_weights()
         for prog in self.programs.values():  # shared states start empty (an expert cache with no valid slot)
             for bid in prog.shared_states.values():

@@ -333,8 +333,10 @@ def _persistent_key(b: dict) -> str | None:
     return None
 
 
-def check_program_json(pj) -> None:
-    """Schema, bounds, alignment and overlap of program.json (see the module docstring)."""
+def check_program_json(pj) -> dict[str, list[int]]:
+    """Schema, bounds, alignment and overlap of program.json (see the module docstring). Returns, per program,
+    each buffer's largest size in bytes as validated (at the corners of the symbols' ranges): the runtime checks
+    every view it makes against it, so a shape expression larger between the corners is refused too."""
     w = _Where("program.json")
     w.obj(pj, "(top)")
     check_format(pj.get("format"), "program.json")
@@ -346,8 +348,10 @@ def check_program_json(pj) -> None:
     if len(arena) != 1:
         w.fail("programs", f"disagree on arena_bytes ({sorted(arena)}): one arena is shared")
     arena_bytes = arena.pop()
-    slots = progs["prefill"]["memory"].get("state_slots", 1)
-    stride = progs["prefill"]["memory"].get("state_stride", 0)
+    replicas = {(p["memory"].get("state_slots", 1), p["memory"].get("state_stride", 0)) for p in progs.values()}
+    if len(replicas) != 1:
+        w.fail("programs", f"disagree on (state_slots, state_stride) ({sorted(replicas)}): the states are shared")
+    slots, stride = replicas.pop()
     # persistent buffers: one offset and one extent per name across programs (every program sees their bytes)
     persistent: dict[str, tuple[int, int, str, bool]] = {}  # key -> (offset, bytes, where, per request)
     sizes = {}
@@ -390,6 +394,7 @@ def check_program_json(pj) -> None:
         _check_overlap(name, p, persistent, sizes, slots, stride)
         _check_index_inputs(name, p, w)
     _check_kv_pages(pj.get("kv_pages"), progs, sizes, w)
+    return {name: [sizes[name, i] for i in range(len(p["buffers"]))] for name, p in progs.items()}
 
 
 def _check_overlap(name: str, p: dict, persistent: dict, sizes: dict, slots: int, stride: int) -> None:

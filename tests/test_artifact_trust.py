@@ -169,6 +169,21 @@ def test_shape_expressions_are_parsed_never_evaluated(dense):
     assert not os.path.exists("pwned")
 
 
+def test_a_view_larger_than_checked_is_refused(dense):
+    """Sizes are checked at the corners of the symbols' ranges; a shape expression that is larger in between
+    (seq*(65-seq)//32 is 2 at seq=1 and 64, 5 at seq=3) is caught when the runtime makes the view."""
+    def bulge(p):
+        prog = p["programs"]["prefill"]
+        a, _ = _live_pair(prog)
+        b = prog["buffers"][a]
+        assert "seq" in b["shape"]
+        b["shape"] = ["seq*(65-seq)//32" if d == "seq" else d for d in b["shape"]]
+    edit_json(dense, "program.json", bulge)
+    rt = load(dense)
+    with pytest.raises(UserError, match="its memory plan was checked for"):
+        rt.prefill([1, 2, 3])
+
+
 def test_step_kernel_missing_from_the_library(dense):
     def rename(p):
         prog = p["programs"]["prefill"]
