@@ -15,7 +15,8 @@ No pickle anywhere. The same inputs give the same bytes (sorted keys, no timesta
 Replacing OUT (``compile -o OUT`` onto an existing directory):
 
 * only a previous dayzero artifact is replaced: a directory (not a link) whose artifact.json has a dayzero format
-  and which holds nothing but the files it lists; anything else is a UserError and nothing is touched;
+  and which holds nothing but the files it lists (or, written before artifact.json, whose program.json has a
+  dayzero format and which holds only artifact files); anything else is a UserError and nothing is touched;
 * the new artifact is written into ``.OUT.dz-tmp.PID.RAND`` beside OUT, then swapped with OUT by
   ``renameat2(RENAME_EXCHANGE)`` (one atomic step: a kill at any moment leaves OUT old or new, never absent), and
   the old one (now under the temp name) deleted. Where the filesystem cannot exchange, OUT is renamed to
@@ -84,7 +85,7 @@ def is_artifact(d: Path) -> str | None:
     try:
         man = json.loads((d / MANIFEST).read_text())
     except FileNotFoundError:
-        return f"no {MANIFEST}"
+        return _legacy_artifact(d)
     except (OSError, ValueError, RecursionError):
         return f"unreadable {MANIFEST}"
     if not (isinstance(man, dict) and isinstance(man.get("format"), str) and man["format"].startswith(FORMAT_PREFIX)
@@ -93,6 +94,23 @@ def is_artifact(d: Path) -> str | None:
     foreign = sorted(p.name for p in d.iterdir() if p.name != MANIFEST and p.name not in man["files"])
     if foreign:
         return f"holds {foreign[0]!r}, which is not part of the artifact"
+    return None
+
+
+# what an artifact held before artifact.json listed its files
+_LEGACY_FILES = {"program.json", "kernels.so", "weights.json", "weights.safetensors", "report.json", "final.ir",
+                 "multimodal.json"}
+
+
+def _legacy_artifact(d: Path) -> str | None:
+    """None if D is an artifact of a dayzero before artifact.json (its program.json's format, only its files)."""
+    try:
+        fmt = json.loads((d / "program.json").read_text()).get("format")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return f"no {MANIFEST}"
+    names = {p.name for p in d.iterdir()}
+    if not (isinstance(fmt, str) and fmt.startswith(FORMAT_PREFIX)) or not names <= _LEGACY_FILES:
+        return f"no {MANIFEST}"
     return None
 
 

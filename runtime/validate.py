@@ -76,6 +76,8 @@ def check_files(art: Path) -> dict:
     art = Path(art)
     if not art.is_dir():
         raise UserError(f"{art}: not a dayzero artifact (no such directory)")
+    if not (art / MANIFEST).is_file() and (art / "program.json").is_file():
+        raise UserError(f"{art}: no {MANIFEST} (compiled by an older dayzero, or not an artifact): recompile")
     man = read_json(art / MANIFEST)
     where = str(art / MANIFEST)
     if not isinstance(man, dict):

@@ -12,13 +12,14 @@ import sys
 import textwrap
 
 import pytest
-from _artifact_edit import copy_artifact, edit_json, rehash, run_cli
 from click.testing import CliRunner
 
 from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, MANIFEST, ArtifactWriter
 from dayzero.runtime import load
 from dayzero.tools.cli import main
+
+from _artifact_edit import copy_artifact, edit_json, rehash, run_cli
 
 
 @pytest.fixture
@@ -76,10 +77,15 @@ def test_bad_json_in_program_json_exits_2(dense):
     assert r.exit_code == 2 and "program.json: not valid JSON" in r.output, r.output
 
 
-def test_artifact_without_manifest_is_not_an_artifact(dense):
+def test_artifact_without_manifest_is_refused_but_replaceable(dense, tmp_path):
+    """An artifact written before artifact.json: load asks for a recompile; compile -o may replace it."""
     (dense / MANIFEST).unlink()
-    with pytest.raises(UserError, match=r"not a dayzero artifact \(no artifact.json\)"):
+    with pytest.raises(UserError, match=r"no artifact.json \(compiled by an older dayzero, or not an artifact\): "
+                                        r"recompile"):
         load(dense)
+    src = copy_artifact(dense, tmp_path / "src")
+    _write_artifact(dense, src, "new")
+    assert json.loads((dense / "report.json").read_text()) == {"marker": "new"} and (dense / MANIFEST).is_file()
 
 
 # ---- program.json: bounds, alignment, overlap ------------------------------------------------------------------

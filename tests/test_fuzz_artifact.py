@@ -26,9 +26,9 @@ import subprocess
 import sys
 import textwrap
 
-from _artifact_edit import copy_artifact, rehash
-
 from dayzero.codegen.artifact import MANIFEST
+
+from _artifact_edit import copy_artifact, rehash
 
 CASES_RAW, CASES_HOSTILE = 12, 20
 

@@ -29,6 +29,7 @@ import math
 import os
 import re
 from collections import Counter
+from pathlib import Path
 
 import click
 
@@ -44,19 +45,13 @@ _FALLBACK_COLOURS = ("#64b5cd", "#da8bc3", "#8c8c8c", "#ff9f9b")
 
 
 def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{os.path.dirname(path) or '.'}: not a dayzero artifact (no {what})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    from dayzero.runtime.validate import read_json
+
+    return read_json(Path(path), what)
 
 
 def _check_artifact(artifact: str) -> None:
     """An artifact (its files against artifact.json's sizes and hashes), or at least its program and kernels."""
-    from pathlib import Path
-
     from dayzero.codegen.artifact import MANIFEST
     from dayzero.runtime.validate import check_files
 
