@@ -37,11 +37,11 @@ from pathlib import Path
 
 from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_digest
+from dayzero.codegen.memory import ALIGN
+from dayzero.codegen.memory import STATE_ZONES as PER_REQUEST_ZONES  # replicated per request slot
 from dayzero.passes.ir.ops import DTYPE_BYTES
 from dayzero.passes.memory_plan import ZONES
 
-ALIGN = 64
-PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
