@@ -10,7 +10,6 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,10 +20,11 @@ import tvm
 from safetensors import SafetensorError, safe_open
 
 from dayzero import InternalError, UserError
+from dayzero.codegen.artifact import recover_interrupted_swap
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
 
-from . import validate
+from . import request_checks, validate
 from .kv_pages import KVPages
 
 ALIGN = 64
@@ -32,8 +32,9 @@ PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request 
 
 
 class _Program:
-    def __init__(self, pj: dict, lib, arena: torch.Tensor):
+    def __init__(self, pj: dict, lib, arena: torch.Tensor, max_bytes: list[int]):
         self.name = pj["name"]
+        self.max_bytes = max_bytes  # per buffer, as validated (runtime/validate.py): no view is larger
         # shape text -> expression, parsed by a grammar, never evaluated (program.json is untrusted input)
         self.symbols, self._exprs = parse_program_shapes(pj)
         self.buffers = pj["buffers"]
@@ -83,6 +84,9 @@ class _Program:
         n = int(np.prod(shape)) if shape else 1
         off = self.offsets[bid] + (slot * self.state_stride if bid in self._in_state else 0)
         nbytes = n * DTYPE_BYTES[b["dtype"]]
+        if nbytes > self.max_bytes[bid]:
+            raise UserError(f"buffer {bid} of program {self.name} is {nbytes} bytes at {env}, above the "
+                            f"{self.max_bytes[bid]} its memory plan was checked for")
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
         v = self.arena[off:off + nbytes].view(torch_dtype(b["dtype"]))
@@ -194,6 +198,8 @@ class _Program:
     def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
         if not 0 <= slot < self.state_slots:
             raise InternalError(f"request slot {slot} outside [0, {self.state_slots})")
+        if len(inputs) != len(self.inputs):  # an input left unbound would be read as whatever the arena holds
+            raise UserError(f"program {self.name} takes {len(self.inputs)} inputs, got {len(inputs)}")
         env = self.bind(inputs)
         calls, in_views, out_views = self._cache(env, slot)
         for view, t in zip(in_views, inputs):
@@ -233,20 +239,27 @@ class Runtime:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        pfile = self.path / "program.json"
-        if not pfile.is_file():
-            raise UserError(f"{path}: not a dayzero artifact (no program.json)")
-        self.program_json = json.loads(pfile.read_text())
-        self.manifest = json.loads((self.path / "weights.json").read_text())
+        # every file checked (format, sizes, hashes, schema, bounds, overlap) before dlopen and any kernel: validate.py
+        recover_interrupted_swap(self.path)
+        validate.check_files(self.path)
+        self.program_json = validate.read_json(self.path / "program.json")
+        self.manifest = validate.read_json(self.path / "weights.json")
+        max_bytes = validate.check_program_json(self.program_json)
+        validate.check_weights(self.manifest, self.program_json)
         self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
+        validate.check_kernels(self.program_json, self.lib)
         self.threads = use_all_cores()
         progs = self.program_json["programs"]
         arena_bytes = max(p["memory"]["arena_bytes"] for p in progs.values())
         # torch's CPU allocator aligns large allocations to 64 bytes; checked, since kernels require it
-        self.arena = torch.empty(arena_bytes + ALIGN, dtype=torch.uint8)
+        try:
+            self.arena = torch.empty(arena_bytes + ALIGN, dtype=torch.uint8)
+        except RuntimeError as e:  # validated, but may still exceed this machine's memory
+            raise UserError(f"{path}: cannot allocate the artifact's arena of {arena_bytes} bytes "
+                            f"({str(e).splitlines()[0][:120]})") from None
         shift = (-self.arena.data_ptr()) % ALIGN
         self.arena = self.arena[shift:shift + arena_bytes]
-        self.programs = {name: _Program(pj, self.lib, self.arena) for name, pj in progs.items()}
+        self.programs = {name: _Program(pj, self.lib, self.arena, max_bytes[name]) for name, pj in progs.items()}
         self._bind_weights()
         for prog in self.programs.values():  # shared states start empty (an expert cache with no valid slot)
             for bid in prog.shared_states.values():
@@ -289,7 +302,13 @@ class Runtime:
                 if entry["source"] == "artifact":
                     if "own" not in handles:
                         handles["own"] = safe_open(str(own), framework="pt")
-                    dst.copy_(handles["own"].get_tensor(name).reshape(dst.shape))
+                    if name not in handles["own"].keys():
+                        raise UserError(f"weights.safetensors has no tensor {name} (weights.json lists it there)")
+                    t = handles["own"].get_tensor(name)
+                    if t.numel() != dst.numel():
+                        raise UserError(f"weights.safetensors: {name} has {t.numel()} elements, its buffer "
+                                        f"{dst.numel()}")
+                    dst.copy_(t.reshape(dst.shape))
                     continue
                 if ck is None or "tensors" not in ck:
                     raise UserError(f"{self.path}/weights.json: weight {name} comes from a checkpoint the artifact "
@@ -361,7 +380,7 @@ class Runtime:
 
     def reset(self, slot: int | None = None) -> None:
         """Forget the request in a cache slot (all slots when None): states are zero when a request starts."""
-        slots = range(self.max_batch) if slot is None else [validate.slot(slot, self.max_batch)]
+        slots = range(self.max_batch) if slot is None else [request_checks.slot(slot, self.max_batch)]
         prog = self.programs["prefill"]
         for k in slots:
             for bid in prog.states.values():
@@ -389,7 +408,7 @@ class Runtime:
 
     def _ids(self, input_ids, name: str = "input_ids") -> torch.Tensor:
         """One request's token ids -> int64 [1, n], each in the vocabulary (runtime/validate.py)."""
-        return validate.token_ids(input_ids, self.vocab_size, name)
+        return request_checks.token_ids(input_ids, self.vocab_size, name)
 
     def _token(self, token_id) -> torch.Tensor:
         """The one token id ``decode`` appends -> int64 [1, 1]."""
@@ -403,7 +422,7 @@ class Runtime:
         ``slot`` (fills its cache). ``append=True`` adds the tokens to the request already in the slot (a second
         turn of a conversation): positions continue after its history, which is read from the cache, never
         prefilled again."""
-        slot = validate.slot(slot, self.max_batch)
+        slot = request_checks.slot(slot, self.max_batch)
         if self.multimodal is not None:
             return self.multimodal.prefill(input_ids, slot=slot)
         ids = self._ids(input_ids)
@@ -433,7 +452,7 @@ class Runtime:
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
         """Logits [1, 1, V] after appending one token to the request in ``slot``; reads and extends its cache."""
-        slot = validate.slot(slot, self.max_batch)
+        slot = request_checks.slot(slot, self.max_batch)
         if not self.stateful:
             raise UserError("this artifact has no decode program (its model's cache has no static form): "
                             "generation is not available for it")
@@ -456,8 +475,8 @@ class Runtime:
         ``images`` (paths, PIL images, arrays) join the prompt at its image tokens (multimodal artifacts).
         ``append=True`` continues the conversation in ``slot``: its history (including the last generated token)
         stays in the cache and only the new turn is prefilled."""
-        validate.sampling(max_new_tokens, temperature, top_p, seed)
-        slot = validate.slot(slot, self.max_batch)
+        request_checks.sampling(max_new_tokens, temperature, top_p, seed)
+        slot = request_checks.slot(slot, self.max_batch)
         if self.multimodal is not None:
             return self.multimodal.generate(prompt_ids, max_new_tokens, images or (), stop_ids, temperature,
                                             top_p, seed)
@@ -488,7 +507,7 @@ class Runtime:
         """Stop token ids (any iterable of ids, or one id) -> a set, each in the vocabulary."""
         if isinstance(stop_ids, (set, frozenset, range)):
             stop_ids = list(stop_ids)
-        return set(validate.token_ids(stop_ids, self.vocab_size, "stop_ids", allow_empty=True)[0].tolist())
+        return set(request_checks.token_ids(stop_ids, self.vocab_size, "stop_ids", allow_empty=True)[0].tolist())
 
     def run(self, *inputs) -> list[torch.Tensor]:
         """Run the prefill program on generic inputs (ONNX models: any names, dtypes, ranks), given in the
@@ -507,7 +526,7 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
     a request beyond the cache budget, a malformed one: not a list of int ids) gets its error; the others keep going.
     Bad parameters shared by every request (max_new_tokens, stop_ids, temperature, top_p, seed) raise a
     UserError before any request runs. Returns per request ``{"tokens": [...], "error": str | None}``."""
-    validate.sampling(max_new_tokens, temperature, top_p, seed)
+    request_checks.sampling(max_new_tokens, temperature, top_p, seed)
     stops = rt._stops(stop_ids)
     if not isinstance(prompts, (list, tuple)):
         raise UserError(f"prompts: expected a list of requests (token id lists), got {type(prompts).__name__}")
@@ -542,7 +561,7 @@ def decode_interleaved(results: list[dict], logits: dict, gens: dict, step, max_
                        temperature: float, top_p: float, raise_errors: bool = False) -> None:
     """One decode step per live request in turn until each stops; ``step(token, k) -> next logits`` of request k.
     A request whose step raises a UserError records it and drops out (others keep going). The parameters are the
-    callers', already checked (validate.sampling; stop_ids: ints)."""
+    callers', already checked (request_checks.sampling; stop_ids: ints)."""
     stops = set(int(s) for s in stop_ids)
     active = sorted(k for k in logits if max_new_tokens > 0)
     while active:

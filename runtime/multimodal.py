@@ -30,7 +30,7 @@ import torch
 
 from dayzero import UserError
 
-from . import validate
+from . import request_checks
 
 
 class Multimodal:
@@ -187,7 +187,7 @@ class Multimodal:
     # -- serving ------------------------------------------------------------------------------------------------
     def prefill(self, input_ids, images=(), slot: int = 0, fit: bool = False) -> torch.Tensor:
         """Logits [1, n, V] of the prompt (image tokens expanded) and start the request in cache slot ``slot``."""
-        slot = validate.slot(slot, self.rt.max_batch)
+        slot = request_checks.slot(slot, self.rt.max_batch)
         ids, pos, visual, mask, delta = self.prepare(input_ids, images, fit)
         return self._prefill(ids, pos, visual, mask, delta, slot)
 
@@ -202,7 +202,7 @@ class Multimodal:
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
         rt = self.rt
-        slot = validate.slot(slot, rt.max_batch)
+        slot = request_checks.slot(slot, rt.max_batch)
         length = rt.lengths.get(slot, 0)
         if length == 0:
             raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
@@ -228,7 +228,7 @@ class Multimodal:
         from dayzero.runtime.executor import decode_interleaved
 
         rt = self.rt
-        validate.sampling(max_new_tokens, temperature, top_p, seed)
+        request_checks.sampling(max_new_tokens, temperature, top_p, seed)
         stops = rt._stops(stop_ids)
         if not isinstance(requests, (list, tuple)):
             raise UserError(f"requests: expected a list, got {type(requests).__name__}")

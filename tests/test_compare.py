@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from dayzero.tools.cli import main
 from dayzero.tools.compare import compare, diff, topk_tie
 
+from _artifact_edit import rehash
+
 TINY_MOE = "dayzero.tools.examples:tiny_moe"
 
 
@@ -44,6 +46,7 @@ def test_corrupted_weight_fails_and_names_the_layer(compiled_factory, tmp_path):
     w = load_file(str(bad / "weights.safetensors"))
     w[name][3, 5] += 0.5
     save_file(w, str(bad / "weights.safetensors"))
+    rehash(bad)  # a wrong weight compiled in, not a damaged file (the hash check would refuse that at load)
 
     r = CliRunner().invoke(main, ["compare", TINY_MOE, str(bad), "--json", "--per-node"])
     assert r.exit_code == 1, r.output

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from dayzero import UserError
-from dayzero.runtime import generate_batch, load, validate
+from dayzero.runtime import generate_batch, load, request_checks
 from dayzero.tools.cli import main
 
 PROMPT = [5, 17, 99, 3]
@@ -193,22 +193,22 @@ def test_generate_batch_bad_shared_parameters_raise_before_any_request(qwen):
 
 
 def test_validate_rules():
-    assert validate.token_ids([3, 4], 10).tolist() == [[3, 4]]
-    assert validate.token_ids(7, 10).tolist() == [[7]]
-    assert validate.token_ids([], 10, allow_empty=True).shape == (1, 0)
+    assert request_checks.token_ids([3, 4], 10).tolist() == [[3, 4]]
+    assert request_checks.token_ids(7, 10).tolist() == [[7]]
+    assert request_checks.token_ids([], 10, allow_empty=True).shape == (1, 0)
     with pytest.raises(UserError, match="outside the vocabulary"):
-        validate.token_ids([10], 10)
+        request_checks.token_ids([10], 10)
     with pytest.raises(UserError, match=r"outside \[0, 2\*\*63\)"):
-        validate.token_ids([2 ** 63], None)
-    validate.sampling(0, 0.0, 1.0, 0)
-    validate.sampling(5, 0.7, 0.9, 2 ** 63 - 1)
+        request_checks.token_ids([2 ** 63], None)
+    request_checks.sampling(0, 0.0, 1.0, 0)
+    request_checks.sampling(5, 0.7, 0.9, 2 ** 63 - 1)
     with pytest.raises(UserError, match="--top-p"):
-        validate.sampling(1, 1.0, 0.0, 0, cli=True)
+        request_checks.sampling(1, 1.0, 0.0, 0, cli=True)
     with pytest.raises(UserError, match="temperature"):
-        validate.sampling(1, True, 1.0, 0)
-    assert validate.slot(np.int64(1), 2) == 1
+        request_checks.sampling(1, True, 1.0, 0)
+    assert request_checks.slot(np.int64(1), 2) == 1
     with pytest.raises(UserError, match="slot 2"):
-        validate.slot(2, 2)
+        request_checks.slot(2, 2)
 
 
 @pytest.mark.slow

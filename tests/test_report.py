@@ -73,6 +73,12 @@ def test_report_user_errors(tmp_path):
     assert r.exit_code == 2 and "not a dayzero artifact" in r.output
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "report.json").write_text(json.dumps({"programs": {"prefill": {"memory": {}}}}))
+    r = CliRunner().invoke(main, ["report", str(tmp_path / "old")])  # issue 20: was exit 0
+    assert r.exit_code == 2 and "not a dayzero artifact (no program.json)" in r.output
+    (tmp_path / "old" / "program.json").write_text(json.dumps({"programs": {}}))
+    r = CliRunner().invoke(main, ["report", str(tmp_path / "old")])
+    assert r.exit_code == 2 and "not a dayzero artifact (no kernels.so)" in r.output
+    (tmp_path / "old" / "kernels.so").write_bytes(b"")
     r = CliRunner().invoke(main, ["report", str(tmp_path / "old"), "--plot", str(tmp_path / "x.png")])
     assert r.exit_code == 2 and "recompile" in r.output
 
@@ -240,6 +246,7 @@ def test_kv_cache_report_reads_rates_windows_and_fixed_state(tmp_path):
             "steps": [], "memory": {"state_slots": 2}}
     (tmp_path / "program.json").write_text(json.dumps({"programs": {"prefill": prog}}))
     (tmp_path / "report.json").write_text(json.dumps({"programs": {}, "kv_cache_layout": layout}))
+    (tmp_path / "kernels.so").write_bytes(b"")  # report reads no kernel, but only an artifact has a library
     kv = json.loads(CliRunner().invoke(main, ["report", str(tmp_path), "--json"]).output)["kv_cache"]
     assert kv["max_length"] == L and kv["slots"] == 2 and kv["described"]
     t = kv["layer_types"]

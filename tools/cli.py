@@ -158,14 +158,14 @@ def _parse_ids(text: str, option: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True)
 def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images, as_json):
     """Run the compiled model on INPUT_IDS: the prefill logits' shape and argmax, or generated tokens."""
-    from dayzero.runtime import load, validate
+    from dayzero.runtime import load, request_checks
 
     ids = _parse_ids(input_ids, "--input-ids")
     stops = _parse_ids(stop_ids, "--stop-ids") if stop_ids else []
-    validate.sampling(max_new_tokens or 0, temperature, top_p, seed, cli=True)
+    request_checks.sampling(max_new_tokens or 0, temperature, top_p, seed, cli=True)
     rt = load(artifact)
-    validate.token_ids(ids, rt.vocab_size, "--input-ids")
-    validate.token_ids(stops, rt.vocab_size, "--stop-ids", allow_empty=True)
+    request_checks.token_ids(ids, rt.vocab_size, "--input-ids")
+    request_checks.token_ids(stops, rt.vocab_size, "--stop-ids", allow_empty=True)
     t0 = time.perf_counter()
     if images and getattr(rt, "multimodal", None) is None:
         raise UserError(f"{artifact}: no vision program (compile a multimodal checkpoint to pass --image)")

@@ -365,6 +365,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
     if kv_blocks is not None and kv_blocks < 2:
         raise UserError("--kv-blocks must be at least 2 (block 0 is the scratch block)")
+    writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     t0 = time.perf_counter()
     fe = trace_model(model, max_seq, image_grids=image_grids)
     if fe.checkpoint is not None and not allow_nonfinite:
@@ -436,7 +437,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         pjs[p.name]["memory"] = {"arena_bytes": layout["arena_bytes"], "zones": mem["zones"],
                                  "offsets": {str(k): v for k, v in mem["offsets"].items()},
                                  "state_slots": layout["state_slots"], "state_stride": layout["state_stride"]}
-    with artifact.ArtifactWriter(out) as d:
+    with writer as d:
         lib.export_library(str(d / "kernels.so"))
         artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs,
                                                  "kv_pages": report["kv_pages"]})

@@ -29,6 +29,7 @@ import math
 import os
 import re
 from collections import Counter
+from pathlib import Path
 
 import click
 
@@ -45,13 +46,22 @@ _FALLBACK_COLOURS = ("#64b5cd", "#da8bc3", "#8c8c8c", "#ff9f9b")
 
 
 def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{os.path.dirname(path) or '.'}: not a dayzero artifact (no {what})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    from dayzero.runtime.validate import read_json
+
+    return read_json(Path(path), what)
+
+
+def _check_artifact(artifact: str) -> None:
+    """An artifact (its files against artifact.json's sizes and hashes), or at least its program and kernels."""
+    from dayzero.codegen.artifact import MANIFEST
+    from dayzero.runtime.validate import check_files
+
+    if os.path.isfile(os.path.join(artifact, MANIFEST)):
+        check_files(Path(artifact))
+        return
+    for what in ("program.json", "kernels.so"):
+        if not os.path.isfile(os.path.join(artifact, what)):
+            raise UserError(f"{artifact}: not a dayzero artifact (no {what})")
 
 
 def _step_op(node: str) -> str:
@@ -186,9 +196,9 @@ def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, page
 
 def build_report(artifact: str) -> dict:
     """The report object (what ``--json`` prints)."""
+    _check_artifact(artifact)
     rep = _read_json(os.path.join(artifact, "report.json"), "report.json")
-    pfile = os.path.join(artifact, "program.json")
-    progs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
+    progs = _read_json(os.path.join(artifact, "program.json"), "program.json").get("programs", {})
     for pj in progs.values():  # untrusted: every symbol and shape parses (a grammar) before anything reads them
         parse_program_shapes(pj)
     routes = rep.get("routes", {})
@@ -199,7 +209,7 @@ def build_report(artifact: str) -> dict:
     op_counts: Counter = Counter()
     for pj in progs.values():
         op_counts.update(_step_op(s["node"]) for s in pj.get("steps", []))
-    if not op_counts:  # an artifact without program.json: count kernels instead of steps
+    if not op_counts:  # programs without steps listed: count kernels instead
         op_counts.update(kops.values())
     programs = {}
     for name, p in rep.get("programs", {}).items():
