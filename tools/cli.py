@@ -277,7 +277,7 @@ def bench_group():
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=20, show_default=True)
 def bench_e2e_cmd(as_json, repeat):
-    """Demo model: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
+    """Tiny Qwen3-MoE: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
     from dayzero.tools.bench import bench_e2e
 
     _emit(bench_e2e(repeat), as_json, _bench_human)
