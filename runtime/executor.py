@@ -361,8 +361,38 @@ class Runtime:
     @property
     def max_length(self) -> int:
         """Tokens a request may hold in total (prompt + generated): the compiled cache length."""
-        prog = self.programs["prefill"]
+        if self.program_json.get("max_seq"):
+            return int(self.program_json["max_seq"])
+        prog = self.programs["prefill"]  # artifacts without a cache (or from before chunked prefill)
         return max(hi for lo, hi in prog.symbols.values()) if prog.symbols else 0
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The most tokens one prefill call takes (``dayzero compile --prefill-chunk``): the longest token-id input
+        the prefill program accepts; ``prefill`` splits a longer prompt into chunks of this size."""
+        prog = self.programs["prefill"]
+        if not prog.symbols:
+            return self.max_length
+        ids = next(b for b in prog.inputs if prog.buffers[b]["name"] == "input_ids")
+        return prog.shape(ids, tuple(prog.symbols[s][1] for s in prog._order))[-1]
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer carried in the artifact (transformers' own class), or None without one."""
+        if not hasattr(self, "_tokenizer"):
+            from .text import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Token ids that end a generation: the checkpoint's generation config and its tokenizer's eos token."""
+        if not hasattr(self, "_eos_ids"):
+            from .text import eos_ids
+
+            self._eos_ids = eos_ids(self.path, self.tokenizer)
+        return self._eos_ids
 
     @property
     def max_batch(self) -> int:
@@ -421,7 +451,8 @@ class Runtime:
         """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request in cache slot
         ``slot`` (fills its cache). ``append=True`` adds the tokens to the request already in the slot (a second
         turn of a conversation): positions continue after its history, which is read from the cache, never
-        prefilled again."""
+        prefilled again. A prompt longer than ``prefill_chunk`` runs as several prefill calls of at most that many
+        tokens, each appended after the ones before."""
         slot = request_checks.slot(slot, self.max_batch)
         if self.multimodal is not None:
             return self.multimodal.prefill(input_ids, slot=slot)
@@ -436,15 +467,24 @@ class Runtime:
         if start + n > self.max_length:
             raise UserError(f"prompt of {n} tokens after {start} cached ones is longer than the compiled "
                             f"maximum {self.max_length}")
+        if not append:
+            self.reset(slot)
+        chunk = self.prefill_chunk
+        logits = [self._prefill_chunk(ids[:, k:k + chunk], slot) for k in range(0, n, chunk)]
+        return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
+
+    def _prefill_chunk(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """One prefill call: ``ids`` [1, n] (n <= prefill_chunk) at the positions after the slot's history."""
+        prog = self.programs["prefill"]
+        n = ids.shape[1]
+        start = self.lengths.get(slot, 0)
         (padded, _), _ = prog.pad([ids, torch.zeros(n, dtype=torch.int64)])
-        # padding tokens sit at positions after the prompt (written to the cache, never attended: decode
-        # overwrites them)
+        # padding tokens sit at positions after the prompt (written to the cache, never attended: the next chunk
+        # or decode overwrites them)
         width = padded.shape[-1]
         if start + width > self.max_length:
             raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
         padded_ids = torch.nn.functional.pad(ids, [0, width - n])
-        if not append:
-            self.reset(slot)
         logits = self.run_program("prefill", [padded_ids, torch.arange(start, start + width)], slot,
                                   start + n)[0][:, :n]
         self.lengths[slot] = start + n

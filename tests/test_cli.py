@@ -20,9 +20,9 @@ def test_help(cmd):
     assert r.exit_code == 0 and "Usage" in r.output
 
 
-def _dayzero(*args):
+def _dayzero(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "dayzero.tools.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=timeout)
 
 
 def test_unsupported_ops_listed_at_once(tmp_path):
@@ -78,9 +78,34 @@ def test_dump_ir_writes_every_pass(tmp_path):
 
 @pytest.mark.slow
 def test_demo_json():
-    r = _dayzero("demo", "--json")
+    """The demo: tiny DeepSeek-V4 with FP8 experts, a chat prompt through its template, text out, equal to
+    upstream transformers (its own FP8 loader) in logits and greedy tokens; every pattern found on a kernel route."""
+    r = _dayzero("demo", "--json", timeout=1800)  # a V4 compile: about a minute alone, much longer on a busy host
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert res["max_abs_diff"] <= 1e-4 and res["ok"]
+    assert res["max_abs_diff"] <= 1e-4 and res["ok"] and res["tokens_match_upstream"]
     assert {"compile", "run", "eager"} <= set(res["seconds"])
-    assert res["artifact"]
+    assert res["artifact"] and res["model"] == "deepseek_v4" and res["experts"] == "fp8"
+    assert res["prompt_tokens"] > 10 and res["tokens"] and res["text"] == res["upstream_text"]
+    pats = res["patterns"]
+    assert {"moe", "dequant"} <= set(pats) and any(p.startswith("compressed_attention") for p in pats)
+    fp8 = pats["dequant"]["kernels"]
+    assert fp8 and all(set(routes) == {"hand-scheduled"} for routes in fp8.values())
+    assert all(p["kernels"] for p in pats.values())  # every pattern found has its kernels listed
+
+
+def test_demo_pattern_routes():
+    """Which kernels each pattern of a compile report produced, and their routes."""
+    from dayzero.tools.demo import pattern_routes
+
+    report = {"patterns": {"moe": 2, "dequant": 4, "compressed_attention_csa": 1, "paged_kv_write": 3},
+              "kernel_ops": {"k0": "moe_experts_fp8", "k1": "compressed_attention", "k2": "paged_state_index_put",
+                             "k3": "add", "k4": "compressed_attention"},
+              "routes": {"k0": "hand-scheduled", "k1": "hand-scheduled", "k2": "hand-scheduled", "k3": "default",
+                         "k4": "tuned"}}
+    assert pattern_routes(report) == {
+        "compressed_attention_csa": {"found": 1, "kernels": {"compressed_attention": {"hand-scheduled": 1,
+                                                                                       "tuned": 1}}},
+        "dequant": {"found": 4, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
+        "moe": {"found": 2, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
+        "paged_kv_write": {"found": 3, "kernels": {"paged_state_index_put": {"hand-scheduled": 1}}}}

@@ -1,4 +1,4 @@
-"""``dayzero bench e2e``: the demo model, compiled vs torch eager vs torch.compile, in one run.
+"""``dayzero bench e2e``: tiny Qwen3-MoE (BENCH_MODEL), compiled vs torch eager vs torch.compile, in one run.
 
 Cases: prefill at 64 tokens, a one-token forward without a cache, and a real decode step (one token after a
 32-token prompt, reading the KV cache).
@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+BENCH_MODEL = "qwen3_moe"  # the e2e and tuning benches' model (the demo's until it moved to DeepSeek-V4)
 
 
 def machine_info() -> dict:
@@ -39,12 +41,11 @@ def _median_time(fn, repeat: int) -> float:
 def bench_e2e(repeat: int = 20) -> dict:
     from dayzero.frontend.hf import load_upstream
     from dayzero.runtime import load
-    from dayzero.tools.demo import DEMO_MODEL
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="dayzero-bench-"))
-    make_tiny(DEMO_MODEL, work / "ckpt", seed=0)
+    make_tiny(BENCH_MODEL, work / "ckpt", seed=0)
     compile_model(str(work / "ckpt"), str(work / "art"), max_seq=128)
     rt = load(work / "art")
     eager = load_upstream(work / "ckpt")
@@ -81,4 +82,4 @@ def bench_e2e(repeat: int = 20) -> dict:
                     "bound_name": None, "tokens": 1})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
-            "model": DEMO_MODEL}
+            "model": BENCH_MODEL}

@@ -20,13 +20,12 @@ import torch
 
 def bench_tuning(trials: int = 32, minutes: float | None = 20, repeat: int = 30) -> dict:
     from dayzero.runtime import load
-    from dayzero.tools.bench import machine_info
-    from dayzero.tools.demo import DEMO_MODEL
+    from dayzero.tools.bench import BENCH_MODEL, machine_info
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="dayzero-bench-tuning-"))
-    ckpt = make_tiny(DEMO_MODEL, work / "ckpt", seed=0)
+    ckpt = make_tiny(BENCH_MODEL, work / "ckpt", seed=0)
     db = str(work / "tuning")
     t0 = time.perf_counter()
     cold = compile_model(str(ckpt), work / "default", max_seq=128, tuning_dir=db)

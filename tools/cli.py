@@ -72,6 +72,9 @@ def main(debug: bool) -> None:
 @click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
 @click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
 @click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)")
+@click.option("--prefill-chunk", type=int, default=None,
+              help="most tokens per prefill call (default min(--max-seq, 512)): longer prompts are prefilled in "
+                   "chunks, and the prefill arena is sized by the chunk, not by --max-seq")
 @click.option("--kv-block-size", default=16, show_default=True,
               help="tokens per KV-cache block: caches are pools of blocks handed to requests through block tables "
                    "(0: one contiguous cache per request slot)")
@@ -100,8 +103,9 @@ def main(debug: bool) -> None:
 @click.option("--allow-nonfinite", is_flag=True,
               help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, max_batch, kv_block_size, kv_blocks, image_grids, verify, tune,
-                tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, allow_nonfinite, as_json):
+def compile_cmd(model, out, target, max_seq, max_batch, prefill_chunk, kv_block_size, kv_blocks, image_grids,
+                verify, tune, tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, allow_nonfinite,
+                as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
@@ -115,7 +119,8 @@ def compile_cmd(model, out, target, max_seq, max_batch, kv_block_size, kv_blocks
                         tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
                         image_grids=list(image_grids) or None, compute_dtype=compute_dtype,
                         expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"),
-                        kv_block_size=kv_block_size, kv_blocks=kv_blocks, allow_nonfinite=allow_nonfinite)
+                        kv_block_size=kv_block_size, kv_blocks=kv_blocks, prefill_chunk=prefill_chunk,
+                        allow_nonfinite=allow_nonfinite)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
@@ -145,31 +150,65 @@ def _parse_ids(text: str, option: str) -> list[int]:
     return ids
 
 
+TEXT_NEW_TOKENS = 32  # tokens `run --prompt` generates unless --max-new-tokens says otherwise
+
+
 @main.command("run")
 @click.argument("artifact", type=click.Path())
-@click.option("--input-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
-@click.option("--max-new-tokens", type=int, default=None, help="generate this many tokens (prefill + decode)")
+@click.option("--input-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
+@click.option("--prompt", default=None, help="a text prompt, tokenized by the checkpoint's own tokenizer; prints "
+                                             "the generated text")
+@click.option("--chat", is_flag=True, help="with --prompt: send it as a user message through the model's chat "
+                                           "template")
+@click.option("--max-new-tokens", type=int, default=None,
+              help=f"generate this many tokens (prefill + decode); --prompt: default {TEXT_NEW_TOKENS}")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--stop-ids", default="", help="comma-separated token ids that end generation")
+@click.option("--stop-ids", default="", help="comma-separated token ids that end generation (--prompt: also the "
+                                             "model's end-of-sequence ids)")
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
-              help="an image file joining the prompt at its next image token (repeat for several)")
+              help="an image file joining the prompt at its next image token (repeat for several; with --chat "
+                   "the images come first in the user message)")
 @click.option("--json", "as_json", is_flag=True)
-def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_ids, images, as_json):
-    """Run the compiled model on INPUT_IDS: the prefill logits' shape and argmax, or generated tokens."""
+def run_cmd(artifact, input_ids, prompt, chat, max_new_tokens, temperature, top_p, seed, stop_ids, images,
+            as_json):
+    """Run the compiled model on INPUT_IDS (the prefill logits' shape and argmax, or generated tokens) or on a
+    text PROMPT (the generated text; --json gives {"text", "tokens"})."""
     from dayzero.runtime import load, request_checks
 
-    ids = _parse_ids(input_ids, "--input-ids")
+    if (input_ids is None) == (prompt is None):
+        raise UserError("give exactly one of --input-ids and --prompt")
+    if chat and prompt is None:
+        raise UserError("--chat needs --prompt (the text of the user message)")
+    ids = _parse_ids(input_ids, "--input-ids") if input_ids is not None else None
     stops = _parse_ids(stop_ids, "--stop-ids") if stop_ids else []
     request_checks.sampling(max_new_tokens or 0, temperature, top_p, seed, cli=True)
     rt = load(artifact)
-    request_checks.token_ids(ids, rt.vocab_size, "--input-ids")
+    if ids is not None:
+        request_checks.token_ids(ids, rt.vocab_size, "--input-ids")
     request_checks.token_ids(stops, rt.vocab_size, "--stop-ids", allow_empty=True)
-    t0 = time.perf_counter()
     if images and getattr(rt, "multimodal", None) is None:
         raise UserError(f"{artifact}: no vision program (compile a multimodal checkpoint to pass --image)")
-    if max_new_tokens is None and images:
+    t0 = time.perf_counter()
+    if prompt is not None:
+        from dayzero.runtime.text import encode_chat, encode_prompt
+
+        tok = rt.tokenizer
+        if tok is None:
+            raise UserError(f"{artifact}: the artifact carries no tokenizer (its checkpoint has none): "
+                            "use --input-ids")
+        if chat:
+            parts = [{"type": "image_url", "image_url": {"url": str(i)}} for i in images]
+            ids = encode_chat(tok, [{"role": "user", "content": parts + [{"type": "text", "text": prompt}]
+                                     if parts else prompt}])
+        else:
+            ids = encode_prompt(tok, prompt)
+        toks = rt.generate(ids, TEXT_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+                           stop_ids=sorted(set(stops) | set(rt.eos_ids)), temperature=temperature, top_p=top_p,
+                           seed=seed, **({"images": list(images)} if images else {}))
+        res = {"text": tok.decode(toks, skip_special_tokens=True), "tokens": toks, "prompt_tokens": len(ids)}
+    elif max_new_tokens is None and images:
         logits = rt.multimodal.prefill(ids, list(images))
         res = {"logits_shape": list(logits.shape), "argmax": logits[0].argmax(-1).tolist()}
     elif max_new_tokens is None:
@@ -180,7 +219,7 @@ def run_cmd(artifact, input_ids, max_new_tokens, temperature, top_p, seed, stop_
                            **({"images": list(images)} if images else {}))
         res = {"tokens": toks}
     res["seconds"] = time.perf_counter() - t0
-    _emit(res, as_json)
+    _emit(res, as_json, (lambda r: click.echo(r["text"])) if prompt is not None else None)
 
 
 @main.command("dump-ir")
@@ -199,28 +238,39 @@ def dump_ir_cmd(model, out_dir, max_seq):
 
 @main.command("demo")
 @click.option("--out", type=click.Path(), default=None, help="artifact directory (default: a temp dir)")
-@click.option("--seq-len", default=16, show_default=True)
+@click.option("--prompt", default=None, help="the user message (default: a question about sparse MoE models)")
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
               help="run the image + text demo (tiny Qwen3-VL-MoE) on this image file (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
-def demo_cmd(out, seq_len, images, as_json):
-    """Build a tiny fixed-seed upstream MoE model, compile it, run it, and compare with eager PyTorch."""
-    from dayzero.tools.demo import run_demo
+def demo_cmd(out, prompt, images, as_json):
+    """Build a tiny fixed-seed DeepSeek-V4 (FP8 experts, tokenizer, chat template), compile it, chat with it, and
+    compare with upstream transformers run eagerly."""
+    from dayzero.tools.demo import DEMO_PROMPT, run_demo
 
     if images:
         from dayzero.tools.demo_vision import run_vision_demo
 
         res = run_vision_demo(out, list(images))
     else:
-        res = run_demo(out, seq_len)
+        res = run_demo(out, prompt or DEMO_PROMPT)
 
     def human(r):
-        click.echo(f"model: {r['model']} (tiny, seed 0) -> {r['artifact']}")
+        click.echo(f"model: {r['model']} (tiny, seed 0{', ' + r['experts'] + ' experts' if 'experts' in r else ''})"
+                   f" -> {r['artifact']}")
         for k, v in r["seconds"].items():
             click.echo(f"  {k:<12} {v:7.2f} s")
+        if "text" in r:
+            click.echo(f"user: {r['prompt']}  ({r['prompt_tokens']} tokens through the chat template)")
+            click.echo(f"assistant: {r['text']!r}")
+            if not r["tokens_match_upstream"]:
+                click.echo(f"upstream:  {r['upstream_text']!r}")
         click.echo(f"max |logits - upstream eager| = {r['max_abs_diff']:.3g}")
         click.echo(f"generated {r['tokens']} ({'same as' if r['tokens_match_upstream'] else 'DIFFERENT from'} "
                    f"upstream generate())")
+        for pattern, p in r.get("patterns", {}).items():
+            routes = "; ".join(f"{op}: " + ", ".join(f"{route} x{n}" for route, n in rs.items())
+                               for op, rs in p["kernels"].items()) or "-"
+            click.echo(f"  pattern {pattern:<24} x{p['found']:<3} {routes}")
         click.echo("ok" if r["ok"] else "MISMATCH")
     _emit(res, as_json, human)
     if not res["ok"]:
@@ -236,7 +286,7 @@ def bench_group():
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=20, show_default=True)
 def bench_e2e_cmd(as_json, repeat):
-    """Demo model: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
+    """Tiny Qwen3-MoE: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
     from dayzero.tools.bench import bench_e2e
 
     _emit(bench_e2e(repeat), as_json, _bench_human)

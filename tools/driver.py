@@ -35,6 +35,7 @@ from dayzero.passes.pipeline import PassContext, run_pipeline
 from dayzero.targets.host import host_target_dict
 
 DEFAULT_MAX_SEQ = 512
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call (capped at max_seq): the prefill arena is sized by it
 DEFAULT_KV_BLOCK = 16  # tokens per KV-cache block (passes/paged_kv.py)
 
 
@@ -61,7 +62,10 @@ def resolve_target(target: str | dict) -> dict:
     raise UserError(f"unknown target {target!r} (use host or cuda[:sm_90])")
 
 
-def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) -> Frontend:
+def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
+                prefill_chunk: int | None = None) -> Frontend:
+    """``prefill_chunk``: the longest prefill call of a model with a KV cache (default ``max_seq``); its cache
+    still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``)."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
         from dayzero.frontend.onnx_import import trace_onnx
@@ -77,7 +81,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None) ->
         for p in lowp.values():
             recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
         check_coverage(ckpt, recipes, missing, hf.meta_model(ckpt)[0])  # before the (slow) trace
-        traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq)
+        traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq, prefill_chunk or max_seq)
         if traced is None:  # no static cache for this architecture: a stateless prefill only
             module, _ = hf.meta_model(ckpt)
             ep = export_seq_dynamic(hf.CausalLMPrefill(module), "input_ids", max_seq)
@@ -124,10 +128,11 @@ _GUARD = re.compile(r"satisfy the generated guard (.*?)\.?$", re.M)
 
 
 def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, attempts: int = 5,
-                       with_positions: bool = False):
+                       with_positions: bool = False, bound_option: str = "--max-seq"):
     """Export ``module(input_ids [1, seq])`` with the widest symbolic ``seq`` torch.export accepts.
 
     ``with_positions``: the module takes ``(input_ids [1, seq], cache_position [seq])`` (a stateful step).
+    ``bound_option``: the CLI option that set ``max_seq``, named in the error when it is too small.
 
     Some graphs constrain the sequence length: a ``min(topk, seq)`` guard (it holds, but only once seq >= topk
     torch can prove it), or block-compressed attention that needs seq a multiple of its block sizes. What the
@@ -144,13 +149,14 @@ def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, a
         if mult > 1:
             kmin = max(1, -(-lo // mult))
             if max_seq // mult < kmin:
-                raise UserError(f"--max-seq {max_seq} is below the shortest sequence this model exports at "
+                raise UserError(f"{bound_option} {max_seq} is below the shortest sequence this model exports at "
                                 f"({mult * kmin})")
             seq = mult * torch.export.Dim("seq_blocks", min=kmin, max=max_seq // mult)
             n = mult * max(kmin, min(max_seq // mult, -(-max(lo, 32) // mult)))
         else:
             if lo > max_seq:
-                raise UserError(f"--max-seq {max_seq} is below the shortest sequence this model exports at ({lo})")
+                raise UserError(f"{bound_option} {max_seq} is below the shortest sequence this model exports at "
+                                f"({lo})")
             seq = torch.export.Dim("seq", min=lo, max=max_seq)
             n = min(max(lo, 32), max_seq)  # well inside the range: short examples take special paths
         if with_positions:
@@ -189,8 +195,13 @@ def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, a
     raise last if last is not None else UserError("torch.export failed")
 
 
-def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Traced | None, list[dict]]:
+def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
+                      ) -> tuple[Traced | None, Traced | None, list[dict]]:
     """Prefill and decode as two traces of one stateful step that writes transformers' own static KV cache.
+
+    The cache holds ``max_seq`` positions; the prefill's ``seq`` ranges up to ``prefill_chunk`` only (a longer
+    prompt is several prefill calls at increasing positions, each reading the cache the earlier ones wrote), so
+    its activations, and the arena, are sized by the chunk.
 
     The cache tensors become ``state`` nodes (zone kv_cache) shared by both programs; the third value describes
     each (``decode_export.CacheTensor``: layer, layer type, token-position dim, compression rate), which
@@ -207,8 +218,9 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Tr
         step = CacheStep(cpu, max_cache_len=max_seq)
     except UserError:
         return None, None, []
-    ep = export_seq_dynamic(step, "input_ids", max_seq, with_positions=True)
-    cache_layout = [asdict(c) for c in describe(ep, step, max_seq).cache]
+    ep = export_seq_dynamic(step, "input_ids", prefill_chunk, with_positions=True,
+                            bound_option="--prefill-chunk" if prefill_chunk < max_seq else "--max-seq")
+    cache_layout = [asdict(c) for c in describe(ep, step, prefill_chunk).cache]
     names = symbol_names_from(ep, {"input_ids": {1: "seq"}, "cache_position": {0: "seq"}})
     prefill = to_graph(ep, names, strip_prefix="model.")
     with torch.no_grad():
@@ -340,8 +352,11 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
                   tuning_dir: str | None = None, max_batch: int = 4, image_grids=None,
                   compute_dtype: str | None = None, expert_route: str = "auto", expert_cache_bytes: int = 0,
                   kv_block_size: int = DEFAULT_KV_BLOCK, kv_blocks: int | None = None,
-                  allow_nonfinite: bool = False) -> dict:
+                  allow_nonfinite: bool = False, prefill_chunk: int | None = None) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report.
+
+    ``prefill_chunk`` tokens at most per prefill call (default ``min(max_seq, 512)``) of a model whose KV cache
+    dayzero owns: the runtime prefills a longer prompt chunk by chunk, and the arena is sized by the chunk.
 
     ``kv_block_size`` tokens per KV-cache block (0: one contiguous cache per request slot) and ``kv_blocks``
     blocks per pool (default: ``max_batch`` requests of ``max_seq`` tokens, plus the scratch block); see
@@ -365,9 +380,12 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
     if kv_blocks is not None and kv_blocks < 2:
         raise UserError("--kv-blocks must be at least 2 (block 0 is the scratch block)")
+    if prefill_chunk is not None and not 1 <= prefill_chunk <= max_seq:
+        raise UserError(f"--prefill-chunk must be in [1, --max-seq={max_seq}], got {prefill_chunk}")
+    prefill_chunk = prefill_chunk or min(max_seq, DEFAULT_PREFILL_CHUNK)
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     t0 = time.perf_counter()
-    fe = trace_model(model, max_seq, image_grids=image_grids)
+    fe = trace_model(model, max_seq, image_grids=image_grids, prefill_chunk=prefill_chunk)
     if fe.checkpoint is not None and not allow_nonfinite:
         bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
         if bad is not None:
@@ -440,10 +458,15 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
     with writer as d:
         lib.export_library(str(d / "kernels.so"))
         artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": tgt, "programs": pjs,
-                                                 "kv_pages": report["kv_pages"]})
+                                                 "kv_pages": report["kv_pages"],
+                                                 "max_seq": max_seq if fe.decode is not None else None})
         artifact.write_json(d / "weights.json", manifest)
         artifact.save_tensors(d / "weights.safetensors", own)
         (d / "final.ir").write_text(print_graph(g))
+        if fe.checkpoint is not None:  # text in, text out: the checkpoint's tokenizer (runtime/text.py)
+            from dayzero.runtime.text import TOKENIZER_DIR, carry_tokenizer
+
+            report["tokenizer"] = carry_tokenizer(fe.checkpoint.dir, d / TOKENIZER_DIR)
         artifact.write_json(d / "report.json", report)
         if fe.multimodal is not None:
             artifact.write_json(d / "multimodal.json", fe.multimodal)

@@ -20,6 +20,8 @@ How it works, generically (no per-model branches):
      checkpoints have them); then the expert tensors in ``model.safetensors`` are replaced by their
      low-precision encoding (see ``EXPERT_KEYS_DOC``) and ``quantization_config`` is added to ``config.json``.
   4. A forward pass on a few tokens checks that the tiny model runs.
+  5. A tiny byte-level BPE tokenizer and a ChatML chat template are written next to the weights
+     (``tools/tiny_tokenizer.py``: trained on a fixed text, its special tokens at the ids the config names).
 
 Same arguments give byte-identical files.
 """
@@ -39,6 +41,7 @@ import click
 import numpy as np
 
 from dayzero import InternalError, UserError
+from dayzero.tools.tiny_tokenizer import write_tokenizer
 
 EXPERT_FORMATS = ("fp32", "bf16", "mxfp4", "fp8")
 
@@ -798,7 +801,8 @@ def build_model(cfg, seed: int = 0, experts: str = "fp32"):
 
 
 def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str = "fp32", seed: int = 0) -> Path:
-    """Write a tiny checkpoint of MODEL_TYPE to OUT_DIR (config.json + model.safetensors [+ generation_config]).
+    """Write a tiny checkpoint of MODEL_TYPE to OUT_DIR (config.json + model.safetensors [+ generation_config]
+    + tokenizer.json, tokenizer_config.json, chat_template.jinja).
 
     experts: storage of the routed experts: fp32 | bf16 | mxfp4 | fp8 (see EXPERT_KEYS_DOC)."""
     import torch
@@ -841,6 +845,7 @@ def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str 
                 if bar:
                     hf_logging.enable_progress_bar()
             _rewrite_experts(tmp, model, experts)
+            write_tokenizer(cfg, tmp)
             qc = _quant_config(experts, model, cfg)
             cj = tmp / "config.json"
             c = json.loads(cj.read_text())

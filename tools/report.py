@@ -125,21 +125,22 @@ def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = N
     return entry
 
 
-def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, pages: dict | None = None
-                    ) -> dict | None:
+def kv_cache_report(artifact: str, progs: dict, layout: list | None = None, pages: dict | None = None,
+                    max_seq: int | None = None) -> dict | None:
     """``{"max_length", "slots", "bytes_per_token", "fixed_bytes", "layer_types": {type: {"layers",
     "bytes_per_token", "fixed_bytes", "rows", "window", "states": {...}}}}`` for one request slot, or None when the
     artifact keeps no KV cache.  ``bytes_per_token`` totals are over all layers.  ``layout`` is report.json's
     ``kv_cache_layout`` (layer, layer type, position dim, window, rate per state) where the compile wrote one.
     ``pages`` (report.json ``kv_pages``): paged caches (zone ``kv_pages``) are pools of blocks shared by the
-    requests, a token's bytes the same; the report adds ``pages`` {block_size, blocks, tokens, pool_bytes}."""
+    requests, a token's bytes the same; the report adds ``pages`` {block_size, blocks, tokens, pool_bytes}.
+    ``max_seq`` (program.json): the cache length, when prefill takes shorter chunks (``--prefill-chunk``)."""
     states: dict[str, dict] = {}
     for pj in progs.values():
         for b in pj.get("buffers", []):
             if b.get("state") and b.get("alias_of") is None and b.get("zone") in ("kv_cache", "kv_pages"):
                 states.setdefault(b["state"], b)
     prefill = progs.get("prefill") or next(iter(progs.values()), {})
-    length = _max_length(prefill)
+    length = max_seq or _max_length(prefill)
     if not states or not length:
         return None
     described = {d["buffer"]: d for d in layout or [] if isinstance(d, dict) and "buffer" in d}
@@ -198,7 +199,8 @@ def build_report(artifact: str) -> dict:
     """The report object (what ``--json`` prints)."""
     _check_artifact(artifact)
     rep = _read_json(os.path.join(artifact, "report.json"), "report.json")
-    progs = _read_json(os.path.join(artifact, "program.json"), "program.json").get("programs", {})
+    pj_top = _read_json(os.path.join(artifact, "program.json"), "program.json")
+    progs = pj_top.get("programs", {})
     for pj in progs.values():  # untrusted: every symbol and shape parses (a grammar) before anything reads them
         parse_program_shapes(pj)
     routes = rep.get("routes", {})
@@ -233,7 +235,8 @@ def build_report(artifact: str) -> dict:
         "patterns": dict(rep.get("patterns", {})),
         "unsupported": list(rep.get("unsupported", [])),
         "programs": programs,
-        "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout"), rep.get("kv_pages")),
+        "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout"), rep.get("kv_pages"),
+                                    pj_top.get("max_seq")),
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
     }
 

@@ -1,0 +1,88 @@
+"""Chunked prefill: `dayzero compile --prefill-chunk N` and the runtime's chunk-by-chunk prefill.
+
+Spec:
+- The prefill program's sequence symbol ranges up to the chunk while the KV cache still holds --max-seq
+  positions (``Runtime.max_length``); ``Runtime.prefill_chunk`` is the chunk.
+- A prompt longer than several chunks (70 tokens in chunks of 16; 33 = 16 + 16 + 1) is prefilled chunk by chunk
+  at increasing positions, each chunk reading the cache the ones before wrote: its logits equal the upstream
+  model's eager forward on the whole prompt, and greedy decoding after it equals upstream ``generate()``, on every
+  pattern that looks across chunk boundaries: Qwen3-MoE (full attention), gpt-oss (sliding window 8, attention
+  sinks), DeepSeek-V3.2 (indexer top-k over the cached keys), DeepSeek-V4 (compressor windows that straddle
+  chunks, CSA indexer, HCA, sliding window, hyper-connections).
+- The prefill's per-call memory (activations, I/O) is sized by the chunk: smaller than a compile without one.
+- A chunk outside [1, --max-seq] is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dayzero.tools.cli import main
+
+CHUNK = 16
+MAX_SEQ = 128  # as the shared session artifacts (conftest.tiny_compiled), so the arenas compare
+NEW = 8
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
+def chunked(request, tmp_path_factory):
+    from dayzero.frontend.hf import load_upstream
+    from dayzero.runtime import load
+    from dayzero.tools.make_tiny import make_tiny
+
+    d = tmp_path_factory.mktemp(f"chunked_{request.param}")
+    ckpt = make_tiny(request.param, d / "ckpt", seed=0)
+    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", str(MAX_SEQ),
+                                  "--max-batch", "1", "--prefill-chunk", str(CHUNK)])
+    assert r.exit_code == 0, r.output
+    ref = load_upstream(ckpt)
+    ref.generation_config.eos_token_id = None  # exactly NEW tokens, as rt.generate without stop ids
+    return request.param, load(d / "art"), ref, json.loads((d / "art" / "report.json").read_text())
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_matches_upstream(chunked):
+    _, rt, ref, _ = chunked
+    assert rt.prefill_chunk == CHUNK and rt.max_length == MAX_SEQ
+    for n in (70, 33):
+        ids = _prompt(n, n)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = ref(input_ids=x, attention_mask=torch.ones_like(x)).logits
+            upstream = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
+                                    do_sample=False)[0, n:].tolist()
+        got = rt.prefill(ids)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= TOL
+        assert rt.generate(ids, NEW) == upstream
+
+
+@pytest.mark.slow
+def test_prefill_memory_is_sized_by_the_chunk(chunked, tiny_compiled):
+    model_type, _, _, report = chunked
+    if model_type != "qwen3_moe":
+        pytest.skip("one architecture is enough for the plan's sizes (the others compile a second time)")
+    full = tiny_compiled(model_type)[2]  # max_seq 128, no chunk: prefill takes all 128 tokens at once
+
+    def per_call(rep):
+        zones = rep["programs"]["prefill"]["memory"]["zones"]
+        return zones["activations"] + zones["io"]
+    assert full["programs"]["prefill"]["memory"]["bounds"] == {"seq": MAX_SEQ}
+    assert report["programs"]["prefill"]["memory"]["bounds"] == {"seq": CHUNK}
+    assert per_call(report) * 4 < per_call(full)
+
+
+@pytest.mark.parametrize("chunk", ["0", "65"])
+def test_bad_prefill_chunk(chunk, tmp_path):
+    r = CliRunner().invoke(main, ["compile", "no/such/dir", "-o", str(tmp_path / "o"), "--max-seq", "64",
+                                  "--prefill-chunk", chunk])
+    assert r.exit_code == 2 and "--prefill-chunk" in r.output and "Traceback" not in r.output
