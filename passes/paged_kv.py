@@ -198,7 +198,8 @@ def paged_kv(g: Graph, ctx) -> Graph:
         qlens |= {n.inputs[1].shape[0] for n in g.nodes()
                   if n.op == "state_index_put" and id(_cache_root(n.inputs[0])) in paged}
         if len(qlens) != 1:
-            raise InternalError(f"paged_kv: per-token tables, but the cache ops see token counts {sorted(map(str, qlens))}")
+            raise InternalError("paged_kv: per-token tables, but the cache ops see token counts "
+                                f"{sorted(map(str, qlens))}")
         rows = (qlens.pop(),)
     # window class of each paged state: W > 0 when every reader looks back at most W positions (sliding-window
     # attention), so blocks behind the window can be handed back while the request goes on

@@ -104,3 +104,177 @@ def test_deepseek_v4_has_no_batched_step(tiny_compiled):
     rt.prefill([1, 2, 3], slot=0)
     with pytest.raises(UserError, match="no batched decode program"):
         rt.decode_batch([4], [0])
+
+
+# ---- kernels with per-token block tables: query s reads (and token s writes) its own request's blocks -----------
+
+BS = 16
+
+
+def _pool(logicals: list[torch.Tensor], dim: int, blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One NaN pool of ``blocks`` blocks holding every request's logical cache at shuffled blocks (never the
+    scratch block 0), and the per-token table [S, NT] whose row s maps request s."""
+    L = logicals[0].shape[dim]
+    nt = -(-L // BS)
+    free = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    assert len(logicals) * nt <= blocks - 1
+    shape = list(logicals[0].shape)
+    shape[dim] = blocks * BS
+    pool = torch.full(shape, float("nan"), dtype=logicals[0].dtype)
+    table = free[:len(logicals) * nt].reshape(len(logicals), nt).to(torch.int32)
+    for s, x in enumerate(logicals):
+        for i in range(nt):
+            pool.narrow(dim, int(table[s, i]) * BS, BS).copy_(x.narrow(dim, i * BS, BS))
+    return pool, table
+
+
+def _compile(func):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+
+
+@pytest.mark.parametrize("W,sinks", [(0, False), (8, True)])
+def test_per_token_dense_kernel_reads_each_querys_own_request(W, sinks):
+    from dayzero.codegen.kernels.attention import build
+    from dayzero.passes import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(W)
+    L, blocks, S = 64, 16, 3
+    qpos = torch.tensor([5, 40, 17])
+    q = torch.randn(1, 4, S, 16, generator=g)
+    ks = [torch.randn(1, 2, L, 16, generator=g) for _ in range(S)]
+    vs = [torch.randn(1, 2, L, 16, generator=g) for _ in range(S)]
+    extra = [torch.randn(4, generator=g)] if sinks else []
+    attrs = {"scale": 0.25, "window": W, "sinks": sinks}
+    want = torch.cat([sa.dense_reference([q[:, :, s:s + 1], ks[s], vs[s], qpos[s:s + 1]] + extra, attrs)
+                      for s in range(S)], dim=2)
+    for s in range(S):  # rows a query must not see: never read
+        hidden = ~sa.valid_positions(L, qpos[s:s + 1], W)[0]
+        ks[s][:, :, hidden], vs[s][:, :, hidden] = float("nan"), float("nan")
+    kp, table = _pool(ks, 2, blocks, seed=1)
+    vp, _ = _pool(vs, 2, blocks, seed=1)
+    p = dict(op=sa.DENSE, B=1, Hq=4, Hkv=2, S=None, L=L, D=16, Dv=16, dtype="float32", out_dtype="float32",
+             pos_dtype="int64", scale=0.25, window=W, sinks=sinks, sink_dtype="float32", paged=BS, P=blocks * BS,
+             NT=int(table.shape[1]), table_dtype="int32", per_token=True)
+    o = torch.full((1, 4, S, 16), float("nan"))
+    _compile(build(p, "llvm"))["main"](q, kp, vp, qpos, *extra, table, o)
+    torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
+    # the IR op's reference (by_token) runs the same per-query semantics on the pool
+    ref = sa.ops.REGISTRY[sa.DENSE].reference([q, kp.nan_to_num(), vp.nan_to_num(), qpos] + extra + [table],
+                                              dict(attrs, paged=BS, length=L, per_token=True))
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["mla_attention", "mla_sparse_attention"])
+def test_per_token_mla_kernel_reads_each_querys_own_request(dense):
+    from dayzero.codegen.kernels.attention import build
+    from dayzero.passes import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(int(dense))
+    L, blocks, H, S, K = 64, 16, 4, 3, 4
+    qpos = torch.tensor([33, 5, 50])
+    q = torch.randn(1, H, S, 24, generator=g)
+    lats = [torch.randn(1, 1, L, 32, generator=g) for _ in range(S)]
+    ropes = [torch.randn(1, 1, L, 8, generator=g) for _ in range(S)]
+    w = torch.randn(H * 32, 32, generator=g) * 0.1
+    idx = torch.stack([torch.randperm(int(qpos[s]) + 1, generator=g)[:K] for s in range(S)])[None]
+    want = []
+    for s in range(S):
+        k, v = sa.mla_expand(lats[s], ropes[s], w, 16, H)
+        qs, ps = q[:, :, s:s + 1], qpos[s:s + 1]
+        want.append(sa.dense_reference([qs, k, v, ps], {"scale": 0.2, "window": 0, "sinks": False}) if dense
+                    else sa.sparse_reference([qs, k, v, ps, idx[:, s:s + 1]], {"scale": 0.2}))
+        lats[s][:, :, int(qpos[s]) + 1:], ropes[s][:, :, int(qpos[s]) + 1:] = float("nan"), float("nan")
+    lp, table = _pool(lats, 2, blocks, seed=2)
+    rp, _ = _pool(ropes, 2, blocks, seed=2)
+    p = dict(op=sa.MLA_DENSE if dense else sa.MLA, B=1, H=H, S=None, L=L, R=32, Dn=16, Dr=8, Dv=16,
+             K=0 if dense else K, dense=dense, dtype="float32", lat_dtype="float32", w_dtype="float32",
+             out_dtype="float32", pos_dtype="int64", idx_dtype=None if dense else "int64", scale=0.2, paged=BS,
+             P=blocks * BS, NT=int(table.shape[1]), table_dtype="int32", per_token=True)
+    o = torch.full((1, H, S, 16), float("nan"))
+    _compile(build(p, "llvm"))["main"](q, lp, rp, w, qpos, *([] if dense else [idx]), table, o)
+    torch.testing.assert_close(o, torch.cat(want, dim=2), rtol=1e-5, atol=1e-5)
+
+
+def test_per_token_indexer_kernel_equals_torch_topk_per_request():
+    """Small-integer scores (exact in any order): query s's top-k over its own request's keys."""
+    from dayzero.codegen.kernels import indexer
+    from dayzero.passes import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(3)
+    L, blocks, Hi, Di, K, S = 64, 16, 4, 16, 4, 3
+    r = lambda *sh: torch.randint(-3, 4, sh, generator=g).float()  # noqa: E731
+    q, w = r(1, S, Hi, Di), r(1, S, Hi)
+    keys = [r(1, L, Di) for _ in range(S)]
+    qpos = torch.tensor([20, 63, 6])
+    attrs = {"scale": 0.25, "k": K, "sorted": True, "fill": float("-inf")}
+    want = torch.cat([sa.indexer_reference([q[:, s:s + 1], w[:, s:s + 1], keys[s], qpos[s:s + 1]], attrs)
+                      for s in range(S)], dim=1)
+    for s in range(S):
+        keys[s][:, int(qpos[s]) + 1:] = float("nan")  # future rows: scored as fill, never read as NaN
+    pool, table = _pool(keys, 1, blocks, seed=3)
+    p = dict(op=sa.INDEXER, B=1, S=None, Hi=Hi, Di=Di, L=L, K=K, sorted=True, scale=0.25, fill=float("-inf"),
+             q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64", paged=BS, P=blocks * BS,
+             NT=int(table.shape[1]), table_dtype="int32", per_token=True)
+    o = torch.full((1, S, K), -1, dtype=torch.int64)
+    _compile(indexer.build(p, "llvm"))["main"](q, w, pool, qpos, table, o)
+    assert torch.equal(o, want), (o, want)
+
+
+def test_per_token_write_lands_in_each_tokens_table_row():
+    from dayzero.codegen import lower
+    from dayzero.passes.ir.node import Node, TensorType
+
+    blocks, S = 8, 3
+    state = TensorType("float32", (1, 2, blocks * BS, 4))
+    node = Node.make("paged_state_index_put",
+                     [Node.make("state", (), {"name": "s", "zone": "kv_pages"}, (state,)),
+                      Node.make("input", (), {"name": "pos"}, (TensorType("int64", ("seq",)),)),
+                      Node.make("input", (), {"name": "v"}, (TensorType("float32", (1, 2, "seq", 4)),)),
+                      Node.make("input", (), {"name": "block_table"}, (TensorType("int32", ("seq", 4)),))],
+                     {"dim": 2, "block_size": BS, "per_token": True}, (state,))
+    lib = _compile(lower.PRIMFUNCS["paged_state_index_put"](node))
+    table = torch.tensor([[4, 2, 0, 0], [1, 0, 0, 0], [3, 5, 7, 6]], dtype=torch.int32)
+    pos = torch.tensor([17, 3, 60])
+    vals = torch.randn(1, 2, S, 4)
+    pool = torch.zeros(1, 2, blocks * BS, 4)
+    lib["main"](pool, pos, vals, table)
+    want = torch.zeros_like(pool)
+    want[:, :, 2 * BS + 1] = vals[:, :, 0]  # token 0: position 17 -> its block 1 = pool block 2, row 1
+    want[:, :, 1 * BS + 3] = vals[:, :, 1]  # token 1: position 3 -> its block 0 = pool block 1, row 3
+    want[:, :, 6 * BS + 12] = vals[:, :, 2]  # token 2: position 60 -> its block 3 = pool block 6, row 12
+    assert torch.equal(pool, want)
+    ref = torch.zeros_like(pool)
+    from dayzero.passes.ir import ops
+
+    ops.REGISTRY["paged_state_index_put"].reference([ref, pos, vals, table], {"dim": 2, "block_size": BS})
+    assert torch.equal(ref, want)
+
+
+def _per_token_params(op: str) -> dict:
+    from dayzero.passes import sparse_attention as sa
+
+    paged = dict(paged=BS, P=16 * BS, NT=4, table_dtype="int32", per_token=True, S=None)
+    if op == sa.DENSE:
+        return dict(paged, op=op, B=1, Hq=4, Hkv=2, L=64, D=16, Dv=16, dtype="float32", out_dtype="float32",
+                    pos_dtype="int64", scale=0.25, window=8, sinks=True, sink_dtype="float32")
+    if op in (sa.MLA, sa.MLA_DENSE):
+        dense = op == sa.MLA_DENSE
+        return dict(paged, op=op, B=1, H=4, L=64, R=32, Dn=16, Dr=8, Dv=16, K=0 if dense else 4, dense=dense,
+                    dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64",
+                    idx_dtype=None if dense else "int64", scale=0.2)
+    return dict(paged, op=op, B=1, Hi=4, Di=16, L=64, K=4, sorted=True, scale=0.25, fill=float("-inf"),
+                q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+
+
+@pytest.mark.parametrize("op", ["cache_attention", "mla_attention", "mla_sparse_attention", "dsa_indexer_topk"])
+def test_per_token_kernels_compile_for_cuda_sm90(op):
+    import tvm
+
+    from dayzero.codegen.kernels import attention, indexer
+
+    build = indexer.build if op == "dsa_indexer_topk" else attention.build
+    f = build(_per_token_params(op), "cuda").with_attr("tirx.is_scheduled", True)
+    lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
+    assert "__global__" in lib.mod.imports[0].inspect_source()

@@ -1,4 +1,5 @@
-"""``dayzero bench e2e``: the demo model, compiled vs torch eager vs torch.compile, in one run.
+"""``dayzero bench e2e``: the demo model, compiled vs torch eager vs torch.compile, in one run; and
+``dayzero bench decode-batch``: one batched decode step of B requests vs B sequential steps (``bench_decode_batch``).
 
 Cases: prefill at 64 tokens, a one-token forward without a cache, and a real decode step (one token after a
 32-token prompt, reading the KV cache).
@@ -82,3 +83,43 @@ def bench_e2e(repeat: int = 20) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
             "model": DEMO_MODEL}
+
+
+BATCH_SIZES = (1, 2, 4, 8)
+
+
+def bench_decode_batch(repeat: int = 20, model_type: str = "qwen3_moe", prompt_len: int = 16) -> dict:
+    """One batched decode step of B requests (``Runtime.decode_batch``) vs the same B requests stepped one after
+    another with ``decode`` (baseline ``sequential_decode``), B in BATCH_SIZES, on tiny ``model_type`` compiled
+    with --max-batch 8. Each request holds a ``prompt_len``-token prompt; each timed call advances every request by
+    one token (the cache budget covers every call). ``ratio_to_step1`` = step(B) / step(1): issue 16's target is
+    step(8) <= 2 x step(1), as MoE layers read each routed expert once per step for all the requests."""
+    from dayzero.runtime import load
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="dayzero-bench-"))
+    make_tiny(model_type, work / "ckpt", seed=0)
+    max_seq = prompt_len + 2 * (repeat + 2) + 16
+    compile_model(str(work / "ckpt"), str(work / "art"), max_seq=max_seq, max_batch=max(BATCH_SIZES))
+    rt = load(work / "art")
+
+    def start(b: int) -> list[int]:
+        rt.reset()
+        for s in range(b):
+            rt.prefill(torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(s)), slot=s)
+        return list(range(b))
+
+    results, step1 = [], None
+    for b in BATCH_SIZES:
+        slots = start(b)
+        batched = _median_time(lambda: rt.decode_batch([7] * b, slots), repeat)
+        slots = start(b)
+        sequential = _median_time(lambda: [rt.decode(7, slot=s) for s in slots], repeat)
+        step1 = batched if b == 1 else step1
+        results.append({"case": f"decode_step_B{b}", "unit": "s", "dayzero": batched,
+                        "baselines": {"sequential_decode": sequential}, "bound": None, "bound_name": None,
+                        "batch": b, "ratio_to_step1": batched / step1, "tokens": b})
+    rt.reset()
+    return {"suite": "decode_batch", "machine": machine_info(), "results": results, "model": model_type,
+            "step8_over_step1": results[-1]["ratio_to_step1"]}
