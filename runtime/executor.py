@@ -442,7 +442,10 @@ class Runtime:
             if not lo <= int(t) < hi:
                 raise UserError(f"slot {s}: token {int(t)} is outside [{lo}, {hi}) (vocabulary size {hi})")
         for s, n in zip(slots, positions):
-            self.kv.ensure(s, n + 1)  # a full pool is a UserError naming the request's need
+            try:
+                self.kv.ensure(s, n + 1)
+            except UserError as e:  # a full pool: no step runs; blocks taken for the slots before stay theirs
+                raise UserError(f"slot {s}: {e}") from None
         tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
         out = prog.run([ids, torch.tensor(positions, dtype=torch.int64)] + tables)[0]
         for s, n in zip(slots, positions):

@@ -106,6 +106,69 @@ def test_deepseek_v4_has_no_batched_step(tiny_compiled):
         rt.decode_batch([4], [0])
 
 
+@pytest.mark.slow
+def test_full_pool_fails_the_step_and_names_the_slot(tmp_path):
+    """3 usable blocks, 3 requests of 14 tokens (one block each): the step that reaches position 16 needs a
+    second block per request and fails naming the slot, advancing nobody; a reset request's block serves the
+    next step, and the tokens still equal upstream's."""
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0)
+    compile_model(str(ckpt), tmp_path / "art", max_seq=64, max_batch=3, kv_blocks=4)
+    rt = load(tmp_path / "art")
+    ref = load_upstream(ckpt)
+    ref.generation_config.eos_token_id = None
+    prompts = [_prompt(14, 200 + k) for k in range(3)]
+    out = {k: [int(rt.prefill(p, slot=k)[0, -1].argmax())] for k, p in enumerate(prompts)}
+    for _ in range(2):  # positions 14 and 15: the first block
+        for k, row in enumerate(rt.decode_batch([out[k][-1] for k in range(3)], [0, 1, 2])):
+            out[k].append(int(row.argmax()))
+    with pytest.raises(UserError, match="slot 1: KV cache full"):
+        rt.decode_batch([out[k][-1] for k in (1, 0, 2)], [1, 0, 2])
+    assert [rt.lengths[k] for k in range(3)] == [16, 16, 16]
+    rt.reset(2)  # one block back: slot 1 takes it, slot 0 then finds the pool empty
+    with pytest.raises(UserError, match="slot 0: KV cache full"):
+        rt.decode_batch([out[k][-1] for k in (1, 0)], [1, 0])
+    for _ in range(3):
+        out[1].append(int(rt.decode_batch([out[1][-1]], [1])[0].argmax()))
+    assert out[1] == _upstream(ref, prompts[1], 6)
+    rt.reset(1)
+    out[0].append(int(rt.decode_batch([out[0][-1]], [0])[0].argmax()))
+    assert out[0] == _upstream(ref, prompts[0], 4)
+
+
+# ---- passes ----------------------------------------------------------------------------------------------------
+
+BEFORE = """graph main symbols(seq in [1, 8]) {
+  %0 = input {name="cache_position"} : int64[seq]
+  %1 = arange.start_step {dtype=null, end=`seq`, start=0, step=1} : int64[seq]
+  %2 = select.int(%0) {dim=0, index=0} : int64[]
+  %3 = clone(%2) : int64[]
+  %4 = add.Tensor(%1, %3) {alpha=1} : int64[seq]
+  %5 = arange.start_step {dtype=null, end=`seq`, start=1, step=1} : int64[seq]
+  %6 = add.Tensor(%5, %3) {alpha=1} : int64[seq]
+  return %4, %6
+}
+"""
+
+
+def test_token_positions_reads_each_tokens_own_position():
+    """arange(0, S) + p[0] (transformers' contiguous positions) becomes p itself under the batched-decode flag;
+    an arange from 1 is another computation and stays (the driver then refuses the batched program: the first
+    position is still read); without the flag nothing changes."""
+    from dayzero.passes.ir.text import parse_graph, print_graph
+    from dayzero.passes.pipeline import PassContext
+    from dayzero.passes.token_positions import first_position_reads, token_positions
+
+    g = parse_graph(BEFORE)
+    ctx = PassContext(token_positions=True)
+    out = token_positions(g, ctx)
+    assert out.outputs[0] is out.inputs[0] and ctx.patterns == {"token_positions": 1}
+    assert out.outputs[1].op == "add.Tensor" and [n.op for n in first_position_reads(out)] == ["select.int", "clone"]
+    assert print_graph(token_positions(g, PassContext())) == print_graph(g)
+
+
 # ---- kernels with per-token block tables: query s reads (and token s writes) its own request's blocks -----------
 
 BS = 16

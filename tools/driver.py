@@ -220,6 +220,13 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int) -> tuple[Traced | None, Tr
 PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # states replicated per request slot (runtime/executor.py)
 
 
+def per_request_states(g: Graph) -> str:
+    """Why ``g`` cannot serve several requests in one run: the states it keeps per request slot ("" if none)."""
+    names = sorted(n.attr["name"] for n in g.nodes()
+                   if n.op == "state" and n.attr.get("zone", "kv_cache") in PER_REQUEST_ZONES)
+    return f"states kept per request slot, not paged: {', '.join(names[:4])}" if names else ""
+
+
 def batched_decode_graph(prefill: Graph, constants: dict, kv_pages: dict, max_batch: int, verify: bool = False
                          ) -> tuple[Graph | None, str]:
     """The batched decode step: one token of each of up to ``max_batch`` requests, as the prefill graph whose S
@@ -245,10 +252,9 @@ def batched_decode_graph(prefill: Graph, constants: dict, kv_pages: dict, max_ba
     g = prefill.replace(symbols=((name, lo, top),))
     ctx = PassContext(constants=constants, kv_pages=dict(kv_pages), token_positions=True)
     g = run_pipeline(g, ctx, verify=verify)
-    per_request = sorted(n.attr["name"] for n in g.nodes()
-                         if n.op == "state" and n.attr.get("zone", "kv_cache") in PER_REQUEST_ZONES)
-    if per_request:
-        return None, f"states kept per request slot, not paged: {', '.join(per_request[:4])}"
+    why = per_request_states(g)
+    if why:
+        return None, why
     if first_position_reads(g):
         return None, "the step reads the first token's position outside the cache ops"
     if not any(n.op == "input" and n.attr["name"].startswith("block_table") for n in g.inputs):
@@ -414,9 +420,11 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         graphs.append(gd)
     batched = None
     if fe.decode is not None and kv_pages and fe.multimodal is None:
-        gb, why = batched_decode_graph(fe.traced.graph, ctx.constants, kv_pages, max_batch, verify)
+        why = per_request_states(gd)  # the decode step's own states already tell (DeepSeek-V4): no second pipeline
+        gb, why = (None, why) if why else batched_decode_graph(fe.traced.graph, ctx.constants, kv_pages,
+                                                                max_batch, verify)
         if gb is not None:
-            gb = route_experts(gb, ctx, route, experts, verify)
+            gb = route_experts(gb, PassContext(constants=ctx.constants), route, experts, verify)
             progs.append(build_program(gb, "decode_batch", shared))
             graphs.append(gb)
         batched = {"built": gb is not None, "reason": why or None}
