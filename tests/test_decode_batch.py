@@ -107,6 +107,26 @@ def test_deepseek_v4_has_no_batched_step(tiny_compiled):
 
 
 @pytest.mark.slow
+def test_mxfp4_experts_step_together_as_upstream(lowprec_compiled, tmp_path):
+    """MXFP4 routed experts (the low-precision MoE kernels in the batched program): two requests stepped together
+    give upstream's greedy tokens on the checkpoint's dequantised weights."""
+    from _lowprec_ref import dequantized_upstream
+
+    ckpt, art, _ = lowprec_compiled("qwen3_moe", "mxfp4")
+    rt = load(art)
+    assert rt.has_batched_decode
+    ref = dequantized_upstream(ckpt, tmp_path)
+    ref.generation_config.eos_token_id = None
+    prompts = [_prompt(5, 300), _prompt(17, 301)]
+    out = {k: [int(rt.prefill(p, slot=k)[0, -1].argmax())] for k, p in enumerate(prompts)}
+    for _ in range(8):
+        for k, row in enumerate(rt.decode_batch([out[0][-1], out[1][-1]], [0, 1])):
+            out[k].append(int(row.argmax()))
+    for k, p in enumerate(prompts):
+        assert out[k] == _upstream(ref, p, 9), k
+
+
+@pytest.mark.slow
 def test_full_pool_fails_the_step_and_names_the_slot(tmp_path):
     """3 usable blocks, 3 requests of 14 tokens (one block each): the step that reaches position 16 needs a
     second block per request and fails naming the slot, advancing nobody; a reset request's block serves the
