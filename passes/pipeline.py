@@ -52,7 +52,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("inplace_state", _inplace_state),
     ("sparse_attention", __import__("dayzero.passes.sparse_attention", fromlist=["x"]).sparse_attention),  # after inplace_state
     ("compressed_attention", __import__("dayzero.passes.compressed_attention", fromlist=["x"]).compressed_attention),  # after sparse_attention
-    ("token_positions", __import__("dayzero.passes.token_positions", fromlist=["x"]).token_positions),  # batched decode only
+    # batched decode only (PassContext.token_positions): each token at its own position
+    ("token_positions", __import__("dayzero.passes.token_positions", fromlist=["x"]).token_positions),
     ("paged_kv", __import__("dayzero.passes.paged_kv", fromlist=["x"]).paged_kv),  # after the attention ops exist
 ]
 
