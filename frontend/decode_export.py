@@ -79,7 +79,9 @@ materialises the whole cache each step. Later passes should turn these into read
 positions (mask = ``kv_idx <= cache_position`` [and window, and top-k scatter]).
 
 Limits: all rows of a batch share ``cache_position`` (same-length prompts; different lengths need per-row
-positions and a padding mask). ``cache_position`` must be contiguous ``arange(start, start+seq)`` (the write uses
+positions and a padding mask: the batched decode step instead puts one token per request along ``seq``, each at its
+own position, passes/token_positions.py).
+``cache_position`` must be contiguous ``arange(start, start+seq)`` (the write uses
 ``cache_position[0] + arange(seq)``), and ``start + seq <= max_cache_len`` (past the end, ``index_put`` raises IndexError).
 """
 

@@ -21,6 +21,13 @@ compiled maximum length, plus block 0: the scratch block that unallocated table 
 prefill's tail writes land there; nothing valid is ever read from it). Runs after sparse_attention (the readers
 are its ops).
 
+Per-token tables (``PassContext.token_positions``, the batched decode program): the graph's S tokens are S
+requests' next tokens (passes/token_positions.py), so every table is ``int32 [S, ceil(L / bs)]``, row s the table
+of token s's request; the write of token s and every read for query s go through row s (attr ``per_token``)::
+
+    %u = paged_state_index_put(%s, %pos, %k, %table [S, NT]) {per_token}    row(s) = table[s, pos[s] // bs] * bs + ..
+    cache_attention(%q, %u, %v, %pos, %table [S, NT]) {paged=bs, per_token}
+
 Sliding windows: a cache whose every reader looks back at most W positions (gpt-oss's sliding layers, DeepSeek-V4's
 K=V state) gets its own table ``block_table_w{W}`` and pool. The runtime hands its blocks behind the window back
 after each call, so between calls a request holds ceil(W / bs) + 1 of them; during its prefill it holds the whole
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from dayzero import InternalError
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 
@@ -50,9 +58,17 @@ READERS: dict[str, dict[int, int]] = {
 }
 
 
+# op -> input index of its query positions (qpos [S])
+READER_POSITION = {"cache_attention": 3, "sparse_attention": 3, "mla_sparse_attention": 4, "mla_attention": 4,
+                   "dsa_indexer_topk": 3, "compressed_attention": 2}
+
+
 def table_rows(table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """Pool row of each logical position p: table[p // bs] * bs + p % bs."""
+    """Pool row of each logical position p: table[p // bs] * bs + p % bs; a per-token table [S, NT] maps
+    position s through its row s."""
     p = positions.long()
+    if table.dim() == 2:
+        return table.long()[torch.arange(p.shape[0], device=p.device), p // block_size] * block_size + p % block_size
     return table.long()[p // block_size] * block_size + p % block_size
 
 
@@ -74,6 +90,31 @@ def unpage(ins: list, attrs: dict, op: str) -> list:
     return ins
 
 
+# op -> ({input index: its query dimension}, the output's query dimension): how a per-token reader splits by query
+QUERY_DIMS: dict[str, tuple[dict[int, int], int]] = {
+    "cache_attention": ({0: 2, 3: 0}, 2),
+    "sparse_attention": ({0: 2, 3: 0, 4: 1}, 2),
+    "mla_sparse_attention": ({0: 2, 4: 0, 5: 1}, 2),
+    "mla_attention": ({0: 2, 4: 0}, 2),
+    "dsa_indexer_topk": ({0: 1, 1: 1, 3: 0}, 1),
+}
+
+
+def by_token(op: str, reference):
+    """A reader's reference that also runs its per-token form: query s alone, through table row s, each
+    (the op's one-table reference per query, outputs joined along the query dimension)."""
+    def run(ins, attrs):
+        if not attrs.get("per_token") or ins[0].device.type == "meta":
+            return reference(ins, attrs)
+        dims, out_dim = QUERY_DIMS[op]
+        *args, table = ins
+        one = {k: v for k, v in attrs.items() if k != "per_token"}
+        outs = [reference([a.narrow(dims[k], s, 1) if k in dims else a for k, a in enumerate(args)] + [table[s]],
+                          one) for s in range(table.shape[0])]
+        return torch.cat(outs, dim=out_dim)
+    return run
+
+
 def _write_reference(ins, attrs):
     state, idx, values, table = ins
     index = [None] * state.dim()
@@ -87,7 +128,8 @@ if ops.REGISTRY.get(WRITE) is None:
                      ("dim", ops.ATTR), ("block_size", ops.ATTR)),
         inplace=True, meta_ok=False, reference=_write_reference,
         doc="state[.., table[idx // bs] * bs + idx % bs, ..] = values in place (dim = the position dim, bs = "
-            "block_size): a KV-cache write into a paged pool; output aliases the state"))
+            "block_size): a KV-cache write into a paged pool; output aliases the state. A per-token table "
+            "[S, NT] (attr per_token) maps values[.., s, ..] through its row s"))
 
 
 def _cache_root(n: Node) -> Node:
@@ -149,6 +191,16 @@ def paged_kv(g: Graph, ctx) -> Graph:
     if not paged:
         return g
     nt = -(-length // bs)
+    per_token = bool(getattr(ctx, "token_positions", False))
+    rows: tuple = ()  # a per-token table's leading dim: the token count S
+    if per_token:
+        qlens = {n.inputs[READER_POSITION[n.op]].shape[0] for n in readers}
+        qlens |= {n.inputs[1].shape[0] for n in g.nodes()
+                  if n.op == "state_index_put" and id(_cache_root(n.inputs[0])) in paged}
+        if len(qlens) != 1:
+            raise InternalError("paged_kv: per-token tables, but the cache ops see token counts "
+                                f"{sorted(map(str, qlens))}")
+        rows = (qlens.pop(),)
     # window class of each paged state: W > 0 when every reader looks back at most W positions (sliding-window
     # attention), so blocks behind the window can be handed back while the request goes on
     windows: dict[int, set] = {sid: set() for sid in paged}
@@ -178,10 +230,11 @@ def paged_kv(g: Graph, ctx) -> Graph:
         # prefill at a time): (batch - 1) windows + one full-length request + the scratch block
         blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
         name = TABLE if w == 0 else f"{TABLE}_w{w}"
-        tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", (nt,)),)), blocks)
+        tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", rows + (nt,)),)), blocks)
         classes.append({"name": name, "window": w, "blocks": blocks,
                         "states": sorted(paged[sid][0].attr["name"] for sid, c in cls_of.items() if c == w)})
     cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}
+    tag = {"per_token": True} if per_token else {}
 
     new_state: dict[int, Node] = {}
     for sid, (s, d) in paged.items():
@@ -201,11 +254,12 @@ def paged_kv(g: Graph, ctx) -> Graph:
             _, d = paged[id(root)]
             state, idx, values = ins
             table = tables[cls_of[id(root)]][0]
-            m = Node.make(WRITE, (state, idx, values, table), {"dim": d, "block_size": bs}, state.types, n.span)
+            m = Node.make(WRITE, (state, idx, values, table), {"dim": d, "block_size": bs, **tag}, state.types,
+                          n.span)
             count += 1
         elif n.op in READERS and any(id(_cache_root(n.inputs[k])) in paged for k in READERS[n.op]):
             table = tables[cls_of[id(_cache_root(n.inputs[next(iter(READERS[n.op]))]))]][0]
-            m = n.replace(inputs=ins + (table,), attrs={**n.attr, "paged": bs, "length": length})
+            m = n.replace(inputs=ins + (table,), attrs={**n.attr, "paged": bs, "length": length, **tag})
         else:
             m = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
         new[id(n)] = m

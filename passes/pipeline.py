@@ -29,6 +29,9 @@ class PassContext:
     # paged KV cache (passes/paged_kv.py): {"block_size", "blocks" (None: max_batch requests' worth), "max_batch"};
     # None or block_size 0: caches stay contiguous per request
     kv_pages: dict | None = None
+    # the batched decode program (tools/driver.py): its tokens are different requests' next tokens, each at its own
+    # position (passes/token_positions.py) with its own block tables (passes/paged_kv.py)
+    token_positions: bool = False
 
 
 Pass = Callable[[Graph, PassContext], Graph]
@@ -51,6 +54,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("inplace_state", _inplace_state),
     ("sparse_attention", __import__("dayzero.passes.sparse_attention", fromlist=["x"]).sparse_attention),  # after inplace_state
     ("compressed_attention", __import__("dayzero.passes.compressed_attention", fromlist=["x"]).compressed_attention),  # after sparse_attention
+    # batched decode only (PassContext.token_positions): each token at its own position
+    ("token_positions", __import__("dayzero.passes.token_positions", fromlist=["x"]).token_positions),
     ("paged_kv", __import__("dayzero.passes.paged_kv", fromlist=["x"]).paged_kv),  # after the attention ops exist
 ]
 

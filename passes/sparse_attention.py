@@ -71,7 +71,7 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
-from dayzero.passes.paged_kv import unpage
+from dayzero.passes.paged_kv import by_token, unpage
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
@@ -187,21 +187,21 @@ if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
                      ("sinks", ops.OPT_TENSOR), ("scale", ops.ATTR), ("window", ops.ATTR), PAGED),
-        reference=dense_reference,
+        reference=by_token(DENSE, dense_reference),
         doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
             "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool); reads rows "
             "[max(0, qpos-window+1), qpos] only; out [B,Hq,S,Dv]"))
     ops.register(ops.OpDef(
         SPARSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
                       ("idx", ops.TENSOR), ("scale", ops.ATTR), PAGED),
-        reference=sparse_reference,
+        reference=by_token(SPARSE, sparse_reference),
         doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S], "
             "idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= qpos[s] "
             "only; out [B,Hq,S,Dv]"))
     ops.register(ops.OpDef(
         MLA, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
                    ("qpos", ops.TENSOR), ("idx", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
-        reference=mla_sparse_reference,
+        reference=by_token(MLA, mla_sparse_reference),
         doc="DSA over an MLA latent cache with the up-projection absorbed: q [B,H,S,nope+Dr], latent [B,1,L,R], "
             "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
             "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
@@ -209,7 +209,7 @@ if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         MLA_DENSE, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
                          ("qpos", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
-        reference=mla_dense_reference,
+        reference=by_token(MLA_DENSE, mla_dense_reference),
         doc="causal MLA over a latent cache with the up-projection absorbed (DeepSeek-V3, Kimi-K2: MLA without "
             "an indexer): q [B,H,S,nope+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R], qpos int "
             "[S]; = cache_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand) for rows "
@@ -217,7 +217,7 @@ if ops.REGISTRY.get(DENSE) is None:
     ops.register(ops.OpDef(
         INDEXER, args=(("q", ops.TENSOR), ("w", ops.TENSOR), ("keys", ops.TENSOR), ("qpos", ops.TENSOR),
                        ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR), PAGED),
-        reference=indexer_reference,
+        reference=by_token(INDEXER, indexer_reference),
         doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache), "
             "qpos int [S]; attrs scale, k, sorted, fill; score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
             "j <= qpos[s] else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie order)"))

@@ -508,6 +508,59 @@ class Runtime:
         self.lengths[slot] = length + 1
         return out
 
+    @property
+    def has_batched_decode(self) -> bool:
+        """True when the artifact has a batched decode program (``decode_batch``): every architecture whose KV
+        caches are fully paged. Not DeepSeek-V4 (its compressed caches are per-request states) nor multimodal
+        artifacts: those step each request with ``decode``."""
+        return "decode_batch" in self.programs and self.multimodal is None and self.kv is not None
+
+    def decode_batch(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+        """Logits [B, V] after appending ``tokens[i]`` to the request in ``slots[i]``, for B requests in one run
+        of the batched decode program: each at its own position, reading and writing its own KV blocks (taken
+        and trimmed per request as ``run_program`` does), every weight read once for all of them."""
+        if not self.has_batched_decode:
+            raise UserError("this artifact has no batched decode program (its caches are not all paged, or it is "
+                            "multimodal): step each request with decode(token, slot)")
+        tokens, slots = list(tokens), list(slots)
+        if not slots or len(tokens) != len(slots):
+            raise UserError(f"decode_batch takes one token per slot: got {len(tokens)} tokens for {len(slots)} slots")
+        prog = self.programs["decode_batch"]
+        if len(slots) > self.max_batch:
+            raise UserError(f"{len(slots)} requests in one step but the artifact serves {self.max_batch} at once "
+                            "(--max-batch)")
+        for s in slots:
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < self.max_batch:
+                raise UserError(f"slot {s!r} is not a request slot: slots are 0..{self.max_batch - 1}")
+        if len(set(int(s) for s in slots)) != len(slots):
+            raise UserError(f"slots {slots}: a request appears twice in one step")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise UserError(f"token {t!r} is not a token id")
+        slots = [int(s) for s in slots]
+        positions = [self.lengths.get(s, 0) for s in slots]
+        for s, n in zip(slots, positions):
+            if n == 0:
+                raise UserError(f"slot {s}: decode before prefill: start a request with prefill(prompt_ids, slot)")
+            if n >= self.max_length:
+                raise UserError(f"slot {s}: the request reached the cache budget of {self.max_length} tokens")
+        ids = torch.tensor([[int(t) for t in tokens]], dtype=torch.int64)
+        lo, hi = prog.input_ranges.get("input_ids", (0, 2 ** 63))
+        for s, t in zip(slots, tokens):
+            if not lo <= int(t) < hi:
+                raise UserError(f"slot {s}: token {int(t)} is outside [{lo}, {hi}) (vocabulary size {hi})")
+        for s, n in zip(slots, positions):
+            try:
+                self.kv.ensure(s, n + 1)
+            except UserError as e:  # a full pool: no step runs; blocks taken for the slots before stay theirs
+                raise UserError(f"slot {s}: {e}") from None
+        tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
+        out = prog.run([ids, torch.tensor(positions, dtype=torch.int64)] + tables)[0]
+        for s, n in zip(slots, positions):
+            self.lengths[s] = n + 1
+            self.kv.trim(s, n + 1)
+        return out.reshape(len(slots), -1)
+
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:
         """Prefill the prompt, then decode up to ``max_new_tokens`` tokens (greedy when temperature is 0, else

@@ -12,6 +12,7 @@ valid is ever read from it.
                            request alone, and nothing is taken
     trim(slot, tokens)     after a call: windowed classes free the blocks the next query (at ``tokens``) cannot see
     release(slot)          the request is over (or reset): its blocks go back to the free lists, reused first
+    batch_table(name, slots)   a class's tables of several requests stacked [B, table_len] (batched decode)
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class KVPages:
 
     def table(self, name: str, slot: int) -> torch.Tensor:
         return self.by_name[name].tables[slot]
+
+    def batch_table(self, name: str, slots: list[int]) -> torch.Tensor:
+        """The tables of a class for several requests, one row each [len(slots), table_len] (the batched decode
+        step reads row i for its token i)."""
+        return torch.stack([self.by_name[name].tables[s] for s in slots])
 
     def ensure(self, slot: int, tokens: int) -> None:
         need = -(-int(tokens) // self.block_size)

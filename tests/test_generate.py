@@ -42,7 +42,7 @@ def _prompt(n, seed):
 @pytest.mark.slow
 def test_greedy_generation_matches_upstream(served):
     rt, ref = served
-    assert rt.stateful and set(rt.programs) == {"prefill", "decode"}
+    assert rt.stateful and set(rt.programs) - {"decode_batch"} == {"prefill", "decode"}
     prompt = _prompt(9, 1)
     assert rt.generate(prompt, NEW) == _upstream(ref, prompt, NEW)
 

@@ -1,4 +1,5 @@
-"""``dayzero bench e2e``: tiny Qwen3-MoE (BENCH_MODEL), compiled vs torch eager vs torch.compile, in one run.
+"""``dayzero bench e2e``: tiny Qwen3-MoE (BENCH_MODEL), compiled vs torch eager vs torch.compile, in one run; and
+``dayzero bench decode-batch``: one batched decode step of B requests vs B sequential steps (``bench_decode_batch``).
 
 Cases: prefill at 64 tokens, a one-token forward without a cache, and a real decode step (one token after a
 32-token prompt, reading the KV cache).
@@ -83,3 +84,57 @@ def bench_e2e(repeat: int = 20) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
             "model": BENCH_MODEL}
+
+
+BATCH_SIZES = (1, 2, 4, 8)
+
+
+def bench_decode_batch(repeat: int = 20, model_type: str = "qwen3_moe", prompt_len: int = 16) -> dict:
+    """One batched decode step of B requests (``Runtime.decode_batch``) vs the same B requests stepped one after
+    another with ``decode`` (baseline ``sequential_decode``), B in BATCH_SIZES, on tiny ``model_type`` compiled
+    with --max-batch 8. Each request holds a ``prompt_len``-token prompt; each timed call advances every request by
+    one token (the cache budget covers every call). ``ratio_to_step1`` = step(B) / step(1): issue 16's target is
+    step(8) <= 2 x step(1), as MoE layers read each routed expert once per step for all the requests."""
+    from dayzero.runtime import load
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="dayzero-bench-"))
+    make_tiny(model_type, work / "ckpt", seed=0)
+    max_seq = prompt_len + 2 * (repeat + 2) + 16
+    compile_model(str(work / "ckpt"), str(work / "art"), max_seq=max_seq, max_batch=max(BATCH_SIZES))
+    rt = load(work / "art")
+
+    def start(b: int) -> list[int]:
+        rt.reset()
+        for s in range(b):
+            rt.prefill(torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(s)), slot=s)
+        return list(range(b))
+
+    def times(fn) -> list[float]:
+        fn()
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    results, step1 = [], None
+    for b in BATCH_SIZES:
+        slots = start(b)
+        batched = times(lambda: rt.decode_batch([7] * b, slots))
+        slots = start(b)
+        sequential = times(lambda: [rt.decode(7, slot=s) for s in slots])
+        step1 = step1 or (statistics.median(batched), min(batched))
+        results.append({"case": f"decode_step_B{b}", "unit": "s", "dayzero": statistics.median(batched),
+                        "baselines": {"sequential_decode": statistics.median(sequential)}, "bound": None,
+                        "bound_name": None, "batch": b, "tokens": b,
+                        "ratio_to_step1": statistics.median(batched) / step1[0],
+                        # the fastest run of each: on a shared machine the median carries other processes' load
+                        "dayzero_min": min(batched), "sequential_decode_min": min(sequential),
+                        "ratio_to_step1_min": min(batched) / step1[1]})
+    rt.reset()
+    return {"suite": "decode_batch", "machine": dict(machine_info(), tvm_threads=rt.threads), "results": results,
+            "model": model_type, "step8_over_step1": results[-1]["ratio_to_step1"],
+            "step8_over_step1_min": results[-1]["ratio_to_step1_min"]}

@@ -292,6 +292,16 @@ def bench_e2e_cmd(as_json, repeat):
     _emit(bench_e2e(repeat), as_json, _bench_human)
 
 
+@bench_group.command("decode-batch")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--repeat", default=20, show_default=True)
+def bench_decode_batch_cmd(as_json, repeat):
+    """Tiny Qwen3-MoE: one batched decode step of B = 1, 2, 4, 8 requests vs B sequential decode() calls."""
+    from dayzero.tools.bench import bench_decode_batch
+
+    _emit(bench_decode_batch(repeat), as_json, _bench_human)
+
+
 def _bench_human(r):
     click.echo(f"suite {r['suite']} on {r['machine'].get('cpu', '?')}")
     for row in r["results"]:

@@ -231,6 +231,51 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
     return prefill, decode, cache_layout
 
 
+PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # states replicated per request slot (runtime/executor.py)
+
+
+def per_request_states(g: Graph) -> str:
+    """Why ``g`` cannot serve several requests in one run: the states it keeps per request slot ("" if none)."""
+    names = sorted(n.attr["name"] for n in g.nodes()
+                   if n.op == "state" and n.attr.get("zone", "kv_cache") in PER_REQUEST_ZONES)
+    return f"states kept per request slot, not paged: {', '.join(names[:4])}" if names else ""
+
+
+def batched_decode_graph(prefill: Graph, constants: dict, kv_pages: dict, max_batch: int, verify: bool = False
+                         ) -> tuple[Graph | None, str]:
+    """The batched decode step: one token of each of up to ``max_batch`` requests, as the prefill graph whose S
+    tokens are S requests' next tokens (S symbolic, at most ``max_batch`` beyond the prefill's shortest length):
+    token s is at its own position (passes/token_positions.py) and reads and writes its own request's KV blocks
+    through row s of every block table [S, NT] (passes/paged_kv.py, per-token tables). Every token-wise op (the
+    projections, the MoE experts, norms, RoPE) then reads each weight once per step for all the requests.
+
+    Returns (graph, "") or (None, why) when the model's step is not per-token: a state kept per request slot
+    (DeepSeek-V4's compressed entries, pending ring and overlap; a cache that did not page), or a read of the
+    first position other than through the cache."""
+    import sympy
+
+    from dayzero.passes.token_positions import first_position_reads
+
+    if len(prefill.symbols) != 1:
+        return None, f"the prefill has symbols {[s for s, _, _ in prefill.symbols]}, not one sequence length"
+    (name, lo, hi), = prefill.symbols
+    length = sympy.sympify(prefill.inputs[0].shape[-1])  # input_ids [1, seq] (or a linear form of it)
+    top = lo  # the smallest bound whose length holds max_batch tokens
+    while top < hi and int(length.subs({x: top for x in length.free_symbols})) < max_batch:
+        top += 1
+    g = prefill.replace(symbols=((name, lo, top),))
+    ctx = PassContext(constants=constants, kv_pages=dict(kv_pages), token_positions=True)
+    g = run_pipeline(g, ctx, verify=verify)
+    why = per_request_states(g)
+    if why:
+        return None, why
+    if first_position_reads(g):
+        return None, "the step reads the first token's position outside the cache ops"
+    if not any(n.op == "input" and n.attr["name"].startswith("block_table") for n in g.inputs):
+        return None, "no paged KV cache"
+    return g, ""
+
+
 def _rename_states(g: Graph) -> Graph:
     from dayzero.passes.ir.node import rewrite
 
@@ -405,6 +450,16 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         gd = route_experts(run_pipeline(fe.decode.graph, dctx, verify=verify), dctx, route, experts, verify)
         progs.append(build_program(gd, "decode", shared))
         graphs.append(gd)
+    batched = None
+    if fe.decode is not None and kv_pages and fe.multimodal is None:
+        why = per_request_states(gd)  # the decode step's own states already tell (DeepSeek-V4): no second pipeline
+        gb, why = (None, why) if why else batched_decode_graph(fe.traced.graph, ctx.constants, kv_pages,
+                                                                max_batch, verify)
+        if gb is not None:
+            gb = route_experts(gb, PassContext(constants=ctx.constants), route, experts, verify)
+            progs.append(build_program(gb, "decode_batch", shared))
+            graphs.append(gb)
+        batched = {"built": gb is not None, "reason": why or None}
     for name, t in fe.extra.items():  # vision programs of a multimodal checkpoint, one per image grid
         gx = run_pipeline(t.graph, PassContext(constants=ctx.constants), verify=verify)
         progs.append(build_program(gx, name, shared))
@@ -447,6 +502,7 @@ def compile_model(model, out, target: str | dict = "host", max_seq: int = DEFAUL
         "kv_cache_layout": fe.cache_layout,
         "kv_pages": (kv_pages or {}).get("resolved"),
         "allow_nonfinite": bool(allow_nonfinite),
+        "decode_batch": batched,
     }
     pjs = {}
     for p in progs:

@@ -20,6 +20,8 @@ decode step costs O(rows read), never O(L). Variants, chosen from the shapes and
   union of the block's row ranges once and updates every query of the block that sees the row, so a K/V row
   is read once per block (blocked over queries); sparse_attention reads each query's own K rows.
 * CUDA: one thread per (b, h, s) query, 64 threads per block (compiles for sm_90; not tuned).
+* per-token block tables (the batched decode step, passes/paged_kv.py): query s reads its rows through table
+  row s; cache_attention then runs one query per task (qb = 1), as its queries share no row.
 
 Written as TVMScript text (like ``state.py``): data-dependent loop bounds (qpos, idx) are plain TIR here.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import tvm
 
+from dayzero import InternalError
 from dayzero.codegen import schedule
 from dayzero.passes.ir.node import Node
 
@@ -59,18 +62,25 @@ def paged_params(n: Node, p: dict, rows) -> dict:
     """A paged cache operand (passes/paged_kv.py): the logical length L, the pool's rows P, the block size and
     the table (the op's last input)."""
     if n.attr.get("paged"):
+        table = n.inputs[-1]
         p.update(L=int(n.attr["length"]), P=int(rows), paged=int(n.attr["paged"]),
-                 NT=int(n.inputs[-1].shape[0]), table_dtype=n.inputs[-1].dtype)
+                 NT=int(table.shape[-1]), table_dtype=table.dtype, per_token=table.type.ndim == 2)
     return p
 
 
-def cache_row(p: dict, pos: str) -> str:
+def cache_row(p: dict, pos: str, query: str | None = None) -> str:
     """The cache row holding logical position ``pos``: itself, or ``table[pos // bs] * bs + pos % bs`` when
-    the cache is paged (the table buffer is ``bt``)."""
+    the cache is paged (the table buffer is ``bt``); a per-token table [S, NT] (the batched decode step) reads
+    row ``query`` of it, ``table[query, pos // bs]``."""
     if not p.get("paged"):
         return pos
     bs = _i(p["paged"])
-    return f'T.Cast("int64", bt[({pos}) // {bs}]) * {bs} + ({pos}) % {bs}'
+    entry = f"({pos}) // {bs}"
+    if p.get("per_token"):
+        if query is None:
+            raise InternalError("a per-token block table needs the query each cache row is read for")
+        entry = f"{query}, {entry}"
+    return f'T.Cast("int64", bt[{entry}]) * {bs} + ({pos}) % {bs}'
 
 
 def task_loop(total: str, kind: str) -> list[str]:
@@ -88,6 +98,9 @@ def table_decl(p: dict) -> list[str]:
     """The block table's match_buffer line (paged caches only)."""
     if not p.get("paged"):
         return []
+    if p.get("per_token"):  # one table row per query: the query count is the kernel's S
+        S = _i(p["S"]) if p["S"] is not None else "S"
+        return [f'    bt = T.match_buffer(bt_, ({S}, {_i(p["NT"])}), "{p["table_dtype"]}")']
     return [f'    bt = T.match_buffer(bt_, ({_i(p["NT"])},), "{p["table_dtype"]}")']
 
 
@@ -104,7 +117,8 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     rep = Hq // Hkv
     S = _i(p["S"]) if p["S"] is not None else "S"
     decode = p["S"] == 1
-    qb = 1 if (decode or sparse or kind == "cuda") else QB
+    # per-token tables: each query reads its own request's rows, so no K/V row is shared by a block of queries
+    qb = 1 if (decode or sparse or kind == "cuda" or p.get("per_token")) else QB
     f32 = "T.float32"
     params_ = (["q_", "k_", "v_", "p_"] + (["x_"] if sparse else []) + (["sk_"] if p["sinks"] else [])
                + (["bt_"] if p.get("paged") else []) + ["o_"])
@@ -143,7 +157,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'        qf[i, d] = T.if_then_else(s0 + i < {S}, T.Cast("float32", q[b, h, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p["scale"]!r}), {f32}(0))']
 
     def update(pos: str, i: str, ind: str) -> list[str]:
-        return [ind + f"row = {cache_row(p, pos)}",
+        return [ind + f"row = {cache_row(p, pos, 's0 + ' + i)}",
                 ind + f"sc[0] = {f32}(0)",
                 ind + f"for d in range({_i(D)}):",
                 ind + f'    sc[0] = sc[0] + qf[{i}, d] * T.Cast("float32", k[b, g, row, d])',
@@ -285,7 +299,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f"    st[hh, 0] = {NEG}",
             f"    st[hh, 1] = {f32}(0)",
             ] + select + [
-            f"        row = {cache_row(p, 'pos')}",
+            f"        row = {cache_row(p, 'pos', 's')}",
             f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
             f"            st[hh, 2] = {f32}(0)",
             f"            for r in range({_i(R)}):",

@@ -20,6 +20,8 @@ Variants:
   transposed once and used by all QB queries of the block (blocked over queries), scores into a per-block
   [QB, L] workspace, then each query's top-k. Tiles past the block's last visible row are not read (their
   scores are the fill value): a causal prefill reads about half the key tiles.
+* per-token block tables (the batched decode step, passes/paged_kv.py): the prefill variant with one query per
+  block, its key rows read through its own table row.
 * CUDA: phase 1 one thread per (b, s, j) score; phase 2 one thread per (b, s) row running the top-k
   (compiles for sm_90; not tuned: a warp-parallel radix select would be the next step).
 """
@@ -37,7 +39,7 @@ from . import attention, topk_exact
 
 OP = "dsa_indexer_topk"
 JB = 16  # key rows per tile (one AVX-512 fp32 vector)
-QB = 8  # queries per block (prefill)
+QB_PREFILL = 8  # queries per block (prefill)
 CHUNK = 1024  # key rows per parallel task (decode)
 CUDA_THREADS = 64
 
@@ -82,8 +84,10 @@ def _tile(p: dict, S: str, qs: list[str], V: str, I: str, vrow: list[str]) -> li
     V[vrow[i] * L + j] / I[...] = j. The tile is transposed into kt [Di, JB] once for all the queries."""
     L, Hi, Di = p["L"], p["Hi"], p["Di"]
     row = f"T.min(j0 + jj, {_i(L - 1)})" if L % JB else "j0 + jj"  # a partial last tile only when L % JB
+    # a per-token table (the batched decode step) maps each query's rows differently: one query per tile then
+    query = qs[0] if len(qs) == 1 else None
     out = [f"for jj in range({_i(JB)}):",
-           f"    row = {attention.cache_row(p, row)}",
+           f"    row = {attention.cache_row(p, row, query)}",
            f"    for d in range({_i(Di)}):",
            '        kt[d, jj] = T.Cast("float32", keys[b, row, d])']
     for s, vr in zip(qs, vrow):
@@ -136,7 +140,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f"            s = t // {_i(L)} % {S}",
                  f"            j = t % {_i(L)}",
                  '            acc = T.decl_buffer((T.int64(2),), "float32", scope="local")',
-                 f"            row = {attention.cache_row(p, 'j')}",
+                 f"            row = {attention.cache_row(p, 'j', 's')}",
                  "            acc[0] = T.float32(0)",
                  f"            for h in range({_i(Hi)}):",
                  "                acc[1] = T.float32(0)",
@@ -171,32 +175,33 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  "    s = T.int64(0)"]
         body += ["    " + ln for ln in _topk_row(p, "b", "gV", "gI", "")]
     else:
-        nqb = f"({S} + {_i(QB - 1)}) // {_i(QB)}"
+        qb = 1 if p.get("per_token") else QB_PREFILL  # per-token tables: a key tile serves one query only
+        nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}"
         body += [f"for t in T.parallel({_i(B)} * ({nqb})):",
                  f"    b = t // ({nqb})",
-                 f"    s0 = t % ({nqb}) * {_i(QB)}",
-                 f'    bV = T.decl_buffer(({_i(QB * L)},), "float32")',
-                 f'    bI = T.decl_buffer(({_i(QB * L)},), "int64")',
+                 f"    s0 = t % ({nqb}) * {_i(qb)}",
+                 f'    bV = T.decl_buffer(({_i(qb * L)},), "float32")',
+                 f'    bI = T.decl_buffer(({_i(qb * L)},), "int64")',
                  f'    kt = T.decl_buffer(({_i(Di)}, {_i(JB)}), "float32")',
                  f'    acc = T.decl_buffer(({_i(JB)},), "float32")',
                  f'    tot = T.decl_buffer(({_i(JB)},), "float32")',
                  '    hi = T.decl_buffer((T.int64(1),), "int64")',  # the block's last visible row
                  "    hi[0] = T.int64(-1)",
-                 f"    for i in range({_i(QB)}):",
+                 f"    for i in range({_i(qb)}):",
                  f"        if s0 + i < {S}:",
                  '            hi[0] = T.max(hi[0], T.Cast("int64", pp[s0 + i]))',
                  f"    for jt in range({_i(nj)}):",
                  f"        j0 = jt * {_i(JB)}",
                  "        if j0 <= hi[0]:"]
-        body += ["            " + ln for ln in _tile(p, S, [f"s0 + {_i(i)}" for i in range(QB)], "bV", "bI",
-                                                   [_i(i) for i in range(QB)])]
+        body += ["            " + ln for ln in _tile(p, S, [f"s0 + {_i(i)}" for i in range(qb)], "bV", "bI",
+                                                   [_i(i) for i in range(qb)])]
         # tiles past every query of the block (causal prefill: about half) are the fill value, no key read
         body += ["        else:",
-                 f"            for i, jj in T.grid({_i(QB)}, {_i(JB)}):",
+                 f"            for i, jj in T.grid({_i(qb)}, {_i(JB)}):",
                  f"                if j0 + jj < {_i(L)}:",
                  f"                    bV[i * {_i(L)} + j0 + jj] = {_f(p['fill'])}",
                  f"                    bI[i * {_i(L)} + j0 + jj] = j0 + jj"]
-        body += [f"    for i in range({_i(QB)}):",
+        body += [f"    for i in range({_i(qb)}):",
                  f"        if s0 + i < {S}:",
                  "            s = s0 + i"]
         body += ["            " + ln for ln in _topk_row(p, "i", "bV", "bI", "")]

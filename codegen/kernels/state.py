@@ -59,7 +59,8 @@ def _loops(shape, dims: _Dims, indent: str = "    ") -> tuple[str, list[str]]:
 
 def _row_write(state, idx, values, dim: int, table=None, block_size: int = 0):
     """state[.., row(idx[s]), ..] = values[.., s, ..] along ``dim``: row(p) = p, or through a paged cache's block
-    table, table[p // bs] * bs + p % bs (passes/paged_kv.py)."""
+    table, table[p // bs] * bs + p % bs (passes/paged_kv.py), or with a per-token table [S, NT] (value row s
+    through table row s) table[s, p // bs] * bs + p % bs."""
     dims = _Dims()
     ty = state.dtype
     matches = [f's = T.match_buffer(s_, {_shape(dims, state.shape)}, "{ty}")',
@@ -71,7 +72,9 @@ def _row_write(state, idx, values, dim: int, table=None, block_size: int = 0):
     if table is not None:
         matches.append(f't = T.match_buffer(t_, {_shape(dims, table.shape)}, "{table.dtype}")')
         pos, bs = f'T.Cast("int64", p[{a[dim]}])', f"T.int64({block_size})"
-        target[dim] = f'T.Cast("int64", t[{pos} // {bs}]) * {bs} + {pos} % {bs}'
+        # a per-token table [S, NT] (the batched decode step): value row s goes through table row s
+        entry = f"{a[dim]}, {pos} // {bs}" if table.type.ndim == 2 else f"{pos} // {bs}"
+        target[dim] = f'T.Cast("int64", t[{entry}]) * {bs} + {pos} % {bs}'
     indent = "            " if len(a) > 1 else "        "
     body = loops + f"{indent}s[{', '.join(target)}] = T.Cast(\"{ty}\", v[{', '.join(a)}])\n"
     return _func(["s_", "p_", "v_"] + (["t_"] if table is not None else []), matches, body, dims)
@@ -87,7 +90,8 @@ def state_index_put(n: Node):
 
 
 def paged_state_index_put(n: Node):
-    """state[.., table[idx[s] // bs] * bs + idx[s] % bs, ..] = values[.., s, ..] (passes/paged_kv.py)."""
+    """state[.., table[idx[s] // bs] * bs + idx[s] % bs, ..] = values[.., s, ..] (passes/paged_kv.py); a
+    per-token table [S, NT]: table[s, idx[s] // bs]."""
     state, idx, values, table = n.inputs
     return _row_write(state, idx, values, int(n.attr["dim"]), table, int(n.attr["block_size"]))
 
