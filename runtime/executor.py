@@ -336,6 +336,21 @@ class Runtime:
         return out
 
     @property
+    def tokenizer(self):
+        """The artifact's tokenizer (runtime/text.py), None when it carries none; loaded on first use."""
+        if not hasattr(self, "_tokenizer"):
+            from .text import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Token ids that end a generation: the tokenizer's end-of-sequence token ([] without a tokenizer)."""
+        tok = self.tokenizer
+        return [] if tok is None or tok.eos_token_id is None else [int(tok.eos_token_id)]
+
+    @property
     def length(self) -> int:
         return self.lengths.get(0, 0)
 
