@@ -61,6 +61,7 @@ class Request:
     seed: int = 0
     stop_ids: tuple = ()
     stop: tuple = ()  # stop strings (need a tokenizer)
+    ignore_eos: bool = False  # the tokenizer's end-of-sequence token does not end the request
     images: list = field(default_factory=list)
     timeout: float | None = None  # seconds from submission
     id: int = field(default_factory=itertools.count().__next__)
@@ -296,7 +297,7 @@ class Engine:
             req.first_token_at = now
         req.last_token_at = now
         reason = None
-        if tok in req.stop_ids or tok in self.eos_ids:
+        if tok in req.stop_ids or (tok in self.eos_ids and not req.ignore_eos):
             reason = "stop"
         delta = ""
         if req.detok is not None:

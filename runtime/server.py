@@ -143,8 +143,10 @@ def sampling(body: dict, prompt_tokens: int, budget: int, chat: bool) -> dict:
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
     return {"temperature": temperature, "top_p": top_p, "seed": seed, "max_tokens": max_tokens,
-            "stop": tuple(stop), "stop_ids": tuple(stop_ids)}
+            "stop": tuple(stop), "stop_ids": tuple(stop_ids), "ignore_eos": bool(body.get("ignore_eos", False))}
 
 
 def load_image_url(url: str):
@@ -515,6 +517,29 @@ def validate(rt, checkpoint, atol: float = VALIDATE_ATOL) -> dict:
         raise UserError(f"--validate {checkpoint}: the artifact's logits differ from upstream's (prefill max |diff| "
                         f"{d_prefill:.3g}, decode {d_decode:.3g}, tolerance {res['atol']:.3g}): refusing to serve")
     return res
+
+
+def start_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, load: bool = True):
+    """Serve ``server.app`` from a background thread (uvicorn) on HOST:PORT (0: a free port), then ``load()`` it
+    in this thread unless ``load`` is False. Returns (the uvicorn server, the port); ``should_exit = True`` stops
+    it. Tests and ``dayzero bench serve`` run servers this way."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="off"))
+    threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="dayzero-http", daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not http.started:
+        if time.monotonic() > deadline:
+            raise UserError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.01)
+    if load:
+        server.load()
+    return http, sock.getsockname()[1]
 
 
 def serve(artifact, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
