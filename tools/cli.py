@@ -273,6 +273,7 @@ def _register_optional():
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
     from dayzero.tools.bench_moe import moe_command
+    from dayzero.tools.bench_serve import serve_command
     from dayzero.tools.bench_tuning import tuning_command
     from dayzero.tools.compare import compare_cmd
     from dayzero.tools.make_tiny import make_tiny_cmd
@@ -281,7 +282,7 @@ def _register_optional():
 
     for cmd in (make_tiny_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
-    for cmd in (dequant_command, moe_command, tuning_command, attention_command):
+    for cmd in (dequant_command, moe_command, tuning_command, attention_command, serve_command):
         bench_group.add_command(cmd)
 
 
