@@ -173,17 +173,22 @@ def load_image_url(url: str):
         raise BadRequest(str(e), param="image_url") from None
 
 
+IMAGE_MARK = "\ue000image\ue000"  # a private-use marker where an image joins the templated text
+
+
 def chat_prompt(rt, messages) -> tuple[list[int], list]:
-    """Chat messages -> (prompt ids through the chat template, images in order)."""
+    """Chat messages -> (prompt ids through the chat template, images in order). An image is one image token
+    (the multimodal runtime expands it): rendered by the model's own template when it knows image parts, else the
+    templated text is split at each image and the pieces tokenized around the image token."""
     from .text import encode_chat
 
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
-    if rt.tokenizer is None:
+    tok = rt.tokenizer
+    if tok is None:
         raise BadRequest("the artifact has no tokenizer: send token ids to /v1/completions", param="messages")
     flat, structured, images = [], [], []
     mm = rt.multimodal
-    placeholder = None if mm is None else rt.tokenizer.convert_ids_to_tokens(mm.image_token_id)
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest("each message must be an object with a role", param="messages")
@@ -209,23 +214,28 @@ def chat_prompt(rt, messages) -> tuple[list[int], list]:
                 if not isinstance(url, str):
                     raise BadRequest("image_url needs a url", param="messages")
                 images.append(load_image_url(url))
-                text += placeholder
+                text += IMAGE_MARK
                 parts.append({"type": "image"})
             else:
                 raise BadRequest(f"unsupported content part {json.dumps(part)[:80]}", param="messages")
         flat.append({"role": m["role"], "content": text})
         structured.append({"role": m["role"], "content": parts})
     try:
-        ids = encode_chat(rt.tokenizer, flat)
+        ids = encode_chat(tok, flat)
     except UserError as e:
         raise BadRequest(str(e), param="messages") from None
-    if images:  # a model's own template renders image parts (vision start/end tokens around the pad)
-        try:
-            own = encode_chat(rt.tokenizer, structured)
-            if own.count(mm.image_token_id) == len(images):
-                ids = own
-        except UserError:
-            pass
+    if not images:
+        return ids, images
+    try:
+        own = encode_chat(tok, structured)
+        if own.count(mm.image_token_id) == len(images):
+            return own, images
+    except UserError:
+        pass  # a template that does not render image parts
+    text = tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    ids = []
+    for k, piece in enumerate(text.split(IMAGE_MARK)):
+        ids += ([mm.image_token_id] if k else []) + list(tok(piece, add_special_tokens=False)["input_ids"])
     return ids, images
 
 

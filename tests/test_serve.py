@@ -391,3 +391,47 @@ def test_validate_accepts_the_checkpoint_and_refuses_another(tiny_compiled, tmp_
     assert p.returncode == 2, p.stderr
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "refusing to serve" in err[0] and "Traceback" not in p.stderr
+
+
+# -- images (multimodal artifacts) ---------------------------------------------------------------------------------
+
+def _png_data_uri(w: int = 64, h: int = 64) -> tuple[str, object]:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    a = (np.indices((h, w)).sum(0) * 5 % 256).astype(np.uint8)
+    img = Image.fromarray(np.stack([a, a[::-1], 255 - a], -1))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), img
+
+
+@pytest.mark.slow
+def test_chat_with_an_image_equals_offline_generate(tiny_compiled):
+    """Tiny Qwen3-VL-MoE: the image joins the chat at its place in the template; tokens as rt.generate with it."""
+    ckpt, art, _ = tiny_compiled("qwen3_vl_moe")
+    s = Served(ckpt, art)
+    try:
+        assert set(s.server.probe_result) == {"text", "image"}  # the startup probe took the image path
+        uri, img = _png_data_uri()
+        tok = s.offline.tokenizer
+        image_id = s.offline.multimodal.image_token_id
+        ids = tok("<|user|>what is ", add_special_tokens=False)["input_ids"] + [image_id] + \
+            tok(" this<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+        ref = s.generate(ids, 12, images=[img])
+        r = s.client().chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is "},
+                                         {"type": "image_url", "image_url": {"url": uri}},
+                                         {"type": "text", "text": " this"}]}])
+        assert _tokens(r.choices[0]) == ref
+        bad = {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}
+        status, err = s.request("POST", "/v1/chat/completions", bad)
+        assert status == 400 and "unreadable image" in err["error"]["message"]
+        status, err = s.request("POST", "/v1/completions", {"prompt": [5, image_id, 7], "max_tokens": 2})
+        assert status == 400 and "no image was given" in err["error"]["message"]
+    finally:
+        s.close()
