@@ -435,3 +435,25 @@ def test_chat_with_an_image_equals_offline_generate(tiny_compiled):
         assert status == 400 and "no image was given" in err["error"]["message"]
     finally:
         s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "deepseek_v32"])
+def test_other_architectures_answer_the_openai_client(tiny_compiled, arch):
+    ckpt, art, _ = tiny_compiled(arch)
+    s = Served(ckpt, art)
+    try:
+        prompts = [_prompt(n, n) for n in (4, 13, 30)]
+        out = {}
+
+        def run(k):
+            out[k] = _tokens(s.client().completions.create(model="tiny", prompt=prompts[k], max_tokens=10,
+                                                           temperature=0).choices[0])
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert [out.get(k) for k in range(len(prompts))] == [s.generate(p, 10) for p in prompts]
+    finally:
+        s.close()
