@@ -35,6 +35,12 @@ from dayzero import InternalError, UserError
 from .executor import _pick
 
 
+def batched_decode(rt):
+    """``rt.decode_batch`` when the artifact has a batched decode program (``has_batched_decode``), else None."""
+    fn = getattr(rt, "decode_batch", None)
+    return fn if fn is not None and getattr(rt, "has_batched_decode", True) else None
+
+
 class QueueFull(UserError):
     """The engine's waiting queue is full (HTTP 429)."""
 
@@ -124,7 +130,7 @@ class Engine:
         self.iterations = 0
         self.decode_steps = 0
         self.error: BaseException | None = None
-        self._decode_batch = getattr(rt, "decode_batch", None)
+        self._decode_batch = batched_decode(rt)
 
     # -- the client side (any thread) ----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:

@@ -22,7 +22,7 @@ import torch
 
 from dayzero import UserError
 from dayzero.runtime import load
-from dayzero.runtime.engine import Engine, QueueFull, Request
+from dayzero.runtime.engine import Engine, QueueFull, Request, batched_decode
 from dayzero.runtime.server import Server, start_in_thread, validate
 
 from _tiny_tokenizer import add_tiny_tokenizer
@@ -298,6 +298,34 @@ def test_chunked_prefill_equals_one_prefill(tiny_compiled, arch):
             assert ev.kind == "done" and toks == ref.generate(p, 12, stop_ids=ref.eos_ids)
     finally:
         eng.stop()
+
+
+@pytest.mark.slow
+def test_running_requests_step_in_one_batched_decode(tiny_compiled):
+    """With a batched decode program, one engine iteration is one ``decode_batch`` call over every running request."""
+    _, art, _ = tiny_compiled("qwen3_moe")
+    rt, ref = load(art), load(art)
+    if batched_decode(rt) is None:
+        pytest.skip("this artifact has no batched decode program")
+    sizes = []
+    real = rt.decode_batch
+
+    def counted(tokens, slots):
+        sizes.append(len(slots))
+        return real(tokens, slots)
+    rt.decode_batch = counted
+    eng = Engine(rt)
+    prompts = [_prompt(n, n) for n in (3, 12, 21)]
+    qs = [queue.Queue() for _ in prompts]
+    for p, q in zip(prompts, qs):
+        eng.submit(Request(p, q.put, max_tokens=10))
+    eng._drain(block=False)
+    while eng.active or eng.waiting:
+        eng.step()
+    for p, q in zip(prompts, qs):
+        toks, ev = _collect(q)
+        assert ev.kind == "done" and toks == ref.generate(p, 10, stop_ids=ref.eos_ids)
+    assert max(sizes) == len(prompts) and eng.decode_steps == len(sizes)
 
 
 def test_engine_queue_bound_timeout_and_budget(tiny_compiled):

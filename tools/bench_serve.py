@@ -143,9 +143,10 @@ def _offline_tokens_per_s(art: Path, prompts, max_tokens: int) -> float:
 def _decode_step_ratio(art: Path, batch: int = 8, repeat: int = 5) -> dict:
     """Median time of one engine decode step for ``batch`` running requests and for 1."""
     from dayzero.runtime import load
+    from dayzero.runtime.engine import batched_decode
 
     rt = load(art)
-    batched = getattr(rt, "decode_batch", None)
+    batched = batched_decode(rt)
     slots = list(range(min(batch, rt.max_batch)))
     for k in slots:
         rt.prefill([1 + k, 2, 3, 4, 5, 6, 7, 8], slot=k)
