@@ -556,6 +556,8 @@ def serve(artifact, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None
     """Run the server until interrupted: HTTP first (/health answers 503 while loading), then load + probe."""
     import uvicorn
 
+    if not (Path(artifact) / "program.json").is_file():
+        raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
     server = Server(artifact, **kwargs)
     config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")
     http = uvicorn.Server(config)

@@ -376,6 +376,19 @@ def test_request_slots_share_the_prepared_views(tiny_compiled):
     assert checked_state  # DeepSeek-V4 keeps per-request states outside the paged pools
 
 
+def test_serve_cli_help_and_a_missing_artifact(tmp_path):
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+
+    r = CliRunner().invoke(main, ["serve", "--help"])
+    assert r.exit_code == 0 and "--validate" in r.output
+    r = CliRunner().invoke(main, ["bench", "serve", "--help"])
+    assert r.exit_code == 0 and "--concurrency" in r.output
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "nothing"), "--port", "0"])
+    assert r.exit_code == 2 and "not a dayzero artifact" in r.output and "Traceback" not in r.output
+
+
 # -- startup -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
