@@ -72,7 +72,11 @@ class _Program:
             if f is None:
                 f = self._funcs[st["kernel"]] = lib[st["kernel"]]
             self.steps.append((f, st["args"], st.get("symbols", []), st["node"], st["outputs"]))
-        self._cache = lru_cache(maxsize=16)(self._prepare)
+        # argument lists per (symbol binding, request slot); the views they hold of buffers outside the request
+        # slots are shared by every slot of a binding, so a server's first call in a new slot makes only that
+        # slot's state views (a DeepSeek-V4 program has thousands of views)
+        self._shared_views = lru_cache(maxsize=16)(lambda env: {})
+        self._cache = lru_cache(maxsize=64)(self._prepare)
 
     def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else int(d(*env)) for d in self._shape_fns[bid])
@@ -95,9 +99,10 @@ class _Program:
         return v.view(shape)
 
     def _prepare(self, env: tuple, slot: int = 0):
-        views = {}
+        shared, own = self._shared_views(env), {}
 
         def v(bid):
+            views = own if bid in self._in_state else shared
             if bid not in views:
                 views[bid] = self.view(bid, env, slot)
             return views[bid]

@@ -277,6 +277,31 @@ def demo_cmd(out, prompt, images, as_json):
         sys.exit(1)
 
 
+@main.command("serve")
+@click.argument("artifact", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-queue", default=64, show_default=True, type=int,
+              help="requests waiting for a slot; beyond it a request gets HTTP 429")
+@click.option("--prefill-chunk", default=64, show_default=True, type=int,
+              help="prompt tokens prefilled per engine iteration (long prompts in chunks, decoding goes on)")
+@click.option("--timeout", type=float, default=None, help="seconds a request may take (HTTP 408 after)")
+@click.option("--model-name", default=None, help="the model id clients send (default: the artifact's dir name)")
+@click.option("--validate", "validate_ckpt", type=click.Path(exists=True, file_okay=False), default=None,
+              metavar="CHECKPOINT", help="refuse to start unless the startup probe's logits match the upstream "
+                                         "model run eagerly on CHECKPOINT")
+def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_name, validate_ckpt):
+    """Serve ARTIFACT over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /health, /metrics)."""
+    from dayzero.runtime.server import serve
+
+    if max_queue < 1:
+        raise UserError("--max-queue must be at least 1")
+    if timeout is not None and timeout <= 0:
+        raise UserError("--timeout must be positive")
+    serve(artifact, host=host, port=port, max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout,
+          model=model_name, validate=validate_ckpt)
+
+
 @main.group("bench")
 def bench_group():
     """Benchmarks, side by side in one run; --json writes the DESIGN.md schema."""
@@ -314,6 +339,7 @@ def _register_optional():
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
     from dayzero.tools.bench_moe import moe_command
+    from dayzero.tools.bench_serve import serve_command
     from dayzero.tools.bench_tuning import tuning_command
     from dayzero.tools.compare import compare_cmd
     from dayzero.tools.make_tiny import make_tiny_cmd
@@ -322,7 +348,7 @@ def _register_optional():
 
     for cmd in (make_tiny_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
-    for cmd in (dequant_command, moe_command, tuning_command, attention_command):
+    for cmd in (dequant_command, moe_command, tuning_command, attention_command, serve_command):
         bench_group.add_command(cmd)
 
 
