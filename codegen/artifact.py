@@ -65,15 +65,31 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def manifest_of(d: Path) -> dict:
-    """artifact.json's content for directory D: every plain file in it (but artifact.json) with size and sha256."""
-    files = {}
+def _artifact_files(d: Path) -> list[Path]:
+    """Every file of artifact directory D but artifact.json: plain files, and the plain files of its plain
+    subdirectories one level down (the tokenizer's), sorted by their relative path."""
+    out = []
     for p in sorted(Path(d).iterdir()):
         if p.name == MANIFEST:
             continue
-        if p.is_symlink() or not p.is_file():
+        if p.is_dir() and not p.is_symlink():
+            for q in sorted(p.iterdir()):
+                if q.is_symlink() or not q.is_file():
+                    raise InternalError(f"{q}: an artifact holds only plain files")
+                out.append(q)
+        elif p.is_symlink() or not p.is_file():
             raise InternalError(f"{p}: an artifact holds only plain files")
-        files[p.name] = {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        else:
+            out.append(p)
+    return out
+
+
+def manifest_of(d: Path) -> dict:
+    """artifact.json's content for directory D: every file in it (but artifact.json), by its relative path
+    (``tokenizer/tokenizer.json``), with size and sha256."""
+    d = Path(d)
+    files = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+             for p in _artifact_files(d)}
     return {"format": FORMAT, "files": files}
 
 
@@ -91,7 +107,11 @@ def is_artifact(d: Path) -> str | None:
     if not (isinstance(man, dict) and isinstance(man.get("format"), str) and man["format"].startswith(FORMAT_PREFIX)
             and isinstance(man.get("files"), dict)):
         return f"{MANIFEST} is not a dayzero manifest"
-    foreign = sorted(p.name for p in d.iterdir() if p.name != MANIFEST and p.name not in man["files"])
+    listed = set(man["files"])
+    tops = {n.split("/", 1)[0] for n in listed if isinstance(n, str)}
+    foreign = sorted(p.name for p in d.iterdir() if p.name != MANIFEST and p.name not in listed
+                     and not (p.is_dir() and not p.is_symlink() and p.name in tops
+                              and all(f"{p.name}/{q.name}" in listed for q in p.iterdir())))
     if foreign:
         return f"holds {foreign[0]!r}, which is not part of the artifact"
     return None

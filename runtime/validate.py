@@ -88,8 +88,12 @@ def check_files(art: Path) -> dict:
         if name not in files:
             raise UserError(f"{where}: does not list {name}")
     for name, ent in sorted(files.items()):
-        if not isinstance(name, str) or "/" in name or name.startswith(".") or not name:
-            raise UserError(f"{where}: file name {name!r} is not a plain file name in the artifact")
+        parts = name.split("/") if isinstance(name, str) else []
+        if not 1 <= len(parts) <= 2 or any(not c or c.startswith(".") or "\\" in c for c in parts):
+            raise UserError(f"{where}: file name {str(name)[:60]!r} is not a file of the artifact (a plain name, "
+                            "or dir/name one level down)")
+        if len(parts) == 2 and (art / parts[0]).is_symlink():
+            raise UserError(f"{art}: {parts[0]} is a symbolic link, not a directory of the artifact")
         if not (isinstance(ent, dict) and _is_int(ent.get("bytes")) and ent["bytes"] >= 0
                 and isinstance(ent.get("sha256"), str)):
             raise UserError(f"{where}: files.{name} must be {{bytes: int >= 0, sha256: str}}")
@@ -451,7 +455,9 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
         for name, p in progs.items():
             for i in p["inputs"]:
                 b = p["buffers"][i]
-                if b.get("name") == tname and b["shape"] != [tl]:
+                # [table_len], or [tokens, table_len] in a batched decode program (one table row per token)
+                if b.get("name") == tname and not (b["shape"] == [tl] or (
+                        len(b["shape"]) == 2 and b["shape"][1] == tl and isinstance(b["shape"][0], str))):
                     w.fail(f"programs.{name}.buffers[{i}].shape", f"the block table {tname} is {b['shape']}, "
                                                                   f"kv_pages.table_len is {tl}")
     for name, p in progs.items():  # the runtime passes a table to each input named block_table*
