@@ -307,15 +307,18 @@ def test_per_token_indexer_kernel_equals_torch_topk_per_request():
 
 def test_per_token_write_lands_in_each_tokens_table_row():
     from dayzero.codegen import lower
+    from dayzero.codegen.kernels import state  # noqa: F401 - registers the paged write kernels
     from dayzero.passes.ir.node import Node, TensorType
+    from dayzero.passes.ir.shape_expr import make_symbol
 
     blocks, S = 8, 3
+    seq = make_symbol("seq")
     state = TensorType("float32", (1, 2, blocks * BS, 4))
     node = Node.make("paged_state_index_put",
                      [Node.make("state", (), {"name": "s", "zone": "kv_pages"}, (state,)),
-                      Node.make("input", (), {"name": "pos"}, (TensorType("int64", ("seq",)),)),
-                      Node.make("input", (), {"name": "v"}, (TensorType("float32", (1, 2, "seq", 4)),)),
-                      Node.make("input", (), {"name": "block_table"}, (TensorType("int32", ("seq", 4)),))],
+                      Node.make("input", (), {"name": "pos"}, (TensorType("int64", (seq,)),)),
+                      Node.make("input", (), {"name": "v"}, (TensorType("float32", (1, 2, seq, 4)),)),
+                      Node.make("input", (), {"name": "block_table"}, (TensorType("int32", (seq, 4)),))],
                      {"dim": 2, "block_size": BS, "per_token": True}, (state,))
     lib = _compile(lower.PRIMFUNCS["paged_state_index_put"](node))
     table = torch.tensor([[4, 2, 0, 0], [1, 0, 0, 0], [3, 5, 7, 6]], dtype=torch.int32)
@@ -329,6 +332,7 @@ def test_per_token_write_lands_in_each_tokens_table_row():
     want[:, :, 6 * BS + 12] = vals[:, :, 2]  # token 2: position 60 -> its block 3 = pool block 6, row 12
     assert torch.equal(pool, want)
     ref = torch.zeros_like(pool)
+    from dayzero.passes import paged_kv  # noqa: F401 - declares the paged ops
     from dayzero.passes.ir import ops
 
     ops.REGISTRY["paged_state_index_put"].reference([ref, pos, vals, table], {"dim": 2, "block_size": BS})
