@@ -259,7 +259,7 @@ def batched_decode_graph(prefill: Graph, constants: dict, kv_pages: dict, max_ba
     if len(prefill.symbols) != 1:
         return None, f"the prefill has symbols {[s for s, _, _ in prefill.symbols]}, not one sequence length"
     (name, lo, hi), = prefill.symbols
-    length = sympy.sympify(prefill.inputs[0].shape[-1])  # input_ids [1, seq] (or a linear form of it)
+    length = sympy.sympify(prefill.inputs[0].shape[-1], strict=True)  # input_ids [1, seq] (or a linear form of it)
     top = lo  # the smallest bound whose length holds max_batch tokens
     while top < hi and int(length.subs({x: top for x in length.free_symbols})) < max_batch:
         top += 1
