@@ -32,6 +32,7 @@ from dayzero import UserError
 from dayzero.frontend.checkpoint import read_header
 from dayzero.tools.cli import main
 
+from _artifact_edit import rehash
 from _lowprec_ref import compile_fails, rewrite_checkpoint
 
 MODEL = "qwen3_moe"
@@ -266,6 +267,7 @@ def _relocated(ckpt: Path, art: Path, tmp: Path) -> tuple[Path, Path]:
     shutil.copytree(art, new_art)
     w = new_art / "weights.json"
     w.write_text(w.read_text().replace(str(Path(ckpt).resolve()), str(new_ck.resolve())))
+    rehash(new_art)  # a consistent edit: the checkpoint checks are under test here, not artifact.json's hashes
     return new_ck, new_art
 
 
@@ -328,12 +330,15 @@ def test_tampered_runs_and_shapes_in_manifest(base, tmp_path):
     good = json.dumps(m)
     m["tensors"][name]["runs"][0][3] += 10 ** 6
     w.write_text(json.dumps(m))
-    _run_fails(art, name, "outside")
+    rehash(art)
+    _run_fails(art, name, "into a tensor of")
     m = json.loads(good)
     m["tensors"][name]["runs"][0][2] = "0"
     w.write_text(json.dumps(m))
-    _run_fails(art, name, "is not [dst, key, src, length]")
+    rehash(art)
+    _run_fails(art, name, "expected an integer")
     m = json.loads(good)
     m["checkpoint"]["tensors"][K]["shape"] = [32, 64 * 2]
     w.write_text(json.dumps(m))
+    rehash(art)
     _run_fails(art, K, "compiled for")
