@@ -243,7 +243,7 @@ class Engine:
             if self.tokenizer is not None:
                 from .text import Detokenizer
 
-                req.detok = Detokenizer(self.tokenizer)
+                req.detok = Detokenizer(self.tokenizer, skip_special_tokens=True)  # as `run` and OpenAI servers
 
     def _dequeued(self) -> None:
         with self._lock:

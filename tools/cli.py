@@ -242,17 +242,23 @@ def dump_ir_cmd(model, out_dir, max_seq):
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
               help="run the image + text demo (tiny Qwen3-VL-MoE) on this image file (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
-def demo_cmd(out, prompt, images, as_json):
+@click.option("--serve", "then_serve", is_flag=True,
+              help="then serve the demo artifact over OpenAI-compatible HTTP (the probe is checked against upstream)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="with --serve")
+@click.option("--port", default=8000, show_default=True, type=int, help="with --serve")
+def demo_cmd(out, prompt, images, as_json, then_serve, host, port):
     """Build a tiny fixed-seed DeepSeek-V4 (FP8 experts, tokenizer, chat template), compile it, chat with it, and
-    compare with upstream transformers run eagerly."""
-    from dayzero.tools.demo import DEMO_PROMPT, run_demo
+    compare with upstream transformers run eagerly; ``--serve`` then serves it."""
+    from dayzero.tools.demo import DEMO_PROMPT, SERVE_SLOTS, run_demo
 
+    if images and then_serve:
+        raise UserError("--serve serves the text demo; run `dayzero serve` on the vision demo's artifact instead")
     if images:
         from dayzero.tools.demo_vision import run_vision_demo
 
         res = run_vision_demo(out, list(images))
     else:
-        res = run_demo(out, prompt or DEMO_PROMPT)
+        res = run_demo(out, prompt or DEMO_PROMPT, max_batch=SERVE_SLOTS if then_serve else 1)
 
     def human(r):
         click.echo(f"model: {r['model']} (tiny, seed 0{', ' + r['experts'] + ' experts' if 'experts' in r else ''})"
@@ -275,6 +281,16 @@ def demo_cmd(out, prompt, images, as_json):
     _emit(res, as_json, human)
     if not res["ok"]:
         sys.exit(1)
+    if then_serve:
+        from dayzero.runtime.server import serve
+
+        name = os.path.basename(os.path.normpath(res["artifact"]))
+        click.echo(f"serving {res['artifact']} as model {name!r} on http://{host}:{port} (ready when /health "
+                   f"answers 200); try:\n  curl -s {host}:{port}/v1/chat/completions -H 'Content-Type: "
+                   f"application/json' -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+                   f"\"content\": \"Hi\"}}], \"max_tokens\": 16}}'", err=as_json)
+        sys.stdout.flush()
+        serve(res["artifact"], host=host, port=port, validate=res["checkpoint"])
 
 
 @main.command("serve")

@@ -26,6 +26,7 @@ DEMO_PROMPT = "What does a sparse mixture-of-experts model do?"
 MAX_SEQ = 64
 TOLERANCE = 1e-4
 GENERATE = 16  # greedy tokens generated with prefill + decode and compared with upstream generate()
+SERVE_SLOTS = 4  # request slots of the artifact `demo --serve` serves (continuous batching)
 
 
 def build_tiny(model_type: str, out: str | None, experts: str = "fp32", **compile_kw) -> tuple[Path, Path, dict]:
@@ -89,11 +90,12 @@ def upstream_reference(ckpt: Path):
         return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, **kw).eval()
 
 
-def run_demo(out: str | None = None, prompt: str = DEMO_PROMPT) -> dict:
+def run_demo(out: str | None = None, prompt: str = DEMO_PROMPT, max_batch: int = 1) -> dict:
+    """The demo; ``max_batch`` request slots in the artifact (``demo --serve`` serves several at once)."""
     from dayzero.runtime import load
     from dayzero.runtime.text import encode_chat
 
-    ckpt, art, seconds = build_tiny(DEMO_MODEL, out, experts=DEMO_EXPERTS, max_seq=MAX_SEQ, max_batch=1)
+    ckpt, art, seconds = build_tiny(DEMO_MODEL, out, experts=DEMO_EXPERTS, max_seq=MAX_SEQ, max_batch=max_batch)
     t0 = time.perf_counter()
     rt = load(art)
     tok = rt.tokenizer
