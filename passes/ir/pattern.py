@@ -35,11 +35,13 @@ VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "alias", "clone", "sque
                       "unsqueeze"})
 
 
-def strip_views(n: Node) -> Node:
+def strip_views(n: Node, broadcast: bool = False, keep_rank: bool = False) -> Node:
     """The node under every op that only re-labels the same elements: reshapes, (un)squeezes, aliases, clones and
-    expands that keep the shape (a value, not a new layout of data, flows through them)."""
+    expands that keep the shape (a value, not a new layout of data, flows through them). ``broadcast``: through
+    every expand too (the same values, read repeatedly); ``keep_rank``: stop where the rank would change."""
     while len(n.types) == 1 and n.inputs and len(n.inputs[0].types) == 1 and (
-            n.op in VIEW_OPS or (n.op == "expand" and n.shape == n.inputs[0].shape)):
+            n.op in VIEW_OPS or (n.op == "expand" and (broadcast or n.shape == n.inputs[0].shape))) and \
+            not (keep_rank and len(n.shape) != len(n.inputs[0].shape)):
         n = n.inputs[0]
     return n
 
@@ -106,7 +108,7 @@ class Pat:
     where: Callable[[Node, Match], bool] | None = None
     commute: bool = False  # two inputs, either order
     rest: bool = False  # more inputs than ``src`` allowed
-    views: bool = False  # match against strip_views(node)
+    views: tuple[bool, bool] | None = None  # match against strip_views(node, *views)
     alts: tuple["Pat", ...] = ()
 
     def match(self, n: Node, m: Match) -> bool:
@@ -118,8 +120,8 @@ class Pat:
         return False
 
     def _match(self, n: Node, m: Match) -> bool:
-        if self.views:
-            n = strip_views(n)
+        if self.views is not None:
+            n = strip_views(n, *self.views)
         if self.alts:
             if not any(a.match(n, m) for a in self.alts):
                 return False
@@ -168,9 +170,9 @@ def P(op: str | Iterable[str] | None = None, *src: Pat, name: str | None = None,
                where, commute, rest)
 
 
-def V(p: Pat) -> Pat:
+def V(p: Pat, broadcast: bool = False, keep_rank: bool = False) -> Pat:
     """``p`` through any views (``strip_views``)."""
-    return Pat(**{**p.__dict__, "views": True})
+    return Pat(**{**p.__dict__, "views": (broadcast, keep_rank)})
 
 
 def Alt(*alts: Pat, name: str | None = None) -> Pat:
