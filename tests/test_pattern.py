@@ -127,3 +127,12 @@ def test_rewrite_counts_per_rule_and_first_rule_wins():
     assert out.nodes()[2].inputs[0] is out.nodes()[1]  # the second rewrite sees the first's output
     same, counts = rewrite(g, [Rule("t.none", P("mm"), to_abs)])
     assert counts == {} and same.outputs[0] is r
+
+
+def test_a_capture_name_may_not_hide_the_match_api():
+    import pytest
+
+    from dayzero import InternalError
+
+    with pytest.raises(InternalError, match="keys"):
+        P(name="keys")

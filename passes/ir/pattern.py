@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from dayzero import InternalError
+
 from .node import Graph, Node
 from .node import rewrite as rewrite_nodes
 
@@ -110,6 +112,10 @@ class Pat:
     rest: bool = False  # more inputs than ``src`` allowed
     views: tuple[bool, bool] | None = None  # match against strip_views(node, *views)
     alts: tuple["Pat", ...] = ()
+
+    def __post_init__(self):
+        if self.name is not None and hasattr(Match, self.name):
+            raise InternalError(f"pattern capture name {self.name!r} hides Match.{self.name}")
 
     def match(self, n: Node, m: Match) -> bool:
         saved = dict(m)
