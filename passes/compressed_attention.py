@@ -37,11 +37,11 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import Alt, Match, P, Pat, Rule, V, add_counts, isin, need, rewrite, strip_views
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, isin, need, rewrite, scalar_is,
+                                       strip_views)
 from dayzero.passes.paged_kv import unpage
-from dayzero.passes.sparse_attention import (ALPHA1, LAST4, NEG_BIG, SCALED_QK, ZERO, _attend, _int, arange_row,
-                                             mask_terms, positions, repeat_kv, scalar_where, sink_attention,
-                                             valid_positions)
+from dayzero.passes.sparse_attention import (LAST4, NEG_BIG, SCALED_QK, ZERO, _attend, _int, arange_row, mask_terms,
+                                             positions, repeat_kv, sink_attention, valid_positions)
 
 OP = "compressed_attention"
 
@@ -117,7 +117,7 @@ _SCATTER = P("scatter.value", _filled(_INF), P("unsqueeze", P(name="idx", ndim=3
 _CSA = Alt(P("slice.Tensor", _SCATTER, attrs={"dim": LAST4, "start": isin(0, None), "step": isin(1, None)},
              where=lambda n, m: n.attr.get("end") == m.E), _SCATTER)
 # HCA: where(ge(arange(E), (pos + 1) // R), -inf, 0)
-_INT_SCALAR = lambda pred, name=None: scalar_where(lambda v: not v.is_floating_point() and pred(int(v)), name)  # noqa
+_INT_SCALAR = lambda pred, name=None: scalar_is(lambda v: not v.is_floating_point() and pred(int(v)), name)  # noqa
 _HCA = P("where.self", P("ge.Tensor", arange_row("E"), V(P(
     "div.Tensor_mode", P("add.Tensor", positions("epos"), _INT_SCALAR(lambda v: v == 1), attrs=ALPHA1),
     _INT_SCALAR(lambda v: v > 0, "rate"), attrs={"rounding_mode": "floor"}), broadcast=True)),

@@ -48,13 +48,15 @@ Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are con
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import (VIEW_OPS, Alt, Match, P, Pat, Rule, V, add_counts, const, isin, need, rewrite,
-                                       scalar, strip_views)
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, last_dim, need,
+                                       rewrite, scalar, strip_views)
 
 OP_MOE = "moe_experts_mxfp4"
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -203,14 +205,6 @@ for _fmt, _extra in (("int4", (("zero_points", ops.OPT_TENSOR), ("layout", ops.A
 
 # ---- the match -----------------------------------------------------------------------------------------------
 
-ALPHA1 = {"alpha": isin(1, None)}
-
-
-def _cast(p: Pat) -> Pat:
-    """``p``, or ``p`` under a dtype cast, through views either side."""
-    return V(Alt(P("_to_copy", V(p)), p))
-
-
 def _is_last_swap(n: Node) -> bool:
     nd = len(n.shape)
     if n.op in ("permute", "permute_copy"):
@@ -221,18 +215,14 @@ def _is_last_swap(n: Node) -> bool:
     return False
 
 
-def _last_dim(n: Node, m=None) -> bool:
-    return n.attr.get("dim") in (-1, len(n.shape) - 1)
-
-
 _E2M1_TABLE = const(lambda t: tuple(t.shape) == (16,) and
                     np.array_equal(t.float().numpy().view(np.uint32), _E2M1.view(np.uint32)))
 _SHIFT4 = P({"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"}, P(name="blocks", dtype="uint8"),
             attrs={"other": 4})
-_LO = _cast(P("bitwise_and.Scalar", P(name="blocks", dtype="uint8"), attrs={"other": 15}))
-_HI = _cast(Alt(P("bitwise_and.Scalar", _SHIFT4, attrs={"other": 15}), _SHIFT4))
-_CODES = V(Alt(P("cat", P("unsqueeze", _LO), P("unsqueeze", _HI), where=lambda n, m: _last_dim(n) and
-                 n.shape[-1] == 2), P("stack", _LO, _HI, where=_last_dim)))
+_LO = cast(P("bitwise_and.Scalar", P(name="blocks", dtype="uint8"), attrs={"other": 15}))
+_HI = cast(Alt(P("bitwise_and.Scalar", _SHIFT4, attrs={"other": 15}), _SHIFT4))
+_CODES = V(Alt(P("cat", P("unsqueeze", _LO), P("unsqueeze", _HI), where=lambda n, m: last_dim(n) and
+                 n.shape[-1] == 2), P("stack", _LO, _HI, where=last_dim)))
 _EXP = P("_to_copy", P(name="scales", dtype="uint8"))
 # MXFP4: E2M1 table[codes of B] * exp2(float(S) - 127)
 _MXFP4 = V(P("mul.Tensor", P("index.Tensor", _E2M1_TABLE, _CODES, attrs={"indices": (True,)}),
@@ -322,7 +312,7 @@ _PACKED = P(name="packed", dtype="uint8")
 _INT4_CAT = P("cat", _unit_view(_bits("bitwise_and.Tensor", {"bitwise_and.Scalar"}, 15, _PACKED)),
               _unit_view(_bits("bitwise_right_shift.Tensor", {"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"},
                                4, _PACKED)),
-              where=lambda n, m: _last_dim(n) and n.shape[-1] == 2 and
+              where=lambda n, m: last_dim(n) and n.shape[-1] == 2 and
               all(tuple(i.inputs[0].shape) == tuple(m.packed.shape) for i in n.inputs))
 _INT4_CODES = P("_to_copy", V(Alt(_bits("bitwise_xor.Tensor", {"bitwise_xor.Scalar"}, 8, V(_INT4_CAT), "xor"),
                                   _INT4_CAT)), dtype="float32")
@@ -349,19 +339,12 @@ def match_int4(w: Node, constants) -> dict | None:
         return None
     zp, packed = m.get("zp"), m.packed
     if not ok or scales.op != "weight" or scales.dtype != "float32" or \
-            _numel(packed.shape) * 2 != R * C or _numel(scales.shape) * bs != R * C or \
-            (zp is not None and _numel(zp.shape) != _numel(scales.shape)):
+            math.prod(packed.shape) * 2 != R * C or math.prod(scales.shape) * bs != R * C or \
+            (zp is not None and math.prod(zp.shape) != math.prod(scales.shape)):
         return None
     offset = float(m.value(m.offset).reshape(-1)[0]) if "offset" in m else 0.0
     return {"packed": packed, "scales": scales, "zero_points": zp, "block": int(bs), "block_axis": axis,
             "signed": "xor" in m, "offset": offset}
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def _view(x: Node, shape, span) -> Node:
@@ -427,7 +410,7 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
             op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
     need(op is not None)
     lead = tuple(x.shape[:-1])
-    T = _numel(lead) if lead else 1
+    T = math.prod(lead) if lead else 1
     y = Node.make(op, [_view(x, (T, K), n.span), *ins], attrs, [TensorType("float32", (T, N))], n.span)
     y = _view(y, (*lead, N), n.span)
     if bias is not None:

@@ -71,8 +71,8 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import (Alt, Match, P, Pat, Rule, V, add_counts, const, isin, need, rewrite,
-                                       strip_views)
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, isin, last_dim,
+                                       need, rewrite, scalar_is, strip_views)
 from dayzero.passes.paged_kv import by_token, unpage
 
 DENSE = "cache_attention"
@@ -230,7 +230,6 @@ from dayzero.codegen.kernels import indexer as _indexer_kernels  # noqa: E402,F4
 
 # ---- the match -----------------------------------------------------------------------------------------------
 
-ALPHA1 = {"alpha": isin(1, None)}
 LAST4 = isin(-1, 3)  # the last axis of a 4-D value
 VIEW3 = {"view", "_unsafe_view", "reshape"}
 _UPCAST = ("float32", "bfloat16", "float16")
@@ -238,15 +237,6 @@ _UPCAST = ("float32", "bfloat16", "float16")
 
 def _int(dtype: str) -> bool:
     return dtype.startswith("int")
-
-
-def _last_dim(n: Node, m=None) -> bool:
-    return n.attr.get("dim") in (-1, len(n.inputs[0].shape) - 1)
-
-
-def scalar_where(pred, name: str | None = None) -> Pat:
-    """A folded one-element constant whose value satisfies ``pred``."""
-    return const(lambda t: t.numel() == 1 and bool(pred(t.reshape(-1)[0])), name)
 
 
 def arange_row(L: str = "L") -> Pat:
@@ -269,7 +259,7 @@ _MASK_TERMS = (
     _ALL_TRUE,
     P("le.Tensor", arange_row(), positions("qpos"), name="causal"),
     P("gt.Tensor", arange_row(), P("sub.Tensor", positions("qpos"),
-                                   scalar_where(lambda v: not v.is_floating_point() and int(v) > 0, "window"),
+                                   scalar_is(lambda v: not v.is_floating_point() and int(v) > 0, "window"),
                                    attrs=ALPHA1)),
     P("bitwise_not", V(P("scatter.value", _ALL_TRUE, P(name="idx"), attrs={"value": isin(False, 0),
                                                                              "dim": isin(-1, 2)},
@@ -342,12 +332,12 @@ _MLA_V = P("getitem", P("split_with_sizes", P("permute", P(VIEW3, P("linear", P(
                                                                        P(name="w", ndim=2),
                                                                        attrs={"bias": isin(False, None)}),
                                                            name="vw"), attrs={"dims": (0, 2, 1, 3)}),
-                        name="sp", where=lambda n, m: _last_dim(n) and len(n.attr["split_sizes"]) == 2),
+                        name="sp", where=lambda n, m: last_dim(n) and len(n.attr["split_sizes"]) == 2),
            attrs={"index": 1})
 _NOPE, _ROPE = P("getitem", P(name="sp"), attrs={"index": 0}), P("expand", P(name="rope"), name="kr")
-_MLA_K = Alt(P("cat", _NOPE, _ROPE, where=_last_dim),
-             P("slice_scatter", P("slice_scatter", P(), _copied(_NOPE), where=_last_dim), _copied(_ROPE),
-               where=lambda n, m: _last_dim(n) and _halves(n, m)))
+_MLA_K = Alt(P("cat", _NOPE, _ROPE, where=last_dim),
+             P("slice_scatter", P("slice_scatter", P(), _copied(_NOPE), where=last_dim), _copied(_ROPE),
+               where=lambda n, m: last_dim(n) and _halves(n, m)))
 
 
 def _mla_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node, Node, int]:
@@ -413,7 +403,7 @@ def sink_attention(logits: Pat) -> Pat:
 SCALED_QK = P("mul.Tensor", P(VIEW3, P("bmm", flat_heads(P(name="q")),
                                        flat_heads(P("permute", P(name="k"), attrs={"dims": (0, 1, 3, 2)}))), ndim=4),
               const(lambda t: t.numel() == 1, name="scale"))
-ZERO, NEG_BIG = scalar_where(lambda v: float(v) == 0.0), scalar_where(lambda v: float(v) <= -1e30)
+ZERO, NEG_BIG = scalar_is(lambda v: float(v) == 0.0), scalar_is(lambda v: float(v) <= -1e30)
 _EAGER = sink_attention(P("add.Tensor", SCALED_QK, P("where.self", P(name="mask"), ZERO, NEG_BIG), attrs=ALPHA1))
 
 
@@ -432,14 +422,13 @@ def _eager_with_sinks(n: Node, m: Match) -> Node:
 
 def _up(p: Pat) -> Pat:
     """``p`` through views and an exact upcast to float32."""
-    return V(Alt(P("_to_copy", V(p), attrs={"dtype": "float32"}, where=lambda n, m: n.inputs[0].dtype in _UPCAST),
-                 p))
+    return cast(p, "float32", _UPCAST)
 
 
 # getitem(topk(where(~mask, -inf, bmm(w, relu(bmm(q, keys) * scale))), k), 1): the DSA lightning indexer
 _INDEXER = P("getitem", P("topk", P("where.self", P("bitwise_not", Alt(
     P("select.int", P(name="imask"), attrs={"dim": 1, "index": 0}, where=lambda n, m: n.inputs[0].shape[1] == 1),
-    P(name="imask"))), scalar_where(lambda v: float(v) == float("-inf")),
+    P(name="imask"))), scalar_is(lambda v: float(v) == float("-inf")),
     _up(P("bmm", _up(P(name="w", ndim=3)), _up(P("relu", P("mul.Tensor", _up(P(
         "bmm", _up(P(name="iq", ndim=4)), P(name="kv"), name="qk")), const(lambda t: t.numel() == 1, name="scale")),
         ndim=4, name="r")), name="hs")), ndim=3, name="x"),

@@ -194,9 +194,29 @@ def const(pred: Callable[[Any], bool] | None = None, name: str | None = None) ->
     return Pat("weight", name=name, where=where)
 
 
+def scalar_is(pred: Callable[[Any], bool], name: str | None = None) -> Pat:
+    """A folded one-element constant whose value (a 0-d tensor) satisfies ``pred``."""
+    return const(lambda t: t.numel() == 1 and bool(pred(t.reshape(-1)[0])), name)
+
+
 def scalar(value: float, name: str | None = None) -> Pat:
     """A folded one-element constant equal to ``value``."""
-    return const(lambda t: t.numel() == 1 and float(t.reshape(-1)[0]) == value, name)
+    return scalar_is(lambda v: float(v) == value, name)
+
+
+def cast(p: Pat, to: str | None = None, sources=None) -> Pat:
+    """``p``, or ``p`` under a dtype cast (``_to_copy``; to dtype ``to``, from one of ``sources``), through views
+    either side."""
+    return V(Alt(P("_to_copy", V(p), attrs={"dtype": to} if to else None,
+                   where=None if sources is None else lambda n, m: n.inputs[0].dtype in sources), p))
+
+
+ALPHA1 = {"alpha": isin(1, None)}  # add/sub's alpha absent or 1
+
+
+def last_dim(n: Node, m: Match | None = None) -> bool:
+    """The op's ``dim`` attr names its (first) output's last axis."""
+    return n.attr.get("dim") in (-1, len(n.types[0].shape) - 1)
 
 
 @dataclass(frozen=True)
