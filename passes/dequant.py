@@ -138,6 +138,34 @@ if ops.REGISTRY.get(OP_MOE_FP8) is None:
             "other args as moe_experts"))
 
 
+# ---- the typed dequant op (the frontend's low-precision binding) -------------------------------------------
+
+OP_DEQUANT = "dequant"
+
+
+def dequant_reference(ins, attrs):
+    """fp32 W from a weight as stored (see the op's doc), as lowprec.dequant_mxfp4 / dequant_fp8_block."""
+    data, scale = ins
+    mx = attrs["format"] == "mxfp4"
+    if data.device.type == "meta":
+        w = torch.empty((*data.shape[:-2], data.shape[-2] * 32) if mx else data.shape, dtype=torch.float32,
+                        device="meta")
+    else:
+        w = _dequant_ref(data, scale) if mx else fp8_blocks_dequant_ref(data, scale, attrs["block"])
+    return (w.transpose(-1, -2) if attrs["transposed"] else w).contiguous()
+
+
+if ops.REGISTRY.get(OP_DEQUANT) is None:
+    ops.register(ops.OpDef(
+        OP_DEQUANT, args=(("data", ops.TENSOR), ("scale", ops.TENSOR), ("format", ops.ATTR), ("block", ops.ATTR),
+                          ("transposed", ops.ATTR), ("out_dtype", ops.ATTR)),
+        reference=dequant_reference,
+        doc="a low-precision weight as stored -> float32: format mxfp4 (data uint8 [.., O, G, 16], scale E8M0 "
+            "uint8 [.., O, G], block 32: W [.., O, 32G]) or fp8 (data float8_e4m3fn [.., R, C], scale fp32 "
+            "[.., ceil(R/br), ceil(C/bc)], block (br, bc): W [.., R, C]); transposed swaps W's last two axes; "
+            "out_dtype float32. Emitted by the frontend's low-precision binding (frontend/lowprec.py)"))
+
+
 # ---- dense linear ops ----------------------------------------------------------------------------------------
 
 OPS_LINEAR = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
@@ -231,10 +259,19 @@ _MXFP4 = V(P("mul.Tensor", P("index.Tensor", _E2M1_TABLE, _CODES, attrs={"indice
              commute=True, dtype="float32", name="mul"))
 
 
+def _typed(fmt: str, data_dtype: str) -> Pat:
+    return P(OP_DEQUANT, P(name="data", dtype=data_dtype), P(name="scale"), attrs={"format": fmt})
+
+
+_TYPED_MXFP4, _TYPED_FP8 = _typed("mxfp4", "uint8"), _typed("fp8", "float8_e4m3fn")
+
+
 def match_mxfp4(w: Node, constants) -> tuple[Node, Node, bool] | None:
-    """W (fp32) -> (blocks, scales, transposed) when W is an MXFP4 dequant chain, else None."""
+    """W (fp32) -> (blocks, scales, transposed) when W is an MXFP4 dequant (the typed op or the ATen chain)."""
     transposed = _is_last_swap(w)
     base, m = w.inputs[0] if transposed else w, Match(constants)
+    if _TYPED_MXFP4.match(base, m):
+        return m.data, m.scale, transposed != base.attr["transposed"]
     if not _MXFP4.match(base, m):
         return None
     lead = tuple(m.blocks.shape[:-1])
@@ -267,9 +304,11 @@ def _repeat(n: Node):
 
 def match_fp8_blocks(w: Node) -> tuple[Node, Node, int, int] | None:
     """W fp32 [.., N, K] = E4M3(Wq) x scale S repeated (br, bc) times along the last two axes -> (Wq
-    float8_e4m3fn [.., N, K], S fp32 [.., ceil(N/br), ceil(K/bc)], br, bc), else None. A missing repeat is a
-    factor 1 (one scale per row)."""
+    float8_e4m3fn [.., N, K], S fp32 [.., ceil(N/br), ceil(K/bc)], br, bc), else None: the typed op, or the ATen
+    chain where a missing repeat is a factor 1 (one scale per row)."""
     m = Match()
+    if _TYPED_FP8.match(w, m) and not w.attr["transposed"] and all(isinstance(d, int) for d in w.shape):
+        return m.data, m.scale, *w.attr["block"]
     if len(w.shape) < 2 or not all(isinstance(d, int) for d in w.shape) or not _FP8.match(w, m) or \
             tuple(m.cast.shape) != tuple(w.shape):
         return None
