@@ -1,9 +1,12 @@
-"""dequant: a dequantisation chain feeding its consumer -> one fused node reading the weight as stored.
+"""dequant: a dequantisation feeding its consumer -> one fused node reading the weight as stored.
 
-A low-precision weight enters the IR as its stored tensors followed by the dequantisation in plain ATen ops (the
-PyTorch frontend's ``frontend/lowprec.bind_low_precision``, the steps of transformers' ``convert_moe_packed_tensors``
-and DeepSeek's ``weight_dequant``; the ONNX frontend's ``MatMulNBits`` / blocked ``DequantizeLinear``). Three
-chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names::
+The PyTorch frontend knows the format of a checkpoint's low-precision weights: its binding
+(``frontend/lowprec.bind_low_precision``) emits the typed op ``dequant(data, scale) {format mxfp4 | fp8, block,
+transposed}``, which the rules below read directly. A graph that arrives without the binding (ONNX's
+``MatMulNBits`` / blocked ``DequantizeLinear``, a user module that dequantises itself the way transformers'
+``convert_moe_packed_tensors`` and DeepSeek's ``weight_dequant`` do) holds the dequantisation as plain ATen ops:
+three such chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names, and
+both paths meet in the same fused ops::
 
 MXFP4 B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
                               └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
@@ -41,7 +44,8 @@ Constants are checked by value: the E2M1 table and the exponent bias 127 (folded
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
 detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
-full-precision temporary).
+full-precision temporary); a typed op no consumer fused lowers on its own (``codegen/lower.py``). Counts:
+``dequant.experts`` (fused expert blocks, two weights each) and ``dequant.linear``.
 
 Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are constants) and after ``moe``.
 """
