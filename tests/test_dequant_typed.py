@@ -89,3 +89,14 @@ def test_typed_op_and_aten_chain_meet_in_the_same_fused_linear(fmt):
         assert not [n for n in g.nodes() if n.op == dq.OP_DEQUANT]
         fused.append((node.op, node.attrs, [i.attr.get("name") for i in node.inputs]))
     assert fused[0] == fused[1] and fused[0][0] == f"dequant_linear_{fmt}"
+
+
+def test_typed_op_verifies_and_its_text_form_round_trips():
+    from dayzero.passes.ir.node import structurally_equal
+    from dayzero.passes.ir.text import parse_graph, print_graph
+    from dayzero.passes.ir.verify import verify
+
+    n = _typed("fp8", ("float8_e4m3fn", (40, 200)), ("float32", (3, 2)), (16, 128), False, (40, 200))
+    g = Graph("main", (), (n,))
+    verify(g)
+    assert structurally_equal(parse_graph(print_graph(g)), g)
