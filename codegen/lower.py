@@ -1115,6 +1115,26 @@ def _clamp_1(ctx, ins, attrs, outs):
     return _elementwise(ctx, ins, outs[0], lambda a: tvm.tirx.min(a, c), cd)
 
 
+# ---- the typed dequant (passes/dequant.py) where no consumer fused it ---------------------------------------
+
+@lowering("dequant")
+def _dequant(ctx, ins, attrs, outs):
+    from dayzero.codegen.kernels.dequant import e2m1_value, e8m0_value
+
+    data, scale = ins
+    u8 = lambda v: tvm.tirx.const(v, "uint8")  # noqa: E731
+
+    def w(*i):
+        *lead, r, c = i[:-2] + (i[-1], i[-2]) if attrs["transposed"] else i
+        if attrs["format"] == "mxfp4":
+            byte = data[(*lead, r, c // 32, (c % 32) // 2)]
+            code = tvm.tirx.Select(c % 2 == 0, byte & u8(15), byte >> u8(4))
+            return e2m1_value(code) * e8m0_value(scale[(*lead, r, c // 32)])
+        br, bc = attrs["block"]
+        return _cast(data[(*lead, r, c)], "float32") * scale[(*lead, r // br, c // bc)]
+    return te.compute(ctx.shape(outs[0].shape), w, name="dequant")
+
+
 def lower_node(ctx: Ctx, op: str, ins: list[te.Tensor], attrs: dict, out_types) -> list[te.Tensor]:
     fn = LOWERINGS.get(op)
     if fn is None:

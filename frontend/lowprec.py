@@ -214,11 +214,12 @@ def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
 
 # ----------------------------------------------------------------------------------------------- graph binding
 # A checkpoint parameter stored in low precision enters the IR as its stored tensors (``weight`` nodes of the
-# stored dtype/shape, zone low_precision_weights) followed by the dequantisation written as plain ATen ops, traced
-# by torch.export from the functions below: the graph computes exactly the fp32 tensor transformers would have
-# loaded, and passes/dequant.py recognises the chain by its shape and fuses it into the consumer's kernel.
+# stored dtype/shape, zone low_precision_weights) read by one typed ``dequant`` op: the format is known here, so
+# no pass has to recognise it. passes/dequant.py fuses it into the consumer's kernel (or lowers it alone).
+# ``_dequant_graph`` writes the same dequantisation as the plain ATen ops of transformers' convert_moe_packed_tensors
+# and DeepSeek's weight_dequant: what a graph arriving without this binding holds (tests build such graphs).
 # FP8 parameters stacked from several checkpoint tensors (per-expert gate/up/down) get one scale per row_block rows
-# (checkpoint._fp8_param; 128 for published DeepSeek experts), so the chain repeats the scale row_block x 128.
+# (checkpoint._fp8_param; 128 for published DeepSeek experts): block (row_block, 128).
 
 LOW_PRECISION_ZONE = "low_precision_weights"
 
@@ -278,7 +279,8 @@ _GRAPHS: dict = {}
 
 def bind_low_precision(traced, params: dict) -> int:
     """Replace every ``weight`` node named by ``params`` ({name: checkpoint.LowPrecParam}) with its stored tensors
-    plus the dequant chain. Returns how many were replaced."""
+    read by one typed ``dequant`` op (format, block, transposed: passes/dequant.py). Returns how many were
+    replaced."""
     from dayzero.passes.ir.node import Node, Span, TensorType, rewrite
 
     done = 0
@@ -291,21 +293,21 @@ def bind_low_precision(traced, params: dict) -> int:
         if n.dtype != "float32":
             raise UserError(f"{p.param}: low-precision storage for a {n.dtype} parameter is not supported")
         data_t, scale_t = p.types(n.shape)
-        sub = _dequant_graph(p.fmt, p.in_major, data_t, scale_t, p.row_block)
         span = Span(n.attr["name"].rsplit(".", 1)[0], "dayzero.frontend.lowprec")
         data = Node.make("weight", (), {"name": p.data_name, "zone": LOW_PRECISION_ZONE},
                          [TensorType(*data_t)], span)
         scale = Node.make("weight", (), {"name": p.scale_name, "zone": LOW_PRECISION_ZONE},
                           [TensorType(*scale_t)], span)
-        bind = {"blocks": data, "weight": data, "scales": scale, "scale_inv": scale}
-
-        def sub_fn(m):
-            if m.op == "input":
-                return bind[m.attr["name"]]
-            return m.replace(span=span)
-        out = rewrite(sub, sub_fn).outputs[0]
-        if out.type != n.type:
-            raise UserError(f"{p.param}: dequantised {out.type} does not match the parameter's {n.type}")
+        mx = p.fmt == "mxfp4"
+        shape = (*data_t[1][:-2], data_t[1][-2] * MXFP4_BLOCK) if mx else tuple(data_t[1])
+        transposed = bool(p.in_major) and mx
+        if transposed:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        if TensorType("float32", shape) != n.type:
+            raise UserError(f"{p.param}: dequantised float32{list(shape)} does not match the parameter's {n.type}")
+        out = Node.make("dequant", (data, scale), {"format": p.fmt, "transposed": transposed, "out_dtype": "float32",
+                                                   "block": MXFP4_BLOCK if mx else (p.row_block, FP8_BLOCK[1])},
+                        [n.type], span)
         done += 1
         return out
 

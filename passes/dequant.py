@@ -1,9 +1,12 @@
-"""dequant: a dequantisation chain feeding its consumer -> one fused node reading the weight as stored.
+"""dequant: a dequantisation feeding its consumer -> one fused node reading the weight as stored.
 
-A low-precision weight enters the IR as its stored tensors followed by the dequantisation in plain ATen ops (the
-PyTorch frontend's ``frontend/lowprec.bind_low_precision``, the steps of transformers' ``convert_moe_packed_tensors``
-and DeepSeek's ``weight_dequant``; the ONNX frontend's ``MatMulNBits`` / blocked ``DequantizeLinear``). Three
-chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names::
+The PyTorch frontend knows the format of a checkpoint's low-precision weights: its binding
+(``frontend/lowprec.bind_low_precision``) emits the typed op ``dequant(data, scale) {format mxfp4 | fp8, block,
+transposed}``, which the rules below read directly. A graph that arrives without the binding (ONNX's
+``MatMulNBits`` / blocked ``DequantizeLinear``, a user module that dequantises itself the way transformers'
+``convert_moe_packed_tensors`` and DeepSeek's ``weight_dequant`` do) holds the dequantisation as plain ATen ops:
+three such chains are recognised, by op identity, attrs, dtypes, shapes and constant values, never names, and
+both paths meet in the same fused ops::
 
 MXFP4 B uint8 [.., O, G, 16] ─┬─ bitwise_and(15) ─ _to_copy(int) ─ unsqueeze(-1) ─┐
                               └─ rshift(4) ─ [and(15)] ─ _to_copy(int) ─ unsqueeze(-1) ─ cat(-1) ─ view [.., O, G, 32]
@@ -41,21 +44,25 @@ Constants are checked by value: the E2M1 table and the exponent bias 127 (folded
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
 detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
-full-precision temporary).
+full-precision temporary); a typed op no consumer fused lowers on its own (``codegen/lower.py``). Counts:
+``dequant.experts`` (fused expert blocks, two weights each) and ``dequant.linear``.
 
 Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are constants) and after ``moe``.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, last_dim, need,
+                                       rewrite, scalar, strip_views)
 
 OP_MOE = "moe_experts_mxfp4"
-_RESHAPES = {"view", "_unsafe_view", "reshape", "alias", "clone"}
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -135,6 +142,34 @@ if ops.REGISTRY.get(OP_MOE_FP8) is None:
             "other args as moe_experts"))
 
 
+# ---- the typed dequant op (the frontend's low-precision binding) -------------------------------------------
+
+OP_DEQUANT = "dequant"
+
+
+def dequant_reference(ins, attrs):
+    """fp32 W from a weight as stored (see the op's doc), as lowprec.dequant_mxfp4 / dequant_fp8_block."""
+    data, scale = ins
+    mx = attrs["format"] == "mxfp4"
+    if data.device.type == "meta":
+        w = torch.empty((*data.shape[:-2], data.shape[-2] * 32) if mx else data.shape, dtype=torch.float32,
+                        device="meta")
+    else:
+        w = _dequant_ref(data, scale) if mx else fp8_blocks_dequant_ref(data, scale, attrs["block"])
+    return (w.transpose(-1, -2) if attrs["transposed"] else w).contiguous()
+
+
+if ops.REGISTRY.get(OP_DEQUANT) is None:
+    ops.register(ops.OpDef(
+        OP_DEQUANT, args=(("data", ops.TENSOR), ("scale", ops.TENSOR), ("format", ops.ATTR), ("block", ops.ATTR),
+                          ("transposed", ops.ATTR), ("out_dtype", ops.ATTR)),
+        reference=dequant_reference,
+        doc="a low-precision weight as stored -> float32: format mxfp4 (data uint8 [.., O, G, 16], scale E8M0 "
+            "uint8 [.., O, G], block 32: W [.., O, 32G]) or fp8 (data float8_e4m3fn [.., R, C], scale fp32 "
+            "[.., ceil(R/br), ceil(C/bc)], block (br, bc): W [.., R, C]); transposed swaps W's last two axes; "
+            "out_dtype float32. Emitted by the frontend's low-precision binding (frontend/lowprec.py)"))
+
+
 # ---- dense linear ops ----------------------------------------------------------------------------------------
 
 OPS_LINEAR = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
@@ -202,18 +237,6 @@ for _fmt, _extra in (("int4", (("zero_points", ops.OPT_TENSOR), ("layout", ops.A
 
 # ---- the match -----------------------------------------------------------------------------------------------
 
-def _const(n: Node, constants):
-    if n.op == "weight" and n.attr["name"] in constants:
-        return constants[n.attr["name"]]
-    return None
-
-
-def _through(n: Node, opset) -> Node:
-    while n.op in opset and len(n.inputs) >= 1 and len(n.types) == 1:
-        n = n.inputs[0]
-    return n
-
-
 def _is_last_swap(n: Node) -> bool:
     nd = len(n.shape)
     if n.op in ("permute", "permute_copy"):
@@ -224,147 +247,60 @@ def _is_last_swap(n: Node) -> bool:
     return False
 
 
-def _scalar_is(n: Node, value: float, constants) -> bool:
-    c = _const(n, constants)
-    return c is not None and c.numel() == 1 and float(c.reshape(-1)[0]) == value
+_E2M1_TABLE = const(lambda t: tuple(t.shape) == (16,) and
+                    np.array_equal(t.float().numpy().view(np.uint32), _E2M1.view(np.uint32)))
+_SHIFT4 = P({"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"}, P(name="blocks", dtype="uint8"),
+            attrs={"other": 4})
+_LO = cast(P("bitwise_and.Scalar", P(name="blocks", dtype="uint8"), attrs={"other": 15}))
+_HI = cast(Alt(P("bitwise_and.Scalar", _SHIFT4, attrs={"other": 15}), _SHIFT4))
+_CODES = V(Alt(P("cat", P("unsqueeze", _LO), P("unsqueeze", _HI), where=lambda n, m: last_dim(n) and
+                 n.shape[-1] == 2), P("stack", _LO, _HI, where=last_dim)))
+_EXP = P("_to_copy", P(name="scales", dtype="uint8"))
+# MXFP4: E2M1 table[codes of B] * exp2(float(S) - 127)
+_MXFP4 = V(P("mul.Tensor", P("index.Tensor", _E2M1_TABLE, _CODES, attrs={"indices": (True,)}),
+             V(P("exp2", Alt(P("sub.Tensor", _EXP, scalar(127.0), attrs=ALPHA1),
+                             P("sub.Scalar", _EXP, attrs={"other": 127, **ALPHA1})))),
+             commute=True, dtype="float32", name="mul"))
 
 
-def _scale_side(n: Node, constants) -> Node | None:
-    """unsqueeze(exp2(_to_copy(S) - 127), -1) -> S (uint8 [.., G])."""
-    n = _through(n, _RESHAPES | {"unsqueeze"})
-    if n.op != "exp2":
-        return None
-    n = n.inputs[0]
-    if n.op == "sub.Tensor" and n.attr.get("alpha", 1) == 1 and _scalar_is(n.inputs[1], 127.0, constants):
-        n = n.inputs[0]
-    elif n.op == "sub.Scalar" and n.attr.get("other") == 127 and n.attr.get("alpha", 1) == 1:
-        n = n.inputs[0]
-    else:
-        return None
-    if n.op != "_to_copy":
-        return None
-    s = n.inputs[0]
-    return s if s.dtype == "uint8" else None
+def _typed(fmt: str, data_dtype: str) -> Pat:
+    return P(OP_DEQUANT, P(name="data", dtype=data_dtype), P(name="scale"), attrs={"format": fmt})
 
 
-def _nibble(n: Node, high: bool) -> Node | None:
-    """_to_copy(B & 15) (low) or _to_copy([(] B >> 4 [) & 15]) (high) -> B."""
-    n = _through(n, {"_to_copy"} | _RESHAPES)
-    if n.op == "bitwise_and.Scalar" and n.attr.get("other") == 15:
-        inner = n.inputs[0]
-        if not high:
-            return inner if inner.dtype == "uint8" else None
-        n = inner
-    if high and n.op in ("__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar") and n.attr.get("other") == 4:
-        b = n.inputs[0]
-        return b if b.dtype == "uint8" else None
-    return None
-
-
-def _value_side(n: Node, constants) -> Node | None:
-    """index.Tensor(E2M1 table, view(cat(lo[.., None], hi[.., None], -1))) -> B (uint8 [.., G, 16])."""
-    if n.op != "index.Tensor" or n.attr.get("indices") != (True,) or len(n.inputs) != 2:
-        return None
-    lut = _const(n.inputs[0], constants)
-    if lut is None or tuple(lut.shape) != (16,) or \
-            not np.array_equal(lut.float().numpy().view(np.uint32), _E2M1.view(np.uint32)):
-        return None
-    codes = _through(n.inputs[1], _RESHAPES)
-    if codes.op not in ("cat", "stack") or len(codes.inputs) != 2 or \
-            codes.attr.get("dim") not in (-1, len(codes.shape) - 1):
-        return None
-    lo_n, hi_n = codes.inputs
-    if codes.op == "cat":
-        if lo_n.op != "unsqueeze" or hi_n.op != "unsqueeze" or codes.shape[-1] != 2:
-            return None
-        lo_n, hi_n = lo_n.inputs[0], hi_n.inputs[0]
-    lo, hi = _nibble(lo_n, False), _nibble(hi_n, True)
-    if lo is None or lo is not hi or len(lo.shape) < 2 or lo.shape[-1] != 16:
-        return None
-    return lo
+_TYPED_MXFP4, _TYPED_FP8 = _typed("mxfp4", "uint8"), _typed("fp8", "float8_e4m3fn")
 
 
 def match_mxfp4(w: Node, constants) -> tuple[Node, Node, bool] | None:
-    """W (fp32) -> (blocks, scales, transposed) when W is an MXFP4 dequant chain, else None."""
+    """W (fp32) -> (blocks, scales, transposed) when W is an MXFP4 dequant (the typed op or the ATen chain)."""
     transposed = _is_last_swap(w)
-    n = w.inputs[0] if transposed else w
-    n = _through(n, _RESHAPES)
-    if n.op != "mul.Tensor" or len(n.inputs) != 2 or n.dtype != "float32" or len(n.shape) < 3 or n.shape[-1] != 32:
+    base, m = w.inputs[0] if transposed else w, Match(constants)
+    if _TYPED_MXFP4.match(base, m):
+        return m.data, m.scale, transposed != base.attr["transposed"]
+    if not _MXFP4.match(base, m):
         return None
-    for a, b in (n.inputs, n.inputs[::-1]):
-        blocks, scales = _value_side(a, constants), _scale_side(b, constants)
-        if blocks is not None and scales is not None:
-            break
-    else:
+    lead = tuple(m.blocks.shape[:-1])
+    if len(lead) < 2 or m.blocks.shape[-1] != 16 or tuple(m.scales.shape) != lead or \
+            tuple(m.mul.shape) != (*lead, 32) or tuple(base.shape) != (*lead[:-1], lead[-1] * 32):
         return None
-    lead = tuple(blocks.shape[:-1])
-    if tuple(scales.shape) != lead or tuple(n.shape) != (*lead, 32):
-        return None
-    out = (*lead[:-1], lead[-1] * 32)
-    base = w.inputs[0] if transposed else w
-    if tuple(base.shape) != out:
-        return None
-    return blocks, scales, transposed
+    return m.blocks, m.scales, transposed
 
 
-def _fuse_moe(n: Node, constants) -> Node | None:
-    if n.op != "moe_experts":
-        return None
-    from dayzero.codegen.kernels import moe as kernels
-
-    a = n.attr
-    x, ids, w, wgu = n.inputs[:4]
-    bgu = n.inputs[4] if a["gate_up_bias"] else None
-    wd = n.inputs[5 if a["gate_up_bias"] else 4]
-    bd = n.inputs[-1] if a["down_bias"] else None
-    gu, d = match_mxfp4(wgu, constants), match_mxfp4(wd, constants)
-    if gu is None or d is None:
-        return _fuse_moe_fp8(n, x, ids, w, wgu, bgu, wd, bd)
-    want_t = a["layout"] == "kn"  # an input-major [E, in, out] weight is the transposed dequant
-    if gu[2] != want_t or d[2] != want_t:
-        return None
-    H, GU = int(x.shape[1]), int(gu[0].shape[1])
-    if not kernels.supports_mxfp4(H, GU, int(a["inter"])):
-        return None
-    ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
-        ([bd] if bd is not None else [])
-    attrs = {k: a[k] for k in ("act", "inter", "gate_up_bias", "down_bias")}
-    return Node.make(OP_MOE, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
-
-
-def _fuse_moe_fp8(n: Node, x, ids, w, wgu, bgu, wd, bd) -> Node | None:
-    """moe_experts whose two expert matrices are FP8 block chains -> moe_experts_fp8 (weights as stored, either
-    layout: the chain's output is the parameter itself, so the scale blocks lie over its last two axes)."""
-    from dayzero.codegen.kernels import moe as kernels
-
-    a = n.attr
-    gu, d = match_fp8_blocks(wgu), match_fp8_blocks(wd)
-    if gu is None or d is None or len(wgu.shape) != 3 or len(wd.shape) != 3:
-        return None
-    if not kernels.supports_fp8(int(x.shape[1]), int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]),
-                                int(a["inter"])):
-        return None
-    ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
-        ([bd] if bd is not None else [])
-    attrs = {k: a[k] for k in ("layout", "act", "inter", "gate_up_bias", "down_bias")}
-    attrs.update(gate_up_block=tuple(gu[2:]), down_block=tuple(d[2:]))
-    return Node.make(OP_MOE_FP8, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
+# FP8: float(Wq) * S, S repeated over blocks: view(expand(unsqueeze(src, d + 1))) per axis, then sliced
+_FP8 = P("mul.Tensor", P("_to_copy", P(name="wq", dtype="float8_e4m3fn"), name="cast"), P(name="s"), commute=True,
+         dtype="float32")
+_EXPAND = P("expand", P("unsqueeze", P(name="src"), name="u"), name="e")
+_REPEAT = P({"view", "_unsafe_view", "reshape", "alias"}, Alt(P("clone", _EXPAND), _EXPAND))
 
 
 def _repeat(n: Node):
     """view(expand(unsqueeze(src, d + 1), r at d + 1)) merging d and d + 1 -> (src, d, r): repeat_interleave."""
-    if n.op not in _RESHAPES or n.op == "clone":
+    m = Match()
+    if not _REPEAT.match(n, m):
         return None
-    e = _through(n.inputs[0], {"clone"})
-    if e.op != "expand" or e.inputs[0].op != "unsqueeze":
-        return None
-    src = e.inputs[0].inputs[0]
-    nd = len(src.shape)
-    d = e.inputs[0].attr["dim"] % (nd + 1) - 1
-    if d < 0:
-        return None
-    r = e.shape[d + 1]
-    if tuple(e.shape) != (*src.shape[:d + 1], r, *src.shape[d + 1:]) or \
+    src, e = m.src, m.e
+    d = m.u.attr["dim"] % (len(src.shape) + 1) - 1
+    r = e.shape[d + 1] if d >= 0 else None
+    if d < 0 or tuple(e.shape) != (*src.shape[:d + 1], r, *src.shape[d + 1:]) or \
             tuple(n.shape) != (*src.shape[:d], src.shape[d] * r, *src.shape[d + 1:]):
         return None
     return src, d, r
@@ -372,32 +308,28 @@ def _repeat(n: Node):
 
 def match_fp8_blocks(w: Node) -> tuple[Node, Node, int, int] | None:
     """W fp32 [.., N, K] = E4M3(Wq) x scale S repeated (br, bc) times along the last two axes -> (Wq
-    float8_e4m3fn [.., N, K], S fp32 [.., ceil(N/br), ceil(K/bc)], br, bc), else None. A missing repeat is a
-    factor 1 (one scale per row)."""
-    if w.op != "mul.Tensor" or len(w.inputs) != 2 or w.dtype != "float32" or len(w.shape) < 2:
+    float8_e4m3fn [.., N, K], S fp32 [.., ceil(N/br), ceil(K/bc)], br, bc), else None: the typed op, or the ATen
+    chain where a missing repeat is a factor 1 (one scale per row)."""
+    m = Match()
+    if _TYPED_FP8.match(w, m) and not w.attr["transposed"] and all(isinstance(d, int) for d in w.shape):
+        return m.data, m.scale, *w.attr["block"]
+    if len(w.shape) < 2 or not all(isinstance(d, int) for d in w.shape) or not _FP8.match(w, m) or \
+            tuple(m.cast.shape) != tuple(w.shape):
         return None
-    if not all(isinstance(d, int) for d in w.shape):
-        return None
-    nd = len(w.shape)
+    nd, b, axes = len(w.shape), m.s, {}
     *lead, N, K = w.shape
-    for a, b in (w.inputs, w.inputs[::-1]):
-        if a.op != "_to_copy" or a.inputs[0].dtype != "float8_e4m3fn" or tuple(a.shape) != tuple(w.shape):
-            continue
-        while b.op == "slice.Tensor" and b.attr.get("start") in (0, None) and b.attr.get("step", 1) == 1:
-            b = b.inputs[0]
-        axes = {}
-        for _ in range(2):
-            r = _repeat(b)
-            if r is None or r[1] in axes:
-                break
-            b, d, f = r
-            axes[d] = f
-        br, bc = axes.get(nd - 2, 1), axes.get(nd - 1, 1)
-        if set(axes) - {nd - 2, nd - 1} or b.dtype != "float32" or \
-                tuple(b.shape) != (*lead, -(-N // br), -(-K // bc)):
-            continue
-        return a.inputs[0], b, br, bc
-    return None
+    while b.op == "slice.Tensor" and b.attr.get("start") in (0, None) and b.attr.get("step", 1) == 1:
+        b = b.inputs[0]
+    for _ in range(2):
+        r = _repeat(b)
+        if r is None or r[1] in axes:
+            break
+        b, d, f = r
+        axes[d] = f
+    br, bc = axes.get(nd - 2, 1), axes.get(nd - 1, 1)
+    if set(axes) - {nd - 2, nd - 1} or b.dtype != "float32" or tuple(b.shape) != (*lead, -(-N // br), -(-K // bc)):
+        return None
+    return m.wq, b, br, bc
 
 
 def match_fp8(w: Node) -> tuple[Node, Node] | None:
@@ -408,92 +340,54 @@ def match_fp8(w: Node) -> tuple[Node, Node] | None:
     return m[0], m[1]
 
 
-def _bits(n: Node, op_t: str, op_s: tuple, value: int, constants) -> Node | None:
-    """op(P, value) as a .Tensor op with a constant [1] operand or a .Scalar op with attr other -> P."""
-    if n.op == op_t and len(n.inputs) == 2 and _scalar_is(n.inputs[1], value, constants):
-        return n.inputs[0]
-    if n.op in op_s and n.attr.get("other") == value:
-        return n.inputs[0]
-    return None
+def _unit_view(p: Pat) -> Pat:
+    """A reshape adding one trailing unit axis to ``p``'s value."""
+    return P({"view", "_unsafe_view", "reshape", "alias", "clone", "unsqueeze"}, p,
+             where=lambda n, m: tuple(n.shape) == (*n.inputs[0].shape, 1))
 
 
-def _int4_codes(n: Node, constants) -> tuple[Node, bool] | None:
-    """f32 of the nibble codes, optionally ^ 8 -> (P uint8, signed)."""
-    if n.op != "_to_copy" or n.dtype != "float32":
-        return None
-    n = _through(n.inputs[0], _RESHAPES)
-    signed = False
-    x = _bits(n, "bitwise_xor.Tensor", ("bitwise_xor.Scalar",), 8, constants)
-    if x is not None:
-        n, signed = _through(x, _RESHAPES), True
-    if n.op != "cat" or len(n.inputs) != 2 or n.attr.get("dim") not in (-1, len(n.shape) - 1) or n.shape[-1] != 2:
-        return None
-    lo_v, hi_v = n.inputs
-    if lo_v.shape[-1] != 1 or hi_v.shape[-1] != 1 or lo_v.op not in _RESHAPES | {"unsqueeze"} or \
-            hi_v.op not in _RESHAPES | {"unsqueeze"}:
-        return None
-    lo_n, hi_n = lo_v.inputs[0], hi_v.inputs[0]
-    if tuple(lo_v.shape) != (*lo_n.shape, 1) or tuple(hi_v.shape) != (*hi_n.shape, 1):
-        return None
-    lo = _bits(lo_n, "bitwise_and.Tensor", ("bitwise_and.Scalar",), 15, constants)
-    hi = _bits(hi_n, "bitwise_right_shift.Tensor", ("__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"), 4,
-               constants)
-    if lo is None or lo is not hi or lo.dtype != "uint8" or tuple(lo.shape) != tuple(lo_n.shape):
-        return None
-    return lo, signed
+def _bits(op_t: str, ops_s, value: int, src: Pat, name: str | None = None) -> Pat:
+    """op(src, value): a .Tensor op with a constant [1] operand, or a .Scalar op with attr other."""
+    return Alt(P(op_t, src, scalar(value)), P(ops_s, src, attrs={"other": value}), name=name)
+
+
+_PACKED = P(name="packed", dtype="uint8")
+_INT4_CAT = P("cat", _unit_view(_bits("bitwise_and.Tensor", {"bitwise_and.Scalar"}, 15, _PACKED)),
+              _unit_view(_bits("bitwise_right_shift.Tensor", {"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"},
+                               4, _PACKED)),
+              where=lambda n, m: last_dim(n) and n.shape[-1] == 2 and
+              all(tuple(i.inputs[0].shape) == tuple(m.packed.shape) for i in n.inputs))
+_INT4_CODES = P("_to_copy", V(Alt(_bits("bitwise_xor.Tensor", {"bitwise_xor.Scalar"}, 8, V(_INT4_CAT), "xor"),
+                                  _INT4_CAT)), dtype="float32")
+_INT4_OFFSET = Alt(P("sub.Tensor", V(_INT4_CODES), const(lambda t: t.numel() == 1, name="offset"), attrs=ALPHA1),
+                   _INT4_CODES)
+_INT4_ZP = Alt(P("sub.Tensor", V(_INT4_OFFSET), V(P("weight", dtype="float32", name="zp")), attrs=ALPHA1,
+                 where=lambda n, m: tuple(n.inputs[1].shape) == tuple(m.sv.shape)), _INT4_OFFSET)
+# INT4: ((float(codes [^ 8]) [- c]) [- Z]) * S, S [R/bs, 1, C] or [R, C/bs, 1]
+_INT4 = V(P("mul.Tensor", P(name="sv", ndim=3, dtype="float32"), V(_INT4_ZP), ndim=3, commute=True, name="mul"))
 
 
 def match_int4(w: Node, constants) -> dict | None:
     """W fp32 [R, C] -> {"packed", "scales", "zero_points", "block", "block_axis", "signed", "offset"}, else None."""
-    if w.dtype != "float32" or len(w.shape) != 2 or not all(isinstance(d, int) for d in w.shape):
+    m = Match(constants)
+    if w.dtype != "float32" or len(w.shape) != 2 or not all(isinstance(d, int) for d in w.shape) or \
+            not _INT4.match(w, m):
         return None
-    R, C = w.shape
-    m = _through(w, _RESHAPES)
-    if m.op != "mul.Tensor" or len(m.inputs) != 2 or len(m.shape) != 3:
+    (R, C), ms, sb, scales = w.shape, tuple(m.mul.shape), tuple(m.sv.shape), strip_views(m.sv)
+    if sb[1] == 1 and ms[1] > 1 and ms == (sb[0], ms[1], sb[2]):
+        axis, bs, ok = 0, ms[1], R == sb[0] * ms[1] and C == sb[2]
+    elif sb[2] == 1 and ms[2] > 1 and ms == (sb[0], sb[1], ms[2]):
+        axis, bs, ok = 1, ms[2], R == sb[0] and C == sb[1] * ms[2]
+    else:
         return None
-    for a, b in (m.inputs, m.inputs[::-1]):
-        sb = tuple(b.shape)
-        if len(sb) != 3 or b.dtype != "float32":
-            continue
-        if sb[1] == 1 and m.shape[1] > 1 and tuple(m.shape) == (sb[0], m.shape[1], sb[2]):
-            axis, bs = 0, m.shape[1]
-            ok = R == sb[0] * bs and C == sb[2]
-        elif sb[2] == 1 and m.shape[2] > 1 and tuple(m.shape) == (sb[0], sb[1], m.shape[2]):
-            axis, bs = 1, m.shape[2]
-            ok = R == sb[0] and C == sb[1] * bs
-        else:
-            continue
-        scales = _through(b, _RESHAPES)
-        if not ok or scales.op != "weight" or scales.dtype != "float32":
-            continue
-        v, zp, offset = _through(a, _RESHAPES), None, 0.0
-        if v.op == "sub.Tensor" and v.attr.get("alpha", 1) == 1 and tuple(v.inputs[1].shape) == sb:
-            z = _through(v.inputs[1], _RESHAPES)
-            if z.op != "weight" or z.dtype != "float32":
-                continue
-            zp, v = z, _through(v.inputs[0], _RESHAPES)
-        if v.op == "sub.Tensor" and v.attr.get("alpha", 1) == 1:
-            c = _const(v.inputs[1], constants)
-            if c is None or c.numel() != 1:
-                continue
-            offset, v = float(c.reshape(-1)[0]), _through(v.inputs[0], _RESHAPES)
-        codes = _int4_codes(v, constants)
-        if codes is None:
-            continue
-        packed, signed = codes
-        if _numel(packed.shape) * 2 != R * C or _numel(scales.shape) * bs != R * C or \
-                (zp is not None and _numel(zp.shape) != _numel(scales.shape)):
-            continue
-        return {"packed": packed, "scales": scales, "zero_points": zp, "block": int(bs), "block_axis": axis,
-                "signed": signed, "offset": offset}
-    return None
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    zp, packed = m.get("zp"), m.packed
+    if not ok or scales.op != "weight" or scales.dtype != "float32" or \
+            math.prod(packed.shape) * 2 != R * C or math.prod(scales.shape) * bs != R * C or \
+            (zp is not None and math.prod(zp.shape) != math.prod(scales.shape)):
+        return None
+    offset = float(m.value(m.offset).reshape(-1)[0]) if "offset" in m else 0.0
+    return {"packed": packed, "scales": scales, "zero_points": zp, "block": int(bs), "block_axis": axis,
+            "signed": "xor" in m, "offset": offset}
 
 
 def _view(x: Node, shape, span) -> Node:
@@ -503,25 +397,44 @@ def _view(x: Node, shape, span) -> Node:
     return Node.make("view", (x,), {"size": shape}, [TensorType(x.dtype, shape)], span)
 
 
-def _fuse_linear(n: Node, constants) -> Node | None:
-    """linear(x, W [N, K], [b]) / matmul|mm(x, W [K, N]) with W a dequant chain -> dequant_linear_FMT."""
-    if n.op == "linear" and len(n.inputs) >= 2:
-        x, w, kn = n.inputs[0], n.inputs[1], False
-        bias = n.inputs[2] if n.attr.get("bias") else None
-    elif n.op in ("matmul", "mm") and len(n.inputs) == 2:
-        x, w, kn, bias = n.inputs[0], n.inputs[1], True, None
+def _fused_experts(n: Node, m: Match) -> Node | None:
+    """moe_experts whose two expert matrices are MXFP4 chains (layout nk: untransposed, kn: transposed) ->
+    moe_experts_mxfp4, or FP8 block chains (either layout: the chain's output is the parameter itself, so the
+    scale blocks lie over its last two axes) -> moe_experts_fp8."""
+    from dayzero.codegen.kernels import moe as kernels
+
+    a = n.attr
+    x, ids, w, wgu = n.inputs[:4]
+    bgu = n.inputs[4] if a["gate_up_bias"] else None
+    wd = n.inputs[5 if a["gate_up_bias"] else 4]
+    bd = n.inputs[-1] if a["down_bias"] else None
+    H, inter, want_t = int(x.shape[1]), int(a["inter"]), a["layout"] == "kn"
+    gu, d = match_mxfp4(wgu, m.constants), match_mxfp4(wd, m.constants)
+    if gu is not None and d is not None:
+        need(gu[2] == d[2] == want_t and kernels.supports_mxfp4(H, int(gu[0].shape[1]), inter))
+        op, attrs = OP_MOE, {k: a[k] for k in ("act", "inter", "gate_up_bias", "down_bias")}
     else:
-        return None
-    if x.dtype != "float32" or n.dtype != "float32" or len(w.shape) != 2 or len(x.shape) < 1:
-        return None
-    N = w.shape[1] if kn else w.shape[0]
-    K = w.shape[0] if kn else w.shape[1]
-    if not isinstance(N, int) or not isinstance(K, int) or x.shape[-1] != K:
-        return None
+        gu, d = match_fp8_blocks(wgu), match_fp8_blocks(wd)
+        need(gu is not None and d is not None and len(wgu.shape) == len(wd.shape) == 3)
+        need(kernels.supports_fp8(H, int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]), inter))
+        op, attrs = OP_MOE_FP8, {k: a[k] for k in ("layout", "act", "inter", "gate_up_bias", "down_bias")}
+        attrs.update(gate_up_block=tuple(gu[2:]), down_block=tuple(d[2:]))
+    ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
+        ([bd] if bd is not None else [])
+    return Node.make(op, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
+
+
+def _fused_linear(n: Node, m: Match) -> Node | None:
+    """linear(x, W [N, K], [b]) / matmul|mm(x, W [K, N]) with W a dequant chain -> dequant_linear_FMT."""
+    kn = n.op != "linear"
+    x, w = n.inputs[:2]
+    bias = n.inputs[2] if not kn and n.attr.get("bias") else None
+    N, K = (w.shape[1], w.shape[0]) if kn else w.shape
+    need(isinstance(N, int) and isinstance(K, int) and x.shape[-1] == K)
     from dayzero.codegen.kernels import dequant_linear as kernels
 
     op, ins, attrs = None, [], {"N": N, "K": K}
-    q = match_int4(w, constants)
+    q = match_int4(w, m.constants)
     if q is not None:
         a = dict(attrs, layout="kn" if kn else "nk", block=q["block"], block_axis=q["block_axis"],
                  signed=q["signed"], offset=q["offset"], zero_point=q["zero_points"] is not None)
@@ -531,43 +444,35 @@ def _fuse_linear(n: Node, constants) -> Node | None:
             if q["zero_points"] is not None:
                 ins.append(_view(q["zero_points"], ss, n.span))
             op, attrs = "dequant_linear_int4", a
-    if op is None:
-        base = w.inputs[0] if kn and _is_last_swap(w) else (None if kn else w)
-        if base is not None:
-            f = match_fp8(base)
-            mx = match_mxfp4(w, constants)
-            if f is not None:
-                op, ins = "dequant_linear_fp8", list(f)
-            elif mx is not None and mx[2] == kn and len(mx[0].shape) == 3:
-                op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
-    if op is None:
-        return None
+    base = w.inputs[0] if kn and _is_last_swap(w) else (None if kn else w)
+    if op is None and base is not None:
+        f, mx = match_fp8(base), match_mxfp4(w, m.constants)
+        if f is not None:
+            op, ins = "dequant_linear_fp8", list(f)
+        elif mx is not None and mx[2] == kn and len(mx[0].shape) == 3:
+            op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
+    need(op is not None)
     lead = tuple(x.shape[:-1])
-    T = _numel(lead) if lead else 1
-    x2 = _view(x, (T, K), n.span)
-    y = Node.make(op, [x2, *ins], attrs, [TensorType("float32", (T, N))], n.span)
+    T = math.prod(lead) if lead else 1
+    y = Node.make(op, [_view(x, (T, K), n.span), *ins], attrs, [TensorType("float32", (T, N))], n.span)
     y = _view(y, (*lead, N), n.span)
     if bias is not None:
         y = Node.make("add.Tensor", (y, bias), {"alpha": 1}, [TensorType("float32", n.shape)], n.span)
     return y
 
 
+_FP32 = {"dtype": "float32"}
+_X = P(where=lambda n, m: len(n.shape) >= 1, **_FP32)
+RULES = (
+    Rule("dequant.experts", P("moe_experts"), _fused_experts),
+    Rule("dequant.linear", Alt(P("linear", _X, P(ndim=2), rest=True, **_FP32),
+                               P({"matmul", "mm"}, _X, P(ndim=2), **_FP32)), _fused_linear),
+)
+
+
 def dequant(g: Graph, ctx) -> Graph:
-    """Fuse dequant chains into their consumers; counts fused chains in ``ctx.patterns["dequant"]``."""
-    count = 0
-
-    def fn(n: Node):
-        nonlocal count
-        r = _fuse_moe(n, ctx.constants)
-        if r is not None:
-            count += 2  # the gate/up and the down chains
-            return r
-        r = _fuse_linear(n, ctx.constants)
-        if r is not None:
-            count += 1
-        return r
-
-    out = rewrite(g, fn)
-    if count:
-        ctx.patterns["dequant"] = ctx.patterns.get("dequant", 0) + count
-    return out
+    """Fuse dequant chains into their consumers; counts ``dequant.experts`` (fused expert blocks, two chains each)
+    and ``dequant.linear`` in ``ctx.patterns``."""
+    g, counts = rewrite(g, RULES, ctx.constants)
+    add_counts(ctx.patterns, counts)
+    return g

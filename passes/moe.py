@@ -36,11 +36,10 @@ from __future__ import annotations
 import torch
 
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.pattern import Alt, Match, P, Rule, V, add_counts, isin, need, rewrite, strip_views
 
 OP = "moe_experts"
-_RESHAPES = {"view", "_unsafe_view", "reshape", "squeeze", "squeeze.dim", "squeeze.dims", "unsqueeze", "alias",
-             "clone"}
 _UNARY = {"silu", "sigmoid", "gelu", "relu", "tanh", "exp", "neg"}
 _BINARY = {"mul.Tensor": "mul", "add.Tensor": "add", "sub.Tensor": "sub", "div.Tensor": "div"}
 _SCALAR = {"mul.Scalar": "mul", "add.Scalar": "add", "sub.Scalar": "sub", "div.Scalar": "div"}
@@ -119,191 +118,97 @@ from dayzero.codegen.kernels import moe as _kernels  # noqa: E402,F401  (registe
 
 # ---- the match -----------------------------------------------------------------------------------------------
 
-def _squeezed(shape) -> tuple:
-    return tuple(d for d in shape if not (isinstance(d, int) and d == 1))
+def _gather(w: str, ndim: int) -> Pat:
+    """index.Tensor(W [E, ..], ids [S]): W captured as ``w``; every gather reads the same ``ids``."""
+    return V(P("index.Tensor", P(name=w, ndim=ndim), V(P(name="ids")), attrs={"indices": (True,)}))
 
 
-def _strip(n: Node) -> Node:
-    """Look through reshapes that only add or remove unit dimensions (and clones)."""
-    while n.op in _RESHAPES and len(n.types) == 1 and n.inputs and len(n.inputs[0].types) == 1 and \
-            _squeezed(n.shape) == _squeezed(n.inputs[0].shape):
-        n = n.inputs[0]
-    return n
+def _expert_linear(w: str, b: str, x: str) -> Pat:
+    """bmm(index(W, ids), x) (layout nk) or bmm(x, index(W, ids)) (kn) [+ index(b, ids)]; one layout per block."""
+    mm = V(Alt(P("bmm", _gather(w, 3), V(P(name=x)), where=lambda n, m: m.bind("layout", "nk")),
+               P("bmm", V(P(name=x)), _gather(w, 3), where=lambda n, m: m.bind("layout", "kn"))))
+    return Alt(V(P("add.Tensor", mm, _gather(b, 2), attrs={"alpha": isin(1, None)}, commute=True)), mm)
 
 
-def _view_root(n: Node) -> Node:
-    """Through any pure reshape (the S <-> [T, k] flattenings)."""
-    while n.op in _RESHAPES and len(n.types) == 1 and n.inputs:
-        n = n.inputs[0]
-    return n
-
-
-def _gathered(n: Node, ids_flat: list):
-    """index.Tensor(W [E, a, b] or b [E, c], ids [S]) -> W; records the ids node."""
-    if n.op != "index.Tensor" or n.attr.get("indices") != (True,) or len(n.inputs) != 2:
-        return None
-    ids_flat.append(_view_root(n.inputs[1]))
-    return n.inputs[0]
-
-
-def _linear(n: Node, ids_flat: list):
-    """squeeze(bmm(index(W, ids), unsqueeze(x, -1))) [+ index(b, ids)] -> (W, layout, x, b)."""
-    bias = None
-    n = _strip(n)
-    if n.op == "add.Tensor" and n.attr.get("alpha", 1) == 1:
-        for a, b in (n.inputs, n.inputs[::-1]):
-            bb = _gathered(_strip(b), ids_flat)
-            if bb is not None and len(bb.shape) == 2:
-                n, bias = _strip(a), bb
-                break
-        else:
-            return None
-    n = _strip(n)
-    if n.op != "bmm":
-        return None
-    a, b = n.inputs
-    w = _gathered(a, ids_flat)
-    if w is not None and len(w.shape) == 3:
-        return w, "nk", _strip(b), bias
-    w = _gathered(b, ids_flat)
-    if w is not None and len(w.shape) == 3:
-        return w, "kn", _strip(a), bias
-    return None
-
-
-class _NoMatch(Exception):
-    pass
-
-
-def _scalar_const(n: Node, constants) -> float:
-    if n.op == "weight" and n.shape == () and n.attr["name"] in constants:
-        return float(constants[n.attr["name"]])
-    raise _NoMatch
+# y = sum(view(mul(down(A), view(w [T,k]) [S,1])), dim=1): the routed experts, matched from their sum
+_EXPERTS = P("sum.dim_IntList", V(P("mul.Tensor", _expert_linear("wd", "bd", "a"), P(name="wcol", shape=lambda s:
+                                                                                     s[1:] == (1,)),
+                                    commute=True, name="mul")),
+             attrs={"dim": isin((1,), (-2,)), "keepdim": isin(False, None), "dtype": None},
+             where=lambda n, m: len(n.inputs[0].shape) == 3)
+# x repeated k times: expand [T,k,H] (unsqueeze(x, 1)), read through view [S,H] (captured without the views)
+_REPEATED_X = P({"expand", "expand_copy"}, P("unsqueeze", P(name="x"), attrs={"dim": 1}))
 
 
 def _act_expr(n: Node, g: Node, constants, S):
     """The elementwise expression from G [S, GU] to n, as a nested tuple (see the module docstring)."""
-    n = _strip(n)
-    if n.op in ("getitem",) and n.inputs[0].op in ("split_with_sizes", "split.Tensor"):
+    n = strip_views(n)
+    if n.op == "getitem" and n.inputs[0].op in ("split_with_sizes", "split.Tensor"):
         sp = n.inputs[0]
-        if _strip(sp.inputs[0]) is not g or sp.attr.get("dim") not in (1, -1):
-            raise _NoMatch
-        idx = n.attr["index"]
-        start = sum(int(t.shape[1]) for t in sp.types[:idx])
+        need(strip_views(sp.inputs[0]) is g and sp.attr.get("dim") in (1, -1))
+        start = sum(int(t.shape[1]) for t in sp.types[:n.attr["index"]])
         return ("col", start, 1, int(n.shape[1]))
     if n.op == "slice.Tensor":
-        if _strip(n.inputs[0]) is not g or n.attr.get("dim") not in (1, -1):
-            raise _NoMatch
+        need(strip_views(n.inputs[0]) is g and n.attr.get("dim") in (1, -1))
         return ("col", int(n.attr.get("start") or 0), int(n.attr.get("step") or 1), int(n.shape[1]))
     if n is g:
         return ("col", 0, 1, int(g.shape[1]))
     if len(n.types) == 1 and n.shape == ():
-        return ("const", _scalar_const(n, constants))
-    if len(n.types) != 1 or not n.dtype.startswith("float"):
-        raise _NoMatch
-    if tuple(n.shape[:1]) != (S,):
-        raise _NoMatch
+        need(n.op == "weight" and n.attr["name"] in constants)
+        return ("const", float(constants[n.attr["name"]]))
+    need(len(n.types) == 1 and n.dtype.startswith("float") and tuple(n.shape[:1]) == (S,))
     if n.op in _UNARY and len(n.inputs) == 1:
-        if n.op == "gelu" and n.attr.get("approximate", "none") != "none":
-            raise _NoMatch
+        need(n.op != "gelu" or n.attr.get("approximate", "none") == "none")
         return (n.op, _act_expr(n.inputs[0], g, constants, S))
-    if n.op in ("clamp",) and len(n.inputs) == 1:
+    if n.op == "clamp" and len(n.inputs) == 1:
         return ("clamp", _act_expr(n.inputs[0], g, constants, S), n.attr.get("min"), n.attr.get("max"))
-    if n.op in _BINARY and n.attr.get("alpha", 1) == 1 and len(n.inputs) == 2:
+    need(n.attr.get("alpha", 1) == 1)
+    if n.op in _BINARY and len(n.inputs) == 2:
         return (_BINARY[n.op], _act_expr(n.inputs[0], g, constants, S), _act_expr(n.inputs[1], g, constants, S))
-    if n.op in _SCALAR and len(n.inputs) == 1 and n.attr.get("alpha", 1) == 1:
-        return (_SCALAR[n.op], _act_expr(n.inputs[0], g, constants, S), ("const", float(n.attr["other"])))
-    raise _NoMatch
-
-
-def _match(n: Node, constants) -> Node | None:
-    if n.op != "sum.dim_IntList" or n.attr.get("dim") not in ((1,), (-2,)) or n.attr.get("keepdim") or \
-            n.attr.get("dtype") is not None or len(n.inputs[0].shape) != 3:
-        return None
-    T, k, H = n.inputs[0].shape
-    mul = _view_root(n.inputs[0])
-    if mul.op != "mul.Tensor" or len(mul.inputs) != 2:
-        return None
-    S = mul.shape[0]
-    ids_flat: list[Node] = []
-    for d_node, w_node in (mul.inputs, mul.inputs[::-1]):
-        if tuple(w_node.shape) == (S, 1):
-            down = _linear(d_node, ids_flat)
-            if down is not None:
-                break
-    else:
-        return None
-    wd, layout, a, bd = down
-    topw = _view_root(w_node)
-    if tuple(topw.shape) != (T, k):
-        return None
-    # the activation and the gate/up GEMM that feeds it
-    g = _find_gate_up(a)
-    if g is None:
-        return None
-    up = _linear(g, ids_flat)
-    if up is None:
-        return None
-    wgu, layout2, xrep, bgu = up
-    if layout2 != layout:
-        return None
-    try:
-        act = _act_expr(a, g, constants, S)
-    except _NoMatch:
-        return None
-    # x repeated k times: view [S,H] <- clone <- expand [T,k,H] <- unsqueeze(x, 1)
-    e = xrep
-    while e.op in ("view", "_unsafe_view", "reshape", "clone"):
-        e = e.inputs[0]
-    if e.op not in ("expand", "expand_copy") or tuple(e.shape) != (T, k, H):
-        return None
-    u = e.inputs[0]
-    if u.op != "unsqueeze" or u.attr.get("dim") != 1:
-        return None
-    x = u.inputs[0]
-    ids = ids_flat[0]
-    if any(i is not ids for i in ids_flat) or tuple(ids.shape) != (T, k) or tuple(x.shape) != (T, H):
-        return None
-    E = wgu.shape[0]
-    if wd.shape[0] != E or not ids.dtype.startswith("int"):
-        return None
-    inter = int(a.shape[1])
-    gu = int(wgu.shape[1] if layout == "nk" else wgu.shape[2])
-    if not all(isinstance(d, int) for d in (*wgu.shape, *wd.shape, H)) or \
-            not _kernels.supports(int(H), gu, inter, wgu.dtype, wd.dtype):
-        return None
-    ins = [x, ids, topw, wgu] + ([bgu] if bgu is not None else []) + [wd] + ([bd] if bd is not None else [])
-    attrs = {"layout": layout, "act": act, "inter": inter, "gate_up_bias": bgu is not None,
-             "down_bias": bd is not None}
-    return Node.make(OP, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
+    need(n.op in _SCALAR and len(n.inputs) == 1)
+    return (_SCALAR[n.op], _act_expr(n.inputs[0], g, constants, S), ("const", float(n.attr["other"])))
 
 
 def _find_gate_up(a: Node) -> Node | None:
     """The G [S, GU] the activation reads: the first bmm(-plus-bias) reached walking up from A."""
     stack, seen = [a], set()
     while stack:
-        n = stack.pop()
+        n = strip_views(stack.pop())
         if id(n) in seen:
             continue
         seen.add(id(n))
-        m = _strip(n)
-        if m.op == "bmm" or (m.op == "add.Tensor" and any(_strip(i).op == "bmm" for i in m.inputs)):
-            return m
-        stack.extend(m.inputs)
+        if n.op == "bmm" or (n.op == "add.Tensor" and any(strip_views(i).op == "bmm" for i in n.inputs)):
+            return n
+        stack.extend(n.inputs)
     return None
 
 
+def _grouped_experts(n: Node, m: Match) -> Node | None:
+    T, k, H = n.inputs[0].shape
+    S, a, topw = m.mul.shape[0], m.a, strip_views(m.wcol)
+    need(m.wcol.shape[0] == S and tuple(topw.shape) == (T, k))
+    g = _find_gate_up(a)
+    need(g is not None and _expert_linear("wgu", "bgu", "xrep").match(g, m) and _REPEATED_X.match(m.xrep, m))
+    act = _act_expr(a, g, m.constants, S)
+    x, ids, wgu, wd, layout = m.x, m.ids, m.wgu, m.wd, m.layout
+    bgu, bd = m.get("bgu"), m.get("bd")
+    need(tuple(m.xrep.shape) == (T, k, H) and tuple(ids.shape) == (T, k) and tuple(x.shape) == (T, H))
+    need(wd.shape[0] == wgu.shape[0] and ids.dtype.startswith("int"))
+    inter = int(a.shape[1])
+    gu = int(wgu.shape[1] if layout == "nk" else wgu.shape[2])
+    need(all(isinstance(d, int) for d in (*wgu.shape, *wd.shape, H)) and
+         _kernels.supports(int(H), gu, inter, wgu.dtype, wd.dtype))
+    ins = [x, ids, topw, wgu] + ([bgu] if bgu is not None else []) + [wd] + ([bd] if bd is not None else [])
+    attrs = {"layout": layout, "act": act, "inter": inter, "gate_up_bias": bgu is not None,
+             "down_bias": bd is not None}
+    return Node.make(OP, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
+
+
+RULES = (Rule("moe.grouped_experts", _EXPERTS, _grouped_experts),)
+
+
 def moe(g: Graph, ctx) -> Graph:
-    """Rewrite every batched_mm routed-expert block; counts matches in ``ctx.patterns["moe"]``."""
-    count = 0
-
-    def fn(n: Node):
-        nonlocal count
-        r = _match(n, ctx.constants)
-        if r is not None:
-            count += 1
-        return r
-
-    out = rewrite(g, fn)
-    ctx.patterns["moe"] = ctx.patterns.get("moe", 0) + count
-    return out
+    """Rewrite every batched_mm routed-expert block; counts matches in ``ctx.patterns["moe.grouped_experts"]``."""
+    g, counts = rewrite(g, RULES, ctx.constants)
+    add_counts(ctx.patterns, counts)
+    return g

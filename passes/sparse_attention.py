@@ -70,7 +70,9 @@ import math
 import torch
 
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, isin, last_dim,
+                                       need, rewrite, scalar_is, strip_views)
 from dayzero.passes.paged_kv import by_token, unpage
 
 DENSE = "cache_attention"
@@ -228,107 +230,74 @@ from dayzero.codegen.kernels import indexer as _indexer_kernels  # noqa: E402,F4
 
 # ---- the match -----------------------------------------------------------------------------------------------
 
-_RESHAPE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "alias"}
+LAST4 = isin(-1, 3)  # the last axis of a 4-D value
+VIEW3 = {"view", "_unsafe_view", "reshape"}
+_UPCAST = ("float32", "bfloat16", "float16")
 
 
-class _NoMatch(Exception):
-    pass
+def _int(dtype: str) -> bool:
+    return dtype.startswith("int")
 
 
-def _need(cond) -> None:
-    if not cond:
-        raise _NoMatch
+def arange_row(L: str = "L") -> Pat:
+    """A folded constant arange(m[L]) (leading unit axes allowed)."""
+    def where(n: Node, m: Match) -> bool:
+        t = m.value(n)
+        return t is not None and t.shape[-1] == m[L] and t.numel() == m[L] and \
+            torch.equal(t.reshape(-1), torch.arange(m[L], dtype=t.dtype))
+    return P("weight", where=where)
 
 
-def _const(n: Node, constants) -> torch.Tensor:
-    _need(n.op == "weight" and n.attr["name"] in constants)
-    return constants[n.attr["name"]]
+def positions(name: str) -> Pat:
+    """Int positions [m.S] read through unsqueezes, views and broadcasts (captured as ``name``)."""
+    return V(P(name=name, ndim=1, dtype=_int, where=lambda n, m: n.shape[0] == m.S), broadcast=True)
 
 
-def _skip(n: Node, also=()) -> Node:
-    """Through clones and expands/reshapes that keep the element count (no data movement in the math)."""
-    while n.op in ({"clone", "alias", "expand"} | set(also)) and n.inputs and len(n.inputs[0].types) == 1:
-        if n.op == "expand" and n.shape != n.inputs[0].shape:
-            break
-        n = n.inputs[0]
-    return n
+_ALL_TRUE = Alt(P("full", attrs={"fill_value": isin(True, 1)}), const(lambda t: bool(t.bool().all())))
+# the terms a bool mask [.., S, L] is an and-tree of: j <= qpos, j > qpos - W, ~scatter(True, idx, False)
+_MASK_TERMS = (
+    _ALL_TRUE,
+    P("le.Tensor", arange_row(), positions("qpos"), name="causal"),
+    P("gt.Tensor", arange_row(), P("sub.Tensor", positions("qpos"),
+                                   scalar_is(lambda v: not v.is_floating_point() and int(v) > 0, "window"),
+                                   attrs=ALPHA1)),
+    P("bitwise_not", V(P("scatter.value", _ALL_TRUE, P(name="idx"), attrs={"value": isin(False, 0),
+                                                                             "dim": isin(-1, 2)},
+                         where=lambda n, m: n.shape[-1] == m.L))),
+)
 
 
-def _repeat_kv(n: Node) -> Node:
-    """view(clone(expand(unsqueeze(x [B,Hkv,L,D], 2), [B,Hkv,r,L,D])), [B,Hkv*r,L,D]) -> x (else n itself)."""
-    n = _skip(n)
-    if n.op not in ("view", "_unsafe_view", "reshape") or n.type.ndim != 4:
-        return n
-    e = _skip(n.inputs[0], ("clone",))
-    if e.op != "expand" or e.type.ndim != 5:
-        return n
-    u = e.inputs[0]
-    if u.op != "unsqueeze" or u.attr.get("dim") != 2 or u.inputs[0].type.ndim != 4:
-        return n
-    x = u.inputs[0]
-    B, Hkv, L, D = x.shape
-    if tuple(e.shape) != (B, Hkv, e.shape[2], L, D) or tuple(n.shape) != (B, Hkv * e.shape[2], L, D):
-        return n
-    return x
-
-
-def _qpos(n: Node, S) -> Node:
-    """[..., S, 1] int positions -> the 1-D [S] node they are unsqueezed from."""
-    while n.op == "unsqueeze" or (n.op in ("view", "expand", "clone") and n.inputs):
-        n = n.inputs[0]
-    _need(n.type.ndim == 1 and n.shape[0] == S and n.dtype.startswith("int"))
-    return n
-
-
-def _is_arange_row(n: Node, L: int, constants) -> bool:
-    if n.op != "weight" or n.attr["name"] not in constants:
-        return False
-    t = constants[n.attr["name"]]
-    return t.shape[-1] == L and t.numel() == L and torch.equal(t.reshape(-1), torch.arange(L, dtype=t.dtype))
-
-
-def _all_true(n: Node, constants) -> bool:
-    if n.op == "full" and n.attr.get("fill_value") in (True, 1):
-        return True
-    if n.op == "weight" and n.attr["name"] in constants:
-        return bool(constants[n.attr["name"]].bool().all())
-    return False
-
-
-def _mask_terms(m: Node, S, L: int, constants) -> dict:
-    """Decompose a bool mask [.., S, L] into {qpos, window, idx}; raises _NoMatch on any other term."""
-    found = {"qpos": None, "window": 0, "idx": None, "wpos": None}
-
-    def walk(n: Node):
-        n = _skip(n)
+def mask_terms(mask: Node, S, L: int, constants) -> Match:
+    """A bool mask [.., S, L] -> its terms: ``qpos`` (causal), ``W`` (window, 0 = none), ``idx`` (DSA selection,
+    absent if none); raises NoMatch on any other term."""
+    m = Match(constants)
+    m.update(S=S, L=L)
+    stack = [mask]
+    while stack:
+        n = strip_views(stack.pop())
         if n.op in ("bitwise_and.Tensor", "logical_and"):
-            walk(n.inputs[0])
-            walk(n.inputs[1])
-        elif _all_true(n, constants):
-            pass
-        elif n.op == "le.Tensor" and _is_arange_row(n.inputs[0], L, constants):
-            _need(found["qpos"] is None)
-            found["qpos"] = _qpos(n.inputs[1], S)
-        elif n.op == "gt.Tensor" and _is_arange_row(n.inputs[0], L, constants):
-            d = n.inputs[1]
-            _need(d.op == "sub.Tensor" and d.attr.get("alpha", 1) == 1)
-            w = _const(d.inputs[1], constants)
-            _need(w.numel() == 1 and not w.is_floating_point() and int(w) > 0)
-            found["window"], found["wpos"] = int(w), _qpos(d.inputs[0], S)
-        elif n.op == "bitwise_not":
-            u = _skip(n.inputs[0], ("unsqueeze",))
-            _need(u.op == "scatter.value" and u.attr.get("value") in (False, 0) and u.attr.get("dim") in (-1, 2))
-            _need(_all_true(u.inputs[0], constants) and u.shape[-1] == L)
-            _need(found["idx"] is None)
-            found["idx"] = u.inputs[1]
+            stack.extend(n.inputs)
         else:
-            raise _NoMatch
+            need(any(p.match(n, m) for p in _MASK_TERMS))
+    need("causal" in m and tuple(mask.shape[-2:]) == (S, L))
+    m["W"] = int(m.value(m.window)) if "window" in m else 0
+    return m
 
-    walk(m)
-    _need(found["qpos"] is not None)
-    _need(found["wpos"] is None or found["wpos"] is found["qpos"])
-    _need(m.shape[-2:] == (S, L))
-    return found
+
+_REPEAT_KV = V(P("expand", P("unsqueeze", P(name="x", ndim=4), attrs={"dim": 2}), ndim=5, name="e"))
+
+
+def repeat_kv(n: Node) -> Node:
+    """view(clone(expand(unsqueeze(x [B,Hkv,L,D], 2), [B,Hkv,r,L,D])), [B,Hkv*r,L,D]) -> x; else n through views
+    that keep its shape."""
+    m = Match()
+    if n.type.ndim == 4 and _REPEAT_KV.match(n, m):
+        B, Hkv, L, D = m.x.shape
+        r = m.e.shape[2]
+        if tuple(m.e.shape) == (B, Hkv, r, L, D) and tuple(n.shape) == (B, Hkv * r, L, D):
+            return m.x
+    s = strip_views(n)
+    return s if s.types == n.types else n
 
 
 def _make(op: str, ins, attrs: dict, q: Node, v: Node, span) -> Node:
@@ -337,258 +306,163 @@ def _make(op: str, ins, attrs: dict, q: Node, v: Node, span) -> Node:
 
 
 def _cache_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node]:
-    k, v = _repeat_kv(k), _repeat_kv(v)
+    k, v = repeat_kv(k), repeat_kv(v)
     B, H, S, D = q.shape
-    _need(k.type.ndim == 4 and v.type.ndim == 4 and k.shape[2] == v.shape[2] and k.shape[1] == v.shape[1])
-    _need(k.shape[0] == B and k.shape[3] == D and isinstance(H, int) and H % k.shape[1] == 0)
-    _need(q.dtype == k.dtype == v.dtype)
+    need(k.type.ndim == 4 and v.type.ndim == 4 and k.shape[2] == v.shape[2] and k.shape[1] == v.shape[1])
+    need(k.shape[0] == B and k.shape[3] == D and isinstance(H, int) and H % k.shape[1] == 0)
+    need(q.dtype == k.dtype == v.dtype)
     return k, v
 
 
-def _copied(n: Node) -> Node:
-    """copy(dst, src) with src of dst's shape is src (the traced form of ``dst.copy_(src)``)."""
-    if n.op == "copy" and len(n.inputs) == 2 and tuple(n.inputs[1].shape) == tuple(n.shape):
-        return n.inputs[1]
-    return n
+def _halves(hi: Node, m) -> bool:
+    """slice_scatter(slice_scatter(_, a, 0:n), b, n:D) along the last axis, step 1."""
+    lo, D, e = hi.inputs[0], hi.shape[-1], hi.inputs[0].attr.get("end")
+    return (lo.attr.get("step") or 1) == 1 == (hi.attr.get("step") or 1) and (lo.attr.get("start") or 0) == 0 \
+        and isinstance(e, int) and 0 < e < D and hi.attr.get("start") == e and isinstance(hi.attr.get("end"), int) \
+        and hi.attr["end"] >= D
 
 
-def _last_dim(n: Node, dim) -> bool:
-    return dim in (-1, n.type.ndim - 1)
+def _copied(p: Pat) -> Pat:
+    """``p``, or copy(dst, p) of dst's shape (the traced ``dst.copy_(src)``)."""
+    return Alt(P("copy", P(), p, where=lambda n, m: tuple(n.inputs[1].shape) == tuple(n.shape)), p)
 
 
-def _key_parts(k: Node) -> tuple[Node, Node]:
-    """K [.., D] written as two pieces along the last dim -> (first piece, second piece): ``cat(a, b)`` or
-    upstream's ``new_empty`` + two slice copies, slice_scatter(slice_scatter(_, a, 0:n), b, n:D)."""
-    D = k.shape[-1]
-    if k.op == "cat":
-        _need(_last_dim(k, k.attr.get("dim")) and len(k.inputs) == 2)
-        return k.inputs[0], k.inputs[1]
-    hi = k
-    _need(hi.op == "slice_scatter" and _last_dim(hi, hi.attr.get("dim")) and (hi.attr.get("step") or 1) == 1)
-    lo = hi.inputs[0]
-    _need(lo.op == "slice_scatter" and _last_dim(lo, lo.attr.get("dim")) and (lo.attr.get("step") or 1) == 1)
-    n = lo.attr.get("end")
-    _need((lo.attr.get("start") or 0) == 0 and isinstance(n, int) and 0 < n < D)
-    _need(hi.attr.get("start") == n and isinstance(hi.attr.get("end"), int) and hi.attr.get("end") >= D)
-    return _copied(lo.inputs[1]), _copied(hi.inputs[1])
+# MLA: V = split(permute(view(linear(latent, W)), (0,2,1,3)))[1]; K = [split[0] | expand(rope)] (cat or two slices)
+_MLA_V = P("getitem", P("split_with_sizes", P("permute", P(VIEW3, P("linear", P(name="lat", ndim=4),
+                                                                       P(name="w", ndim=2),
+                                                                       attrs={"bias": isin(False, None)}),
+                                                           name="vw"), attrs={"dims": (0, 2, 1, 3)}),
+                        name="sp", where=lambda n, m: last_dim(n) and len(n.attr["split_sizes"]) == 2),
+           attrs={"index": 1})
+_NOPE, _ROPE = P("getitem", P(name="sp"), attrs={"index": 0}), P("expand", P(name="rope"), name="kr")
+_MLA_K = Alt(P("cat", _NOPE, _ROPE, where=last_dim),
+             P("slice_scatter", P("slice_scatter", P(), _copied(_NOPE), where=last_dim), _copied(_ROPE),
+               where=lambda n, m: last_dim(n) and _halves(n, m)))
 
 
 def _mla_operands(q: Node, k: Node, v: Node) -> tuple[Node, Node, Node, int]:
     """K/V that are the MLA expansion of a latent cache (shape (c) in the module docstring) ->
-    (latent [B,1,L,R], rope [B,1,L,Dr], W [H*(n+Dv), R], n); raises _NoMatch otherwise."""
+    (latent [B,1,L,R], rope [B,1,L,Dr], W [H*(n+Dv), R], n); raises NoMatch otherwise."""
+    m = Match()
+    need(_MLA_V.match(v, m) and _MLA_K.match(k, m))
     B, H, L, Dk = k.shape
-    _need(v.op == "getitem" and v.attr["index"] == 1)
-    sp = v.inputs[0]
-    _need(sp.op == "split_with_sizes" and _last_dim(sp.inputs[0], sp.attr.get("dim"))
-          and len(sp.attr["split_sizes"]) == 2)
-    nope, dv = sp.attr["split_sizes"]
-    pm = sp.inputs[0]
-    _need(pm.op == "permute" and tuple(pm.attr["dims"]) == (0, 2, 1, 3))
-    vw = pm.inputs[0]
-    _need(vw.op in ("view", "_unsafe_view", "reshape") and tuple(vw.shape) == (B, L, H, nope + dv))
-    lin = vw.inputs[0]
-    _need(lin.op == "linear" and len(lin.inputs) == 2 and not lin.attr.get("bias"))
-    lat, w = lin.inputs
-    _need(lat.type.ndim == 4 and tuple(lat.shape[:3]) == (B, 1, L) and w.type.ndim == 2)
-    R = lat.shape[3]
-    _need(tuple(w.shape) == (H * (nope + dv), R) and v.shape[-1] == dv)
-    kn, kr = _key_parts(k)
-    _need(kn.op == "getitem" and kn.attr["index"] == 0 and kn.inputs[0] is sp)
-    _need(kr.op == "expand")
-    rope = kr.inputs[0]
-    Dr = Dk - nope
-    _need(tuple(rope.shape) == (B, 1, L, Dr) and tuple(kr.shape) == (B, H, L, Dr) and q.shape[-1] == Dk)
-    _need(lat.dtype == rope.dtype == q.dtype)
+    nope, dv = m.sp.attr["split_sizes"]
+    lat, w, rope = m.lat, m.w, m.rope
+    need(tuple(m.vw.shape) == (B, L, H, nope + dv) and tuple(lat.shape[:3]) == (B, 1, L) and v.shape[-1] == dv)
+    need(tuple(w.shape) == (H * (nope + dv), lat.shape[3]) and q.shape[-1] == Dk)
+    need(tuple(rope.shape) == (B, 1, L, Dk - nope) and tuple(m.kr.shape) == (B, H, L, Dk - nope))
+    need(lat.dtype == rope.dtype == q.dtype)
     return lat, rope, w, int(nope)
 
 
-def _sdpa(n: Node, constants, counts) -> Node | None:
-    a = n.attr
-    _need(a.get("attn_mask") and not a.get("is_causal") and float(a.get("dropout_p") or 0.0) == 0.0)
-    q, k, v, mask = n.inputs
-    _need(q.type.ndim == 4)
-    k, v = _cache_operands(q, k, v)
+_SDPA = P("scaled_dot_product_attention", P(name="q", ndim=4), P(name="k"), P(name="v"), P(name="mask"),
+          attrs={"attn_mask": bool, "is_causal": lambda v: not v, "dropout_p": lambda v: not v})
+
+
+def _sdpa(n: Node, m: Match, want: str) -> Node:
+    """scaled_dot_product_attention(q, K, V, mask) -> ``want`` when the operands and mask terms are its shape."""
+    q = m.q
+    k, v = _cache_operands(q, m.k, m.v)
     L = k.shape[2]
-    _need(isinstance(L, int))
-    terms = _mask_terms(mask, q.shape[2], L, constants)
-    scale = a.get("scale")
+    need(isinstance(L, int))
+    t = mask_terms(m.mask, q.shape[2], L, m.constants)
+    scale = n.attr.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(int(q.shape[-1]))
-    if terms["idx"] is not None:
-        _need(terms["window"] == 0)
-        idx = terms["idx"]
-        _need(idx.type.ndim == 3 and idx.shape[1] == q.shape[2] and idx.dtype.startswith("int"))
-        try:
-            lat, rope, w, nope = _mla_operands(q, k, v)
-        except _NoMatch:
-            counts[SPARSE] += 1
-            return _make(SPARSE, (q, k, v, terms["qpos"], idx), {"scale": scale}, q, v, n.span)
-        counts[MLA] += 1
-        return _make(MLA, (q, lat, rope, w, terms["qpos"], idx), {"scale": scale, "nope": nope}, q, v, n.span)
-    if terms["window"] == 0:
-        try:
-            lat, rope, w, nope = _mla_operands(q, k, v)
-            counts[MLA_DENSE] += 1
-            return _make(MLA_DENSE, (q, lat, rope, w, terms["qpos"]), {"scale": scale, "nope": nope}, q, v, n.span)
-        except _NoMatch:
-            pass
-    counts[DENSE] += 1
-    return _make(DENSE, (q, k, v, terms["qpos"]), {"scale": scale, "window": terms["window"], "sinks": False},
-                 q, v, n.span)
+    idx = t.get("idx")
+    need((idx is not None) == (want in (SPARSE, MLA)) and (want == DENSE or t.W == 0))
+    need(idx is None or (idx.type.ndim == 3 and idx.shape[1] == q.shape[2] and _int(idx.dtype)))
+    if want in (MLA, MLA_DENSE):
+        lat, rope, w, nope = _mla_operands(q, k, v)
+        return _make(want, (q, lat, rope, w, t.qpos) + ((idx,) if idx is not None else ()),
+                     {"scale": scale, "nope": nope}, q, v, n.span)
+    return _make(want, (q, k, v, t.qpos) + ((idx,) if idx is not None else ()),
+                 {"scale": scale} if want == SPARSE else {"scale": scale, "window": t.W, "sinks": False}, q, v, n.span)
 
 
-def _flat_heads(n: Node, ndim4: int = 4) -> Node:
-    """view(expand(x [B,H,a,b]), [B*H,a,b]) -> x."""
-    _need(n.op in ("view", "_unsafe_view", "reshape") and n.type.ndim == 3)
-    x = _skip(n.inputs[0])
-    _need(x.type.ndim == ndim4)
-    return x
+def flat_heads(p: Pat) -> Pat:
+    """view(x [B,H,a,b], [B*H,a,b]) (through clones and rank-keeping views) -> ``p`` on x."""
+    return P(VIEW3, V(Pat(**{**p.__dict__, "ndim": 4}), keep_rank=True), ndim=3)
 
 
-def sink_softmax_parts(p: Node) -> tuple[Node, Node]:
-    """The probabilities of eager attention with sinks (gpt-oss, DeepSeek-V4), flattened [B*H, S, L]::
-
-        view(softmax(cat(logits, sinks) [- max]) [..., :-1]) -> (logits [B,H,S,L], sinks column [B,H,S,1])"""
-    sl = _skip(_flat_heads(p), ("clone",))
-    _need(sl.op == "slice.Tensor" and sl.attr.get("dim") in (-1, 3) and (sl.attr.get("start") or 0) == 0
-          and sl.attr.get("end") == -1 and (sl.attr.get("step") or 1) == 1)
-    sm = sl.inputs[0]
-    _need(sm.op in ("softmax.int", "_softmax") and sm.attr.get("dim") in (-1, 3))
-    c = sm.inputs[0]
-    if c.op == "sub.Tensor":
-        mx = c.inputs[1]
-        _need(mx.op == "getitem" and mx.attr["index"] == 0 and mx.inputs[0].op == "max.dim"
-              and mx.inputs[0].inputs[0] is c.inputs[0] and c.attr.get("alpha", 1) == 1)
-        c = c.inputs[0]
-    _need(c.op == "cat" and c.attr.get("dim") in (-1, 3) and len(c.inputs) == 2)
-    return c.inputs[0], c.inputs[1]
+_SINK_COL = P(where=lambda n, m: n.shape[-1] == 1 and m.bind("sinks", strip_views(n, broadcast=True)) and
+              m.sinks.type.ndim == 1)
 
 
-def scaled_qk(scaled: Node, constants) -> tuple[torch.Tensor, Node, Node]:
-    """view(bmm(q, kᵀ)) * scale of eager attention, heads flattened -> (scale, q [B,H,S,D], k [B,Hk,L,D] as fed
-    to the transpose: repeat_kv'd where the heads were repeated)."""
-    _need(scaled.op == "mul.Tensor")
-    scale = _const(scaled.inputs[1], constants)
-    _need(scale.numel() == 1)
-    s4 = scaled.inputs[0]
-    _need(s4.op in ("view", "_unsafe_view", "reshape") and s4.type.ndim == 4)
-    qk = s4.inputs[0]
-    _need(qk.op == "bmm")
-    q = _flat_heads(qk.inputs[0])
-    kt = _flat_heads(qk.inputs[1])
-    _need(kt.op == "permute" and tuple(kt.attr["dims"]) == (0, 1, 3, 2))
-    return scale, q, kt.inputs[0]
+def sink_attention(logits: Pat) -> Pat:
+    """bmm(P, V) of eager attention with a sink logit per head (gpt-oss, DeepSeek-V4), heads flattened, with
+    P = view(softmax(cat(logits, sinks) [- max]) [..., :-1]): captures v [B,H,L,Dv] as fed and sinks [H]."""
+    cat = P("cat", logits, _SINK_COL, attrs={"dim": LAST4}, name="cat")
+    sm = P({"softmax.int", "_softmax"}, Alt(P("sub.Tensor", cat, P("getitem", P("max.dim", P(name="cat")),
+                                                                    attrs={"index": 0}), attrs=ALPHA1), cat),
+           attrs={"dim": LAST4})
+    probs = P("slice.Tensor", sm, attrs={"dim": LAST4, "start": isin(0, None), "end": -1, "step": isin(1, None)})
+    return P("bmm", flat_heads(probs), flat_heads(P(name="v")))
 
 
-def _eager_with_sinks(n: Node, constants, counts) -> Node | None:
+# view(bmm(q, kᵀ)) * scale, heads flattened: captures q [B,H,S,D], k [B,Hk,L,D] (as fed to the transpose), scale
+SCALED_QK = P("mul.Tensor", P(VIEW3, P("bmm", flat_heads(P(name="q")),
+                                       flat_heads(P("permute", P(name="k"), attrs={"dims": (0, 1, 3, 2)}))), ndim=4),
+              const(lambda t: t.numel() == 1, name="scale"))
+ZERO, NEG_BIG = scalar_is(lambda v: float(v) == 0.0), scalar_is(lambda v: float(v) <= -1e30)
+_EAGER = sink_attention(P("add.Tensor", SCALED_QK, P("where.self", P(name="mask"), ZERO, NEG_BIG), attrs=ALPHA1))
+
+
+def _eager_with_sinks(n: Node, m: Match) -> Node:
     """bmm(P [B*H,S,L], V [B*H,L,Dv]) of the eager sink attention -> view(cache_attention [B,H,S,Dv])."""
-    p, vf = n.inputs
-    v = _flat_heads(vf)
-    logits, sk = sink_softmax_parts(p)
-    sinks = sk
-    while sinks.op in _RESHAPE | {"expand", "clone"}:
-        sinks = sinks.inputs[0]
-    _need(sinks.type.ndim == 1 and sk.shape[-1] == 1)
-    _need(logits.op == "add.Tensor" and logits.attr.get("alpha", 1) == 1)
-    scaled, bias = logits.inputs
-    _need(bias.op == "where.self")
-    mask, zero, neg = bias.inputs
-    _need(float(_const(zero, constants)) == 0.0 and float(_const(neg, constants)) <= -1e30)
-    scale, q, k = scaled_qk(scaled, constants)
-    k, v = _cache_operands(q, k, v)
+    q, sinks = m.q, m.sinks
+    k, v = _cache_operands(q, m.k, m.v)
     L = k.shape[2]
-    _need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
-    terms = _mask_terms(mask, q.shape[2], L, constants)
-    _need(terms["idx"] is None)
-    counts[DENSE] += 1
-    att = _make(DENSE, (q, k, v, terms["qpos"], sinks),
-                {"scale": float(scale), "window": terms["window"], "sinks": True}, q, v, n.span)
+    need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
+    t = mask_terms(m.mask, q.shape[2], L, m.constants)
+    need("idx" not in t)
+    att = _make(DENSE, (q, k, v, t.qpos, sinks), {"scale": float(m.value(m.scale)), "window": t.W, "sinks": True},
+                q, v, n.span)
     return Node.make("view", (att,), {"size": tuple(n.shape)}, n.types, n.span)
 
 
-def _strip(n: Node, ops_=("view", "_unsafe_view", "reshape", "clone", "alias")) -> Node:
-    """Through reshapes/clones, expands that keep the shape, and upcasts to float32 (exact)."""
-    while n.inputs and len(n.inputs[0].types) == 1 and (
-            n.op in ops_ or (n.op == "expand" and tuple(n.shape) == tuple(n.inputs[0].shape))
-            or (n.op == "_to_copy" and n.attr.get("dtype") == "float32" and n.inputs[0].dtype in _UPCAST)):
-        n = n.inputs[0]
-    return n
+def _up(p: Pat) -> Pat:
+    """``p`` through views and an exact upcast to float32."""
+    return cast(p, "float32", _UPCAST)
 
 
-_UPCAST = ("float32", "bfloat16", "float16")
+# getitem(topk(where(~mask, -inf, bmm(w, relu(bmm(q, keys) * scale))), k), 1): the DSA lightning indexer
+_INDEXER = P("getitem", P("topk", P("where.self", P("bitwise_not", Alt(
+    P("select.int", P(name="imask"), attrs={"dim": 1, "index": 0}, where=lambda n, m: n.inputs[0].shape[1] == 1),
+    P(name="imask"))), scalar_is(lambda v: float(v) == float("-inf")),
+    _up(P("bmm", _up(P(name="w", ndim=3)), _up(P("relu", P("mul.Tensor", _up(P(
+        "bmm", _up(P(name="iq", ndim=4)), P(name="kv"), name="qk")), const(lambda t: t.numel() == 1, name="scale")),
+        ndim=4, name="r")), name="hs")), ndim=3, name="x"),
+    attrs={"largest": lambda v: v is None or v}, name="tk",
+    where=lambda n, m: n.attr.get("dim", -1) in (-1, len(n.inputs[0].shape) - 1)), attrs={"index": 1})
+_KEYS = V(P("permute", _up(P(name="index_keys")), attrs={"dims": (0, 2, 1)}), broadcast=True)
 
 
-def _indexer(n: Node, constants, counts) -> Node | None:
-    """getitem(topk(where(~mask, -inf, Σ_h w·relu(scale·q·kᵀ)), k), 1) -> dsa_indexer_topk (shape (d))."""
-    _need(n.attr.get("index") == 1)
-    tk = n.inputs[0]
-    _need(tk.op == "topk" and tk.attr.get("largest", True) and _last_dim(tk.inputs[0], tk.attr.get("dim", -1)))
-    x = tk.inputs[0]
-    _need(x.op == "where.self" and x.type.ndim == 3)
-    B, S, L = x.shape
-    K = tk.attr["k"]
-    _need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
-    cond, fill, sc = x.inputs
-    fv = _const(fill, constants)
-    _need(fv.numel() == 1 and float(fv) == float("-inf"))
-    _need(cond.op == "bitwise_not")
-    m = cond.inputs[0]
-    if m.op == "select.int":
-        _need(m.attr.get("dim") == 1 and m.attr.get("index") == 0 and m.inputs[0].shape[1] == 1)
-        m = m.inputs[0]
-    terms = _mask_terms(m, S, L, constants)
-    _need(terms["idx"] is None and terms["window"] == 0)
-    # weighted head sum: bmm(w [B*S,1,Hi], relu [B*S,Hi,L]) viewed back to [B,S,L]
-    hs = _strip(sc, ("view", "_unsafe_view", "reshape", "squeeze.dim", "squeeze.dims", "clone"))
-    _need(hs.op == "bmm" and tuple(hs.shape) == (B * S, 1, L))
-    wv, rv = hs.inputs
-    w = _strip(wv, ("view", "_unsafe_view", "reshape", "unsqueeze", "clone"))
-    r = _strip(rv)
-    _need(w.type.ndim == 3 and tuple(w.shape[:2]) == (B, S) and r.op == "relu" and r.type.ndim == 4)
-    Hi = w.shape[2]
-    _need(tuple(r.shape) == (B, S, Hi, L) and tuple(wv.shape) == (B * S, 1, Hi))
-    mul = r.inputs[0]
-    _need(mul.op == "mul.Tensor")
-    scale = _const(mul.inputs[1], constants)
-    _need(scale.numel() == 1)
-    qk = _strip(mul.inputs[0])
-    _need(qk.op == "bmm" and tuple(qk.shape) == (B * S, Hi, L))
-    q = _strip(qk.inputs[0])
-    _need(q.type.ndim == 4 and tuple(q.shape[:3]) == (B, S, Hi))
-    Di = q.shape[3]
-    # keys: view(expand(unsqueeze(permute(keys [B,L,Di], (0,2,1)), 1), [B,S,Di,L]), [B*S,Di,L])
-    kv = qk.inputs[1]
-    _need(tuple(kv.shape) == (B * S, Di, L))
-    kn = kv
-    while kn.op in ("view", "_unsafe_view", "reshape", "expand", "clone", "alias"):
-        kn = kn.inputs[0]
-    _need(kn.op == "unsqueeze" and kn.attr.get("dim") == 1)
-    pm = kn.inputs[0]
-    _need(pm.op == "permute" and tuple(pm.attr["dims"]) == (0, 2, 1))
-    keys = _strip(pm.inputs[0])
-    _need(tuple(keys.shape) == (B, L, Di) and keys.dtype in _UPCAST and q.dtype in _UPCAST and w.dtype in _UPCAST)
-    counts[INDEXER] += 1
-    return Node.make(INDEXER, (q, w, keys, terms["qpos"]),
-                     {"scale": float(scale), "k": K, "sorted": bool(tk.attr.get("sorted", True)),
-                      "fill": float("-inf")}, n.types, n.span)
+def _indexer(n: Node, m: Match) -> Node:
+    (B, S, L), K = m.x.shape, m.tk.attr["k"]
+    need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
+    t = mask_terms(m.imask, S, L, m.constants)
+    need("idx" not in t and t.W == 0)
+    w, q, Hi = m.w, m.iq, m.w.shape[2]
+    need(tuple(m.hs.shape) == (B * S, 1, L) and tuple(m.hs.inputs[0].shape) == (B * S, 1, Hi))
+    need(tuple(w.shape[:2]) == (B, S) and tuple(m.r.shape) == (B, S, Hi, L))
+    need(tuple(m.qk.shape) == (B * S, Hi, L) and tuple(q.shape[:3]) == (B, S, Hi))
+    need(tuple(m.kv.shape) == (B * S, q.shape[3], L) and _KEYS.match(m.kv, m))
+    need(tuple(m.index_keys.shape) == (B, L, q.shape[3]) and m.index_keys.dtype in _UPCAST and q.dtype in _UPCAST
+         and w.dtype in _UPCAST)
+    return Node.make(INDEXER, (q, w, m.index_keys, t.qpos), {"scale": float(m.value(m.scale)), "k": K,
+                     "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf")}, n.types, n.span)
+
+
+RULES = (
+    Rule(f"sparse_attention.{INDEXER}", _INDEXER, _indexer),
+    *(Rule(f"sparse_attention.{op}", _SDPA, lambda n, m, op=op: _sdpa(n, m, op))
+      for op in (MLA, SPARSE, MLA_DENSE, DENSE)),
+    Rule(f"sparse_attention.{DENSE}", _EAGER, _eager_with_sinks),
+)
 
 
 def sparse_attention(g: Graph, ctx) -> Graph:
-    counts = {DENSE: 0, SPARSE: 0, MLA: 0, MLA_DENSE: 0, INDEXER: 0}
-
-    def fn(n: Node) -> Node | None:
-        try:
-            if n.op == "getitem" and n.inputs[0].op == "topk":
-                return _indexer(n, ctx.constants, counts)
-            if n.op == "scaled_dot_product_attention" and len(n.inputs) == 4:
-                return _sdpa(n, ctx.constants, counts)
-            if n.op == "bmm" and n.inputs[0].op in ("view", "_unsafe_view", "reshape"):
-                return _eager_with_sinks(n, ctx.constants, counts)
-        except _NoMatch:
-            return None
-        return None
-
-    g = rewrite(g, fn)
-    for name, c in counts.items():
-        if c:
-            ctx.patterns[name] = ctx.patterns.get(name, 0) + c
+    """Rewrite attention over a cache into the ops above; counts ``sparse_attention.<op>`` in ``ctx.patterns``."""
+    g, counts = rewrite(g, RULES, ctx.constants)
+    add_counts(ctx.patterns, counts)
     return g

@@ -42,10 +42,10 @@ def expert_values(ckpt) -> int:
 
 
 def check_fused_experts(report: dict, ckpt, fused_op: str, bytes_per_weight: tuple[float, float]) -> None:
-    """Two dequant patterns per MoE layer, every ``fused_op`` kernel hand-scheduled, no plain ``moe_experts``
+    """One fused dequant (both expert chains) per MoE layer, every ``fused_op`` kernel hand-scheduled, no plain ``moe_experts``
     left, and zone low_precision_weights within ``bytes_per_weight`` (lo, hi) of the expert weight count."""
-    n_moe = report["patterns"]["moe"]
-    assert n_moe >= 1 and report["patterns"].get("dequant") == 2 * n_moe
+    n_moe = report["patterns"]["moe.grouped_experts"]
+    assert n_moe >= 1 and report["patterns"].get("dequant.experts") == n_moe
     fused = [k for k, op in report["kernel_ops"].items() if op == fused_op]
     assert fused  # one kernel per distinct shape, shared by the layers and programs that have it
     assert all(report["routes"][k] == "hand-scheduled" for k in fused)

@@ -126,8 +126,9 @@ def test_demo_json_then_serve(tmp_path):
     assert res["artifact"] and res["model"] == "deepseek_v4" and res["experts"] == "fp8"
     assert res["prompt_tokens"] > 10 and res["tokens"] and res["text"] == res["upstream_text"]
     pats = res["patterns"]
-    assert {"moe", "dequant"} <= set(pats) and any(p.startswith("compressed_attention") for p in pats)
-    fp8 = pats["dequant"]["kernels"]
+    assert {"moe.grouped_experts", "dequant.experts"} <= set(pats)
+    assert any(p.startswith("compressed_attention.") for p in pats)
+    fp8 = pats["dequant.experts"]["kernels"]
     assert fp8 and all(set(routes) == {"hand-scheduled"} for routes in fp8.values())
     assert all(p["kernels"] for p in pats.values())  # every pattern found has its kernels listed
     assert chat.choices[0].message.content == res["text"]
@@ -139,14 +140,16 @@ def test_demo_pattern_routes():
     """Which kernels each pattern of a compile report produced, and their routes."""
     from dayzero.tools.demo import pattern_routes
 
-    report = {"patterns": {"moe": 2, "dequant": 4, "compressed_attention_csa": 1, "paged_kv_write": 3},
+    report = {"patterns": {"moe.grouped_experts": 2, "dequant.experts": 2, "compressed_attention.csa": 1,
+                           "sparse_attention.cache_attention": 1, "paged_kv_write": 3},
               "kernel_ops": {"k0": "moe_experts_fp8", "k1": "compressed_attention", "k2": "paged_state_index_put",
-                             "k3": "add", "k4": "compressed_attention"},
+                             "k3": "add", "k4": "compressed_attention", "k5": "cache_attention"},
               "routes": {"k0": "hand-scheduled", "k1": "hand-scheduled", "k2": "hand-scheduled", "k3": "default",
-                         "k4": "tuned"}}
+                         "k4": "tuned", "k5": "hand-scheduled"}}
     assert pattern_routes(report) == {
-        "compressed_attention_csa": {"found": 1, "kernels": {"compressed_attention": {"hand-scheduled": 1,
+        "compressed_attention.csa": {"found": 1, "kernels": {"compressed_attention": {"hand-scheduled": 1,
                                                                                        "tuned": 1}}},
-        "dequant": {"found": 4, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
-        "moe": {"found": 2, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
-        "paged_kv_write": {"found": 3, "kernels": {"paged_state_index_put": {"hand-scheduled": 1}}}}
+        "dequant.experts": {"found": 2, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
+        "moe.grouped_experts": {"found": 2, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
+        "paged_kv_write": {"found": 3, "kernels": {"paged_state_index_put": {"hand-scheduled": 1}}},
+        "sparse_attention.cache_attention": {"found": 1, "kernels": {"cache_attention": {"hand-scheduled": 1}}}}

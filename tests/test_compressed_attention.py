@@ -47,7 +47,7 @@ def test_pattern_fires_on_every_compressed_layer(v4_programs, which):
     n_csa, n_hca = types.count("compressed_sparse_attention"), types.count("heavily_compressed_attention")
     assert n_csa and n_hca
     nodes = [n for n in g.nodes() if n.op == ca.OP]
-    assert ctx.patterns.get(f"{ca.OP}_csa") == n_csa and ctx.patterns.get(f"{ca.OP}_hca") == n_hca
+    assert ctx.patterns.get(f"{ca.OP}.csa") == n_csa and ctx.patterns.get(f"{ca.OP}.hca") == n_hca
     assert len(nodes) == n_csa + n_hca
     rates = cfg["compress_rates"]
     for n in nodes:
@@ -84,8 +84,8 @@ def test_compiled_programs_run_the_hand_scheduled_kernel(tiny_compiled):
         steps = [s for s in progs[name]["steps"] if report["kernel_ops"][s["kernel"]] == ca.OP]
         assert len(steps) == n, name
         assert {report["routes"][s["kernel"]] for s in steps} == {"hand-scheduled"}
-    assert report["patterns"][f"{ca.OP}_csa"] == types.count("compressed_sparse_attention")
-    assert report["patterns"][f"{ca.OP}_hca"] == types.count("heavily_compressed_attention")
+    assert report["patterns"][f"{ca.OP}.csa"] == types.count("compressed_sparse_attention")
+    assert report["patterns"][f"{ca.OP}.hca"] == types.count("heavily_compressed_attention")
 
 
 # ---- the reference is upstream's eager attention -------------------------------------------------------------

@@ -102,11 +102,11 @@ def test_onnx_4bit_matmul_fuses_and_matches_onnxruntime(tmp_path, case):
     fe = trace_onnx(str(path), 16)
     ctx = PassContext()
     g = run_pipeline(fe.traced.graph, ctx, verify=True)
-    assert ctx.patterns.get("dequant") == 1
+    assert ctx.patterns.get("dequant.linear") == 1
     assert [n.op for n in g.nodes() if n.op.startswith("dequant_linear")] == ["dequant_linear_int4"]
     assert not {"bitwise_and.Tensor", "cat", "mul.Tensor", "linear", "matmul"} & {n.op for n in g.nodes()}
     report = compile_model(str(path), tmp_path / "art", max_seq=16, verify=True)
-    assert report["patterns"]["dequant"] == 1
+    assert report["patterns"]["dequant.linear"] == 1
     fused = [k for k, op in report["kernel_ops"].items() if op == "dequant_linear_int4"]
     assert fused and all(report["routes"][k] == "hand-scheduled" for k in fused)
     rt = load(tmp_path / "art")  # one artifact, several (batch, seq)
@@ -129,7 +129,7 @@ def _nbits_text(tmp_path) -> str:
 def _fires(text: str) -> bool:
     ctx = PassContext()
     g = run_pipeline(parse_graph(text), ctx, verify=True)
-    return bool(ctx.patterns.get("dequant")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
+    return bool(ctx.patterns.get("dequant.linear")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
 
 
 def test_chain_with_wrong_bit_layout_or_missing_scale_is_left_alone(tmp_path):
@@ -195,7 +195,7 @@ def test_fp8_and_mxfp4_chains_feeding_linear_fuse(fmt, via_matmul):
     g = _linear_graph(fmt, N, K, seq, via_matmul)
     ctx = PassContext()
     fused = run_pipeline(g, ctx, verify=True)
-    assert ctx.patterns.get("dequant") == 1
+    assert ctx.patterns.get("dequant.linear") == 1
     assert [n.op for n in fused.nodes() if n.op.startswith("dequant_linear")] == [f"dequant_linear_{fmt}"]
     data, scale = _stored(fmt, N, K)
     ws = dict(ctx.constants, **{"w.data": data, "w.scale": scale})

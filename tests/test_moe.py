@@ -54,7 +54,7 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled)
     from dayzero.runtime import load
 
     ckpt, art, rep = tiny_compiled(arch)  # compiled once per session (conftest)
-    assert rep["patterns"].get("moe") == ARCHS[arch]
+    assert rep["patterns"].get("moe.grouped_experts") == ARCHS[arch]
     rt = load(art)
     ref = load_upstream(ckpt)
     for seq in (1, 7, 33):
@@ -69,7 +69,7 @@ def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     from dayzero.tools.driver import optimize, trace_model
 
     _, ctx = optimize(trace_model(str(tiny(arch)), max_seq=48))
-    assert ctx.patterns.get("moe") == ARCHS[arch]
+    assert ctx.patterns.get("moe.grouped_experts") == ARCHS[arch]
 
 
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
@@ -77,7 +77,7 @@ def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
 
     g, ctx = optimize(trace_model(str(tiny("gpt_oss")), max_seq=32), verify=True)
     nodes = [n for n in g.nodes() if n.op == "moe_experts"]
-    assert ctx.patterns["moe"] == 2 and len(nodes) == 2
+    assert ctx.patterns["moe.grouped_experts"] == 2 and len(nodes) == 2
     n = nodes[0]
     assert n.attr["layout"] == "kn" and n.attr["gate_up_bias"] and n.attr["down_bias"]
     act = n.attr["act"]

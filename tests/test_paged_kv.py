@@ -148,7 +148,7 @@ def test_dense_mla_is_recognised_and_the_cache_never_expanded(tiny_compiled):
     kv_b_proj runs over the latent cache, and the latent + rope caches are paged."""
     ckpt, art, report = tiny_compiled("deepseek_v3")
     layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
-    assert report["patterns"]["mla_attention"] == layers  # the prefill's count
+    assert report["patterns"]["sparse_attention.mla_attention"] == layers  # the prefill's count
     pj = json.loads((art / "program.json").read_text())
     for prog in pj["programs"].values():
         ops = {st["node"].split(" at ")[0] for st in prog["steps"]}

@@ -48,7 +48,7 @@ def test_pattern_fires(programs, which):
     g, ctx = progs[which]
     op, layers, windows, sinks = EXPECTED[arch]
     nodes = [n for n in g.nodes() if n.op == op]
-    assert ctx.patterns.get(op) == layers == len(nodes)
+    assert ctx.patterns.get(f"sparse_attention.{op}") == layers == len(nodes)
     assert not [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]  # nothing left dense
     got: dict[int, int] = {}
     for n in nodes:
@@ -68,7 +68,7 @@ def test_pattern_fires(programs, which):
     # nothing is computed over every cache row but the indexer scores: no kv_b_proj over the latent cache
     assert not [m for m in g.nodes() if m.op == "linear" and m.inputs[0].op == "state_index_put"]
     if op == sa.MLA:  # the indexer is one fused op per layer; no generic top-k over the 64 cache rows is left
-        assert ctx.patterns.get(sa.INDEXER) == layers
+        assert ctx.patterns.get(f"sparse_attention.{sa.INDEXER}") == layers
         assert not [m for m in g.nodes() if m.op == "topk" and m.inputs[0].shape[-1] == 64]
         for m in g.nodes():
             if m.op == sa.INDEXER:
@@ -319,7 +319,7 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     t = to_graph(export_module(m, ins))
     ctx = PassContext()
     gr = run_pipeline(t.graph, ctx, verify=True)
-    assert ctx.patterns.get(sa.INDEXER, 0) == int(fires)
+    assert ctx.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == int(fires)
     assert bool([n for n in gr.nodes() if n.op == "topk"]) != fires
     out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)),
                     lambda name: t.weights.get(name, ctx.constants.get(name)))[0]

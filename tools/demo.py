@@ -56,7 +56,10 @@ _PATTERN_OPS = {"dequant": ("fp8", "mxfp4"), "paged_kv_write": ("paged_",), "inp
 def _produced(pattern: str, op: str) -> bool:
     """Whether kernels of ``op`` come from ``pattern``'s rewrite: the op is named after the pattern (``moe`` ->
     ``moe_experts_fp8``), the pattern after a variant of the op (``compressed_attention_csa`` ->
-    ``compressed_attention``), or ``_PATTERN_OPS`` lists it."""
+    ``compressed_attention``), or ``_PATTERN_OPS`` lists it; a ``<pass>.<rule>`` name matches through either part
+    (``sparse_attention.cache_attention`` -> ``cache_attention``)."""
+    if "." in pattern:
+        return any(_produced(part, op) for part in pattern.split("."))
     if pattern in _PATTERN_OPS:
         return any(k in op for k in _PATTERN_OPS[pattern])
     return op == pattern or op.startswith(pattern + "_") or pattern.startswith(op + "_")
