@@ -26,7 +26,7 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.text import _value
 from . import lower
-from . import lower_nn  # noqa: F401 - registers convolution, pooling, padding into lower.LOWERINGS
+from .kernels.table import KERNELS
 
 
 @dataclass
@@ -87,7 +87,7 @@ def check_supported(g: Graph) -> None:
     for n in g.nodes():
         if n.op in ("input", "weight", "state") or ops.get(n.op).view or _no_kernel(n):
             continue
-        if not lower.can_lower(n.op) and (n.op, str(n.span)) not in seen:
+        if n.op not in lower.LOWERINGS and n.op not in KERNELS and (n.op, str(n.span)) not in seen:
             seen.add((n.op, str(n.span)))
             bad.append((n.op, str(n.span) or "<unknown>"))
     if bad:
@@ -111,13 +111,13 @@ def _safe(op: str) -> str:
 
 
 def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tvm.tirx.PrimFunc:
-    """The node's kernel: a hand-written PrimFunc (``lower.PRIMFUNCS``) or the TE compute of its lowering.
+    """The node's kernel: a hand-written PrimFunc (``codegen/kernels/table.py``) or the TE compute of its lowering.
 
     Argument order is always the node's inputs, then its outputs, then any symbol passed as a scalar.
     ``bind`` specialises symbols to values (a static-shape copy for tuning or a decode-sized kernel)."""
-    hand = lower.PRIMFUNCS.get(n.op)
+    hand = KERNELS.get(n.op)
     if hand is not None:
-        f = hand(n)
+        f = hand.compute(n)
         if f is not None:
             extra = f.attrs.get("dayzero.scalar_symbols", []) if f.attrs is not None else []
             return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", list(extra))
@@ -227,6 +227,3 @@ def program_json(prog: Program) -> dict:
 def dumps(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True)
 
-
-# hand-written kernels register into lower.PRIMFUNCS / schedule.HAND_SCHEDULED (last: they import this module)
-from . import kernels  # noqa: E402,F401

@@ -19,7 +19,7 @@ per query and masking most of them away. Recognised by op identity, attrs and sh
 
         ==>  compressed_attention(q, kv, qpos, entries, sinks, [idx], [epos]) {scale, window, rate}
 
-The kernel (``codegen/kernels/compressed_attention.py``) reads per query only the window rows
+The kernel (the kernel table's ``compressed_attention``) reads per query only the window rows
 [max(0, qpos-W+1), qpos] of ``kv`` and then either the entry rows idx[b, s, :] that lie in [0, E) (CSA: the
 indexer's top-k; the -inf columns are never read) or every entry e < (epos + 1) // R (HCA: dense over its few valid
 entries by design; R = ``rate``). The HCA block bias is upstream's own in prefill and the decode pre-hook's
@@ -33,63 +33,12 @@ states (paged_kv leaves states read by this op alone).
 
 from __future__ import annotations
 
-import torch
-
-from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
-from dayzero.passes.paged_kv import unpage
-from dayzero.passes.sparse_attention import (_NoMatch, _attend, _const, _flat_heads, _is_arange_row, _mask_terms,
+from dayzero.passes.sparse_attention import (_NoMatch, _const, _flat_heads, _is_arange_row, _mask_terms,
                                              _need, _qpos, _repeat_kv, _RESHAPE, _skip, scaled_qk,
-                                             sink_softmax_parts, valid_positions)
+                                             sink_softmax_parts)
 
 OP = "compressed_attention"
-
-
-# ---- the op (torch reference) --------------------------------------------------------------------------------
-
-def entry_selection(attrs: dict, B: int, S: int, E: int, idx=None, epos=None) -> torch.Tensor:
-    """[B, S, E] bool: the entries query (b, s) attends to. CSA: e in idx[b, s, :] and 0 <= e < E (upstream's
-    scatter of 0 into a -inf row, sliced to E). HCA: e < (epos[s] + 1) // rate (upstream's causal block bias)."""
-    if idx is not None:
-        i = idx.long()
-        ok = (i >= 0) & (i < E)
-        sel = torch.zeros(B, S, E + 1, dtype=torch.bool, device=idx.device)
-        return sel.scatter_(-1, torch.where(ok, i, E), True)[..., :E]
-    thr = torch.div(epos.reshape(-1).long() + 1, attrs["rate"], rounding_mode="floor")
-    return (torch.arange(E, device=epos.device)[None, :] < thr[:, None])[None].expand(B, S, E)
-
-
-def reference(ins, attrs):
-    """Upstream's dense form: softmax(scale q·[kv; entries]ᵀ + mask ; sink_h) [kv; entries] over the rows of
-    ``valid_positions(L, qpos, window)`` and ``entry_selection``."""
-    q, kv, qpos, ent, sinks, *rest = unpage(ins, attrs, OP)
-    if q.device.type == "meta":
-        return torch.empty(q.shape, dtype=q.dtype, device="meta")
-    idx = rest.pop(0) if attrs.get("idx") else None
-    epos = rest.pop(0) if attrs.get("epos") else None
-    B, _, S, _ = q.shape
-    win = valid_positions(kv.shape[2], qpos.reshape(-1), attrs["window"])[None].expand(B, S, -1)
-    sel = entry_selection(attrs, B, S, ent.shape[2], idx, epos)
-    mask = torch.cat([win, sel], dim=-1).unsqueeze(1)
-    x = torch.cat([kv, ent], dim=2)
-    return _attend(q, x, x, mask, attrs["scale"], sinks).contiguous()
-
-
-if ops.REGISTRY.get(OP) is None:
-    ops.register(ops.OpDef(
-        OP, args=(("q", ops.TENSOR), ("kv", ops.TENSOR), ("qpos", ops.TENSOR), ("entries", ops.TENSOR),
-                  ("sinks", ops.TENSOR), ("idx", ops.OPT_TENSOR), ("epos", ops.OPT_TENSOR), ("scale", ops.ATTR),
-                  ("window", ops.ATTR), ("rate", ops.ATTR), ("paged", ops.OPT_TENSOR)),
-        reference=reference,
-        doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, every "
-            "position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx int "
-            "[B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
-            "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 for "
-            "CSA), idx / epos (bool); reads window rows [max(0, qpos-window+1), qpos] and the selected / valid "
-            "entries only; out [B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the "
-            "block table last"))
-
-from dayzero.codegen.kernels import compressed_attention as _kernels  # noqa: E402,F401  (registers the PrimFunc)
 
 
 # ---- the match -----------------------------------------------------------------------------------------------

@@ -52,13 +52,13 @@ latent cache, i.e. kv_b_proj over all L rows every step (O(L) even though the to
     ─ where(~causal mask, -inf) ─ topk(k) ─ getitem 1
 
         ==>  dsa_indexer_topk(q, w, keys, qpos) {scale, k, sorted, fill}
-             one kernel (codegen/kernels/indexer.py): each key row read once, scores never materialised per
+             one kernel (the kernel table's entry): each key row read once, scores never materialised per
              head, and torch.topk's exact selection (ties included) on the score row.
 
 The indexer is the linear part of a DSA step (O(L) per query by design) and is reported separately by
 ``dayzero bench attention``. Both ops have one kernel per target with a
 decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
-``codegen/kernels/attention.py``. Ordering: after fold_constants (the arange, the window, the scale and the
+the kernel table's attention kernels. Ordering: after fold_constants (the arange, the window, the scale and the
 fill values are read from ``ctx.constants``) and after inplace_state (the cache operands are then the in-place
 written states). Anything unrecognised stays dense and correct.
 """
@@ -69,161 +69,13 @@ import math
 
 import torch
 
-from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
-from dayzero.passes.paged_kv import by_token, unpage
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
 MLA = "mla_sparse_attention"
 MLA_DENSE = "mla_attention"
 INDEXER = "dsa_indexer_topk"
-
-
-# ---- the ops (torch references) ----------------------------------------------------------------------------
-
-def valid_positions(L: int, qpos: torch.Tensor, window: int) -> torch.Tensor:
-    """[S, L] bool: key j is visible from query s iff j <= qpos[s] (and j > qpos[s] - window when window > 0)."""
-    j = torch.arange(L, device=qpos.device)
-    m = j[None, :] <= qpos[:, None]
-    if window:
-        m &= j[None, :] > (qpos[:, None] - window)
-    return m
-
-
-def _expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
-    return x.repeat_interleave(hq // x.shape[1], dim=1) if x.shape[1] != hq else x
-
-
-def _attend(q, k, v, mask, scale, sinks=None):
-    """Softmax attention with a bool mask [.., S, L] (and per-head sink logits), fp32 inside."""
-    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    if sinks is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    w = torch.matmul(q, k.transpose(-1, -2)) * scale
-    w = w.masked_fill(~mask, float("-inf"))
-    s = sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1).to(w.dtype)
-    c = torch.cat([w, s], dim=-1)
-    p = torch.softmax(c - c.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    return torch.matmul(p.to(v.dtype), v)
-
-
-def _out(q, v):
-    B, H, S, _ = q.shape
-    return torch.empty(B, H, S, v.shape[-1], dtype=q.dtype, device=q.device)
-
-
-def dense_reference(ins, attrs):
-    """out[b,h,s] = softmax_j(q[b,h,s]·k[b,h//r,j]·scale [, sink_h]) v[b,h//r,j] over visible j (valid_positions)."""
-    ins = unpage(ins, attrs, DENSE)
-    q, k, v, qpos = ins[:4]
-    if q.device.type == "meta":
-        return _out(q, v)
-    sinks = ins[4] if attrs["sinks"] else None
-    mask = valid_positions(k.shape[2], qpos.reshape(-1), attrs["window"])[None, None]
-    return _attend(q, k, v, mask, attrs["scale"], sinks).contiguous()
-
-
-def sparse_reference(ins, attrs):
-    """As dense_reference (window 0), over visible j that are also in idx[b, s, :]."""
-    q, k, v, qpos, idx = unpage(ins, attrs, SPARSE)
-    if q.device.type == "meta":
-        return _out(q, v)
-    S, L = q.shape[2], k.shape[2]
-    sel = torch.zeros(idx.shape[0], S, L, dtype=torch.bool).scatter_(-1, idx.long(), True)
-    mask = (sel & valid_positions(L, qpos.reshape(-1), 0)[None]).unsqueeze(1)
-    return _attend(q, k, v, mask, attrs["scale"]).contiguous()
-
-
-def mla_expand(lat, rope, w, nope: int, H: int):
-    """Upstream's ``expand_kv``: per head, K = [latent · W_uk^T | rope_k] and V = latent · W_uv^T, where
-    W = kv_b_proj.weight [H*(nope+Dv), R] holds (W_uk, W_uv) per head. lat [B,1,L,R], rope [B,1,L,Dr]."""
-    B, _, L, _ = lat.shape
-    kv = torch.nn.functional.linear(lat, w).view(B, L, H, -1).transpose(1, 2)
-    k = torch.cat([kv[..., :nope], rope.expand(B, H, L, rope.shape[-1])], dim=-1)
-    return k, kv[..., nope:]
-
-
-def mla_sparse_reference(ins, attrs):
-    """sparse_reference over upstream's expansion of the latent cache (mla_expand): the unfused semantics."""
-    q, lat, rope, w, qpos, idx = unpage(ins, attrs, MLA)
-    H = q.shape[1]
-    if q.device.type == "meta":
-        return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
-                           device="meta")
-    k, v = mla_expand(lat, rope, w, attrs["nope"], H)
-    # k, v are already the logical cache (unpaged above): sparse_reference must not read a table again
-    return sparse_reference([q, k, v, qpos, idx], {**attrs, "paged": None})
-
-
-def mla_dense_reference(ins, attrs):
-    """dense_reference (causal, window 0) over upstream's expansion of the latent cache (mla_expand)."""
-    q, lat, rope, w, qpos = unpage(ins, attrs, MLA_DENSE)
-    H = q.shape[1]
-    if q.device.type == "meta":
-        return torch.empty(q.shape[0], H, q.shape[2], w.shape[0] // H - attrs["nope"], dtype=q.dtype,
-                           device="meta")
-    k, v = mla_expand(lat, rope, w, attrs["nope"], H)
-    return dense_reference([q, k, v, qpos], {"scale": attrs["scale"], "window": 0, "sinks": False})
-
-
-def indexer_reference(ins, attrs):
-    """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward after the projections): per-head
-    scores, ReLU, weighted head sum, causal mask with ``fill``, torch.topk."""
-    q, w, keys, qpos = unpage(ins, attrs, INDEXER)
-    B, S = q.shape[:2]
-    if q.device.type == "meta":
-        return torch.empty(B, S, attrs["k"], dtype=torch.int64, device="meta")
-    scores = torch.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * attrs["scale"])
-    x = torch.matmul(w.float().unsqueeze(-2), scores).squeeze(-2)
-    x = x.masked_fill(~valid_positions(keys.shape[1], qpos.reshape(-1), 0)[None], attrs["fill"])
-    return x.topk(attrs["k"], dim=-1, sorted=attrs["sorted"]).indices
-
-
-# a paged cache (passes/paged_kv.py): attr paged = block size, attr length = logical rows, the block table last
-PAGED = ("paged", ops.OPT_TENSOR)
-
-if ops.REGISTRY.get(DENSE) is None:
-    ops.register(ops.OpDef(
-        DENSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
-                     ("sinks", ops.OPT_TENSOR), ("scale", ops.ATTR), ("window", ops.ATTR), PAGED),
-        reference=by_token(DENSE, dense_reference),
-        doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
-            "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool); reads rows "
-            "[max(0, qpos-window+1), qpos] only; out [B,Hq,S,Dv]"))
-    ops.register(ops.OpDef(
-        SPARSE, args=(("q", ops.TENSOR), ("k", ops.TENSOR), ("v", ops.TENSOR), ("qpos", ops.TENSOR),
-                      ("idx", ops.TENSOR), ("scale", ops.ATTR), PAGED),
-        reference=by_token(SPARSE, sparse_reference),
-        doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S], "
-            "idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= qpos[s] "
-            "only; out [B,Hq,S,Dv]"))
-    ops.register(ops.OpDef(
-        MLA, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
-                   ("qpos", ops.TENSOR), ("idx", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
-        reference=by_token(MLA, mla_sparse_reference),
-        doc="DSA over an MLA latent cache with the up-projection absorbed: q [B,H,S,nope+Dr], latent [B,1,L,R], "
-            "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
-            "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
-            "reads only the k selected latent rows; out [B,H,S,Dv]"))
-    ops.register(ops.OpDef(
-        MLA_DENSE, args=(("q", ops.TENSOR), ("latent", ops.TENSOR), ("rope_k", ops.TENSOR), ("w_kv", ops.TENSOR),
-                         ("qpos", ops.TENSOR), ("scale", ops.ATTR), ("nope", ops.ATTR), PAGED),
-        reference=by_token(MLA_DENSE, mla_dense_reference),
-        doc="causal MLA over a latent cache with the up-projection absorbed (DeepSeek-V3, Kimi-K2: MLA without "
-            "an indexer): q [B,H,S,nope+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R], qpos int "
-            "[S]; = cache_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand) for rows "
-            "<= qpos, without expanding the cache; out [B,H,S,Dv]"))
-    ops.register(ops.OpDef(
-        INDEXER, args=(("q", ops.TENSOR), ("w", ops.TENSOR), ("keys", ops.TENSOR), ("qpos", ops.TENSOR),
-                       ("scale", ops.ATTR), ("k", ops.ATTR), ("sorted", ops.ATTR), ("fill", ops.ATTR), PAGED),
-        reference=by_token(INDEXER, indexer_reference),
-        doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache), "
-            "qpos int [S]; attrs scale, k, sorted, fill; score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
-            "j <= qpos[s] else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie order)"))
-
-from dayzero.codegen.kernels import attention as _kernels  # noqa: E402,F401  (registers the PrimFuncs)
-from dayzero.codegen.kernels import indexer as _indexer_kernels  # noqa: E402,F401
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
