@@ -39,6 +39,7 @@ class BufferInfo:
     weight: str | None = None  # weights: the manifest name
     state: str | None = None  # persistent state (KV cache, cross-layer state): its name
     name: str | None = None  # io: input name / output index
+    input_kind: str | None = None  # io: an input the runtime passes, not the caller (dayzero_ops.INPUT_KINDS)
 
     def max_bytes(self, bounds: dict[str, int]) -> int:
         n = 1
@@ -152,7 +153,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
     out_nodes = {id(o) for o in g.outputs}
     for n in g.nodes():
         if n.op == "input":
-            bid = new_buffer(n.type, "io", name=n.attr["name"])
+            bid = new_buffer(n.type, "io", name=n.attr["name"], input_kind=n.attr.get("kind"))
             prog.inputs.append(bid)
             buf_of[id(n)] = [bid]
             continue
@@ -216,7 +217,8 @@ def program_json(prog: Program) -> dict:
         "input_ranges": prog.input_ranges,
         "outputs": prog.outputs,
         "buffers": [{"id": b.id, "dtype": b.dtype, "shape": [dim_json(d) for d in b.shape], "zone": b.zone,
-                     "alias_of": b.alias_of, "weight": b.weight, "state": b.state, "name": b.name}
+                     "alias_of": b.alias_of, "weight": b.weight, "state": b.state, "name": b.name,
+                     **({"input_kind": b.input_kind} if b.input_kind else {})}
                     for b in prog.buffers],
         "steps": [{"kernel": s.kernel, "args": s.args, "node": s.node, "symbols": s.symbols,
                    "outputs": s.outputs} for s in prog.steps],

@@ -38,7 +38,7 @@ full-length request + the scratch block.
 from __future__ import annotations
 
 from dayzero import InternalError
-from dayzero.passes.ir import ops
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.reference_attention import READERS
 
@@ -149,7 +149,8 @@ def paged_kv(g: Graph, ctx) -> Graph:
         # prefill at a time): (batch - 1) windows + one full-length request + the scratch block
         blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
         name = TABLE if w == 0 else f"{TABLE}_w{w}"
-        tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", rows + (nt,)),)), blocks)
+        tables[w] = (Node.make("input", (), {"name": name, "kind": BLOCK_TABLE}, (TensorType("int32", rows + (nt,)),)),
+                    blocks)
         classes.append({"name": name, "window": w, "blocks": blocks,
                         "states": sorted(paged[sid][0].attr["name"] for sid, c in cls_of.items() if c == w)})
     cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}

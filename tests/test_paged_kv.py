@@ -268,6 +268,9 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     for prog in pj["programs"].values():
         names = [prog["buffers"][b]["name"] for b in prog["inputs"]]
         assert names[-len(tables):] == [t["name"] for t in pages["tables"]]
+        # a table is an input of kind block_table (IR structure, passes/paged_kv.py), not a name prefix
+        kinds = [prog["buffers"][b].get("input_kind") for b in prog["inputs"]]
+        assert kinds == [None] * (len(kinds) - len(tables)) + ["block_table"] * len(tables)
         kv = [b for b in prog["buffers"] if b.get("state") and b["alias_of"] is None]
         assert kv and all(b["zone"] == "kv_pages" and any(t["blocks"] * 16 in b["shape"] for t in tables.values())
                           for b in kv)
@@ -276,6 +279,7 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
 
     rt = load(art)
     prefill = rt.programs["prefill"]
+    assert prefill.table_inputs == [t["name"] for t in pages["tables"]]
     for b in prefill.buffers:  # every row of every pool: NaN
         if b["zone"] == "kv_pages" and b.get("state") and b["alias_of"] is None:
             prefill.view(b["id"], ()).fill_(float("nan"))
