@@ -67,6 +67,7 @@ class Step:
     node: str  # op and span, for reports and errors
     symbols: list[str] = field(default_factory=list)  # trailing scalar arguments: symbol values
     outputs: int = 1  # the last `outputs` of args are written
+    layer: tuple[str, int] | None = None  # the repeated block (decoder layer) of its node's span, if any
 
 
 @dataclass
@@ -191,7 +192,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
         args = [buf_of[id(i)][0] if len(i.types) == 1 else None for i in n.inputs]
         if None in args:
             raise InternalError(f"{n.op} reads a multi-output node directly")
-        prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs)))
+        prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs), n.span.layer))
     for o in g.outputs:
         prog.outputs.append(buf_of[id(o)][0])
     # an input used as embedding indices must be in [0, rows): checked by the runtime before any kernel reads

@@ -279,7 +279,7 @@ _GRAPHS: dict = {}
 def bind_low_precision(traced, params: dict) -> int:
     """Replace every ``weight`` node named by ``params`` ({name: checkpoint.LowPrecParam}) with its stored tensors
     plus the dequant chain. Returns how many were replaced."""
-    from dayzero.passes.ir.node import Node, Span, TensorType, rewrite
+    from dayzero.passes.ir.node import Node, Span, TensorType, repeated_block, rewrite
 
     done = 0
 
@@ -292,7 +292,8 @@ def bind_low_precision(traced, params: dict) -> int:
             raise UserError(f"{p.param}: low-precision storage for a {n.dtype} parameter is not supported")
         data_t, scale_t = p.types(n.shape)
         sub = _dequant_graph(p.fmt, p.in_major, data_t, scale_t, p.row_block)
-        span = Span(n.attr["name"].rsplit(".", 1)[0], "dayzero.frontend.lowprec")
+        module = n.attr["name"].rsplit(".", 1)[0]
+        span = Span(module, "dayzero.frontend.lowprec", repeated_block(module))
         data = Node.make("weight", (), {"name": p.data_name, "zone": LOW_PRECISION_ZONE},
                          [TensorType(*data_t)], span)
         scale = Node.make("weight", (), {"name": p.scale_name, "zone": LOW_PRECISION_ZONE},
