@@ -70,27 +70,34 @@ def moe_reference(ins, attrs):
     return y.to(out_dtype)
 
 
-def moe_mxfp4_reference(ins, attrs):
+def _stored_experts(ins, attrs):
+    """(x, ids, w, gate/up data, gate/up scales, b_gu, down data, down scales, b_d) of a low-precision moe op;
+    absent biases are None."""
     it = iter(ins)
-    x, ids, w, gb, gs = (next(it) for _ in range(5))
+    x, ids, w, gq, gs = (next(it) for _ in range(5))
     bgu = next(it) if attrs["gate_up_bias"] else None
-    db, ds = next(it), next(it)
+    dq, ds = next(it), next(it)
     bd = next(it) if attrs["down_bias"] else None
+    return x, ids, w, gq, gs, bgu, dq, ds, bd
+
+
+def _meta_out(x, w):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
+
+
+def moe_mxfp4_reference(ins, attrs):
+    x, ids, w, gb, gs, bgu, db, ds, bd = _stored_experts(ins, attrs)
     if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
+        return _meta_out(x, w)
     dense = [x, ids, w, mxfp4_dequant_ref(gb, gs)] + ([bgu] if bgu is not None else []) + \
         [mxfp4_dequant_ref(db, ds)] + ([bd] if bd is not None else [])
     return moe_reference(dense, dict(attrs, layout="nk"))
 
 
 def moe_fp8_reference(ins, attrs):
-    it = iter(ins)
-    x, ids, w, gq, gs = (next(it) for _ in range(5))
-    bgu = next(it) if attrs["gate_up_bias"] else None
-    dq_, ds = next(it), next(it)
-    bd = next(it) if attrs["down_bias"] else None
+    x, ids, w, gq, gs, bgu, dq_, ds, bd = _stored_experts(ins, attrs)
     if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
+        return _meta_out(x, w)
     dense = [x, ids, w, fp8_blocks_dequant_ref(gq, gs, attrs["gate_up_block"])] + ([bgu] if bgu is not None else []) \
         + [fp8_blocks_dequant_ref(dq_, ds, attrs["down_block"])] + ([bd] if bd is not None else [])
     return moe_reference(dense, attrs)
