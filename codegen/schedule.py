@@ -19,6 +19,7 @@ from typing import Callable
 
 import tvm
 
+from dayzero import InternalError
 from . import tuning
 from .kernels.table import KERNELS
 from .program import Kernel, make_prim_func
@@ -65,10 +66,14 @@ def _tuned(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
 
 def schedule_kernel(k: Kernel, target: tvm.target.Target, db: "tuning.TuningDatabase | None",
                     symbols: dict[str, tuple[int, int]] | None = None) -> tvm.IRModule:
+    entry = KERNELS.get(k.op)
+    if entry is not None and k.node is not None and not entry.supports(target.kind.name, k.node):
+        raise InternalError(f"the {k.op} kernel does not take {k.name} on target kind {target.kind.name} (the "
+                            f"pass that created it asks targets/capabilities.py first)")
     if is_hand_scheduled(k):  # written scheduled (a compute of codegen/kernels/table.py)
         k.route = "hand-scheduled"
         return tvm.IRModule({"main": k.func})
-    rule = KERNELS[k.op].schedule if k.op in KERNELS else None
+    rule = entry.schedule if entry is not None else None
     if rule is not None:
         mod = rule(k, target)
         if mod is not None:

@@ -104,3 +104,17 @@ def test_int4_geometry_problems_are_named():
         "odd row length 7 (a byte would straddle two rows)"
     assert capabilities.dequant_linear_int4_problem(dict(p, K=8)) is None
     assert ops.get("dequant_linear_int4").args[-2:] == (("N", "attr"), ("K", "attr"))
+
+
+def test_scheduling_a_kernel_on_a_target_kind_it_is_not_written_for_is_an_internal_error():
+    """The schedule chain asks the kernel table's supports(): the workspace kernel exists for the host CPU only."""
+    import tvm
+
+    from dayzero import InternalError
+    from dayzero.codegen.program import Kernel
+    from dayzero.codegen.schedule import schedule_kernel
+
+    n = Node.make("moe_experts_mxfp4_ws", (), {}, [TensorType("float32", (1,))])
+    fake = Kernel("k", n.op, None, "key", node=n)  # refused before the kernel's function is looked at
+    with pytest.raises(InternalError, match="does not take k on target kind cuda"):
+        schedule_kernel(fake, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), None)
