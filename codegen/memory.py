@@ -16,8 +16,6 @@ for the whole program.
 
 from __future__ import annotations
 
-import re
-
 from dayzero.passes.memory_plan import Buffer, ZonedPlan, align_up, plan_zones
 
 from .program import Program
@@ -46,25 +44,13 @@ def _lifetimes(prog: Program) -> tuple[dict[int, int], dict[int, int]]:
     return first, last
 
 
-# the first ``<name>.<int>`` component of a step's module path: the block of a repeated stack (a ModuleList
-# entry such as ``model.layers.3`` or ``/model/layers.3/`` in ONNX node names) the step was traced from
-_BLOCK = re.compile(r"([A-Za-z_]\w*)\.(\d+)(?=[./\s(]|$)")
-
-
-def step_block(node: str) -> tuple[str, int] | None:
-    """(stack, index) of the repeated block a step belongs to, from its span (``"op at model.layers.3.mlp (...)"``),
-    or None for a step outside any stack (embedding, final norm, head)."""
-    where = node.split(" at ", 1)[1] if " at " in node else ""
-    m = _BLOCK.search(where.split(" (", 1)[0])
-    return (m.group(1), int(m.group(2))) if m else None
-
-
 def cross_layer_roots(prog: Program) -> set[int]:
     """Activation buffers written in one block of a repeated stack (a decoder layer) and read in a later block of
     the same stack: the residual stream each layer hands to the next, ``hc_mult`` copies of it under DeepSeek-V4's
     hyper-connections.  They are planned in the ``cross_layer_state`` zone.  Found from the lifetimes and the
-    steps' layer attribution alone (which block a step was traced from), never from the model's type."""
-    blocks = [step_block(st.node) for st in prog.steps]
+    steps' layer attribution alone (``Step.layer``: the block the frontend traced the step from), never from the
+    model's type."""
+    blocks = [st.layer for st in prog.steps]
     made: dict[int, tuple[str, int]] = {}
     out = set()
     for i, st in enumerate(prog.steps):

@@ -26,7 +26,7 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.text import _value
 from . import lower
-from . import lower_nn  # noqa: F401 - registers convolution, pooling, padding into lower.LOWERINGS
+from .kernels.table import KERNELS
 
 
 @dataclass
@@ -39,6 +39,7 @@ class BufferInfo:
     weight: str | None = None  # weights: the manifest name
     state: str | None = None  # persistent state (KV cache, cross-layer state): its name
     name: str | None = None  # io: input name / output index
+    input_kind: str | None = None  # io: an input the runtime passes, not the caller (dayzero_ops.INPUT_KINDS)
 
     def max_bytes(self, bounds: dict[str, int]) -> int:
         n = 1
@@ -66,6 +67,7 @@ class Step:
     node: str  # op and span, for reports and errors
     symbols: list[str] = field(default_factory=list)  # trailing scalar arguments: symbol values
     outputs: int = 1  # the last `outputs` of args are written
+    layer: tuple[str, int] | None = None  # the repeated block (decoder layer) of its node's span, if any
 
 
 @dataclass
@@ -87,7 +89,7 @@ def check_supported(g: Graph) -> None:
     for n in g.nodes():
         if n.op in ("input", "weight", "state") or ops.get(n.op).view or _no_kernel(n):
             continue
-        if not lower.can_lower(n.op) and (n.op, str(n.span)) not in seen:
+        if n.op not in lower.LOWERINGS and n.op not in KERNELS and (n.op, str(n.span)) not in seen:
             seen.add((n.op, str(n.span)))
             bad.append((n.op, str(n.span) or "<unknown>"))
     if bad:
@@ -111,13 +113,13 @@ def _safe(op: str) -> str:
 
 
 def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tvm.tirx.PrimFunc:
-    """The node's kernel: a hand-written PrimFunc (``lower.PRIMFUNCS``) or the TE compute of its lowering.
+    """The node's kernel: a hand-written PrimFunc (``codegen/kernels/table.py``) or the TE compute of its lowering.
 
     Argument order is always the node's inputs, then its outputs, then any symbol passed as a scalar.
     ``bind`` specialises symbols to values (a static-shape copy for tuning or a decode-sized kernel)."""
-    hand = lower.PRIMFUNCS.get(n.op)
+    hand = KERNELS.get(n.op)
     if hand is not None:
-        f = hand(n)
+        f = hand.compute(n)
         if f is not None:
             extra = f.attrs.get("dayzero.scalar_symbols", []) if f.attrs is not None else []
             return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", list(extra))
@@ -152,7 +154,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
     out_nodes = {id(o) for o in g.outputs}
     for n in g.nodes():
         if n.op == "input":
-            bid = new_buffer(n.type, "io", name=n.attr["name"])
+            bid = new_buffer(n.type, "io", name=n.attr["name"], input_kind=n.attr.get("kind"))
             prog.inputs.append(bid)
             buf_of[id(n)] = [bid]
             continue
@@ -190,7 +192,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
         args = [buf_of[id(i)][0] if len(i.types) == 1 else None for i in n.inputs]
         if None in args:
             raise InternalError(f"{n.op} reads a multi-output node directly")
-        prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs)))
+        prog.steps.append(Step(kname, args + outs, f"{n.op} at {n.span}", syms, len(outs), n.span.layer))
     for o in g.outputs:
         prog.outputs.append(buf_of[id(o)][0])
     # an input used as embedding indices must be in [0, rows): checked by the runtime before any kernel reads
@@ -216,7 +218,8 @@ def program_json(prog: Program) -> dict:
         "input_ranges": prog.input_ranges,
         "outputs": prog.outputs,
         "buffers": [{"id": b.id, "dtype": b.dtype, "shape": [dim_json(d) for d in b.shape], "zone": b.zone,
-                     "alias_of": b.alias_of, "weight": b.weight, "state": b.state, "name": b.name}
+                     "alias_of": b.alias_of, "weight": b.weight, "state": b.state, "name": b.name,
+                     **({"input_kind": b.input_kind} if b.input_kind else {})}
                     for b in prog.buffers],
         "steps": [{"kernel": s.kernel, "args": s.args, "node": s.node, "symbols": s.symbols,
                    "outputs": s.outputs} for s in prog.steps],
@@ -227,6 +230,3 @@ def program_json(prog: Program) -> dict:
 def dumps(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True)
 
-
-# hand-written kernels register into lower.PRIMFUNCS / schedule.HAND_SCHEDULED (last: they import this module)
-from . import kernels  # noqa: E402,F401

@@ -19,40 +19,14 @@ from typing import Callable
 
 import tvm
 
+from dayzero import InternalError
 from . import tuning
+from .kernels.table import KERNELS
 from .program import Kernel, make_prim_func
 
 log = logging.getLogger(__name__)
 
 Rule = Callable[[Kernel, tvm.target.Target], "tvm.IRModule | None"]
-
-# op name -> rule; filled by the modules that define hand-scheduled kernels
-HAND_SCHEDULED: dict[str, Rule] = {}
-
-
-def register_param_kernel(ops_: tuple[str, ...], params: Callable, build: Callable, key: str) -> None:
-    """Register a kernel written per target from a parameter dict (TVMScript-text kernels: attention, indexer):
-    the lowering builds the host-CPU kernel from ``params(node)`` and carries the parameters as the function attr
-    ``key``; the schedule rule rebuilds it for the compile target (``build(p, "llvm" | "cuda")``)."""
-    import json
-
-    from . import lower
-
-    def prim_func(node):
-        p = params(node)
-        return build(p, "llvm").with_attr(key, json.dumps(p, sort_keys=True))
-
-    def rule(kernel, target: tvm.target.Target):
-        attrs = kernel.func.attrs
-        if attrs is None or key not in attrs:
-            return None
-        f = build(json.loads(str(attrs[key])), "cuda" if target.kind.name == "cuda" else "llvm")
-        f = f.with_attr("global_symbol", attrs["global_symbol"]).with_attr("tirx.is_scheduled", True)
-        return tvm.IRModule({"main": f})
-
-    for op in ops_:
-        lower.PRIMFUNCS[op] = prim_func
-        HAND_SCHEDULED[op] = rule
 
 TUNING_SIZE_CAP = 128
 # ops worth tuning: contractions and reductions (elementwise kernels are bandwidth-bound and gain little)
@@ -92,10 +66,14 @@ def _tuned(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
 
 def schedule_kernel(k: Kernel, target: tvm.target.Target, db: "tuning.TuningDatabase | None",
                     symbols: dict[str, tuple[int, int]] | None = None) -> tvm.IRModule:
-    if is_hand_scheduled(k):  # written scheduled (lower.PRIMFUNCS)
+    entry = KERNELS.get(k.op)
+    if entry is not None and k.node is not None and not entry.supports(target.kind.name, k.node):
+        raise InternalError(f"the {k.op} kernel does not take {k.name} on target kind {target.kind.name} (the "
+                            f"pass that created it asks targets/capabilities.py first)")
+    if is_hand_scheduled(k):  # written scheduled (a compute of codegen/kernels/table.py)
         k.route = "hand-scheduled"
         return tvm.IRModule({"main": k.func})
-    rule = HAND_SCHEDULED.get(k.op)
+    rule = entry.schedule if entry is not None else None
     if rule is not None:
         mod = rule(k, target)
         if mod is not None:

@@ -279,9 +279,9 @@ _GRAPHS: dict = {}
 
 def bind_low_precision(traced, params: dict) -> int:
     """Replace every ``weight`` node named by ``params`` ({name: checkpoint.LowPrecParam}) with its stored tensors
-    read by one typed ``dequant`` op (format, block, transposed: passes/dequant.py). Returns how many were
-    replaced."""
-    from dayzero.passes.ir.node import Node, Span, TensorType, rewrite
+    read by one typed ``dequant`` op (format, block, transposed: passes/ir/dayzero_ops.py). Returns how many
+    were replaced."""
+    from dayzero.passes.ir.node import Node, Span, TensorType, repeated_block, rewrite
 
     done = 0
 
@@ -293,7 +293,8 @@ def bind_low_precision(traced, params: dict) -> int:
         if n.dtype != "float32":
             raise UserError(f"{p.param}: low-precision storage for a {n.dtype} parameter is not supported")
         data_t, scale_t = p.types(n.shape)
-        span = Span(n.attr["name"].rsplit(".", 1)[0], "dayzero.frontend.lowprec")
+        module = n.attr["name"].rsplit(".", 1)[0]
+        span = Span(module, "dayzero.frontend.lowprec", repeated_block(module))
         data = Node.make("weight", (), {"name": p.data_name, "zone": LOW_PRECISION_ZONE},
                          [TensorType(*data_t)], span)
         scale = Node.make("weight", (), {"name": p.scale_name, "zone": LOW_PRECISION_ZONE},

@@ -46,7 +46,7 @@ from onnx import numpy_helper
 
 from dayzero import UnsupportedOpsError, UserError
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, Span, TensorType
+from dayzero.passes.ir.node import Graph, Node, Span, TensorType, repeated_block
 from dayzero.passes.ir.text import make_symbol
 
 DEFAULT_MAX_BATCH = 8
@@ -279,8 +279,9 @@ class _Importer:
         if domain == "ai.onnx":
             domain = ""
         opset = self.opsets.get(domain, self.opsets.get("", 0))
-        self.span = Span(module=n.name or (n.output[0] if n.output else n.op_type),
-                         source=f"{(domain + '.') if domain else ''}{n.op_type} (opset {opset})")
+        module = n.name or (n.output[0] if n.output else n.op_type)
+        self.span = Span(module=module, source=f"{(domain + '.') if domain else ''}{n.op_type} (opset {opset})",
+                         layer=repeated_block(module))
         self.opset = opset
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         handler = (_HANDLERS if domain == "" else _CONTRIB if domain == "com.microsoft" else {}).get(n.op_type)

@@ -31,7 +31,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from dayzero import InternalError, UserError
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, Span, TensorType
+from dayzero.passes.ir.node import Graph, Node, Span, TensorType, repeated_block
 from dayzero.passes.ir.text import make_symbol
 
 # ops kept whole through decomposition: the pattern passes and kernels want to see them
@@ -90,7 +90,7 @@ def _span(fx_node, strip_prefix: str) -> Span:
             m = re.search(r"(?:site-packages|dist-packages)/(.+)$", path)
             source = f"{m.group(1) if m else path.rsplit('/', 1)[-1]}:{line}"
             break
-    return Span(module, source)
+    return Span(module, source, repeated_block(module))
 
 
 class _Translator:

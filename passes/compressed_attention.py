@@ -33,64 +33,13 @@ states (paged_kv leaves states read by this op alone).
 
 from __future__ import annotations
 
-import torch
-
-from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, isin, need, rewrite, scalar_is,
                                        strip_views)
-from dayzero.passes.paged_kv import unpage
-from dayzero.passes.sparse_attention import (LAST4, NEG_BIG, SCALED_QK, ZERO, _attend, _int, arange_row, mask_terms,
-                                             positions, repeat_kv, sink_attention, valid_positions)
+from dayzero.passes.sparse_attention import (LAST4, NEG_BIG, SCALED_QK, ZERO, _int, arange_row, mask_terms,
+                                             positions, repeat_kv, sink_attention)
 
 OP = "compressed_attention"
-
-
-# ---- the op (torch reference) --------------------------------------------------------------------------------
-
-def entry_selection(attrs: dict, B: int, S: int, E: int, idx=None, epos=None) -> torch.Tensor:
-    """[B, S, E] bool: the entries query (b, s) attends to. CSA: e in idx[b, s, :] and 0 <= e < E (upstream's
-    scatter of 0 into a -inf row, sliced to E). HCA: e < (epos[s] + 1) // rate (upstream's causal block bias)."""
-    if idx is not None:
-        i = idx.long()
-        ok = (i >= 0) & (i < E)
-        sel = torch.zeros(B, S, E + 1, dtype=torch.bool, device=idx.device)
-        return sel.scatter_(-1, torch.where(ok, i, E), True)[..., :E]
-    thr = torch.div(epos.reshape(-1).long() + 1, attrs["rate"], rounding_mode="floor")
-    return (torch.arange(E, device=epos.device)[None, :] < thr[:, None])[None].expand(B, S, E)
-
-
-def reference(ins, attrs):
-    """Upstream's dense form: softmax(scale q·[kv; entries]ᵀ + mask ; sink_h) [kv; entries] over the rows of
-    ``valid_positions(L, qpos, window)`` and ``entry_selection``."""
-    q, kv, qpos, ent, sinks, *rest = unpage(ins, attrs, OP)
-    if q.device.type == "meta":
-        return torch.empty(q.shape, dtype=q.dtype, device="meta")
-    idx = rest.pop(0) if attrs.get("idx") else None
-    epos = rest.pop(0) if attrs.get("epos") else None
-    B, _, S, _ = q.shape
-    win = valid_positions(kv.shape[2], qpos.reshape(-1), attrs["window"])[None].expand(B, S, -1)
-    sel = entry_selection(attrs, B, S, ent.shape[2], idx, epos)
-    mask = torch.cat([win, sel], dim=-1).unsqueeze(1)
-    x = torch.cat([kv, ent], dim=2)
-    return _attend(q, x, x, mask, attrs["scale"], sinks).contiguous()
-
-
-if ops.REGISTRY.get(OP) is None:
-    ops.register(ops.OpDef(
-        OP, args=(("q", ops.TENSOR), ("kv", ops.TENSOR), ("qpos", ops.TENSOR), ("entries", ops.TENSOR),
-                  ("sinks", ops.TENSOR), ("idx", ops.OPT_TENSOR), ("epos", ops.OPT_TENSOR), ("scale", ops.ATTR),
-                  ("window", ops.ATTR), ("rate", ops.ATTR), ("paged", ops.OPT_TENSOR)),
-        reference=reference,
-        doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, every "
-            "position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx int "
-            "[B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
-            "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 for "
-            "CSA), idx / epos (bool); reads window rows [max(0, qpos-window+1), qpos] and the selected / valid "
-            "entries only; out [B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the "
-            "block table last"))
-
-from dayzero.codegen.kernels import compressed_attention as _kernels  # noqa: E402,F401  (registers the PrimFunc)
 
 
 # ---- the match -----------------------------------------------------------------------------------------------

@@ -55,184 +55,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
-from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, last_dim, need,
                                        rewrite, scalar, strip_views)
+from dayzero.passes.ir.reference_dequant import E2M1 as _E2M1
+from dayzero.targets import capabilities
+from dayzero.targets.capabilities import int4_storage
 
 OP_MOE = "moe_experts_mxfp4"
-_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-# ---- the op --------------------------------------------------------------------------------------------------
-
-def _dequant_ref(b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """[.., O, G, 16] + [.., O, G] -> fp32 [.., O, 32G], as lowprec.dequant_mxfp4 (torch)."""
-    lut = torch.from_numpy(_E2M1)
-    codes = torch.stack([(b & 15).long(), (b >> 4).long()], dim=-1).reshape(*b.shape[:-1], 32)
-    return (lut[codes] * torch.exp2(s.float() - 127).unsqueeze(-1)).reshape(*b.shape[:-2], b.shape[-2] * 32)
-
-
-def moe_mxfp4_reference(ins, attrs):
-    from .moe import moe_reference
-
-    it = iter(ins)
-    x, ids, w, gb, gs = (next(it) for _ in range(5))
-    bgu = next(it) if attrs["gate_up_bias"] else None
-    db, ds = next(it), next(it)
-    bd = next(it) if attrs["down_bias"] else None
-    if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
-    dense = [x, ids, w, _dequant_ref(gb, gs)] + ([bgu] if bgu is not None else []) + [_dequant_ref(db, ds)] + \
-        ([bd] if bd is not None else [])
-    return moe_reference(dense, dict(attrs, layout="nk"))
-
-
-if ops.REGISTRY.get(OP_MOE) is None:
-    ops.register(ops.OpDef(
-        OP_MOE, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
-                      ("gate_up_blocks", ops.TENSOR), ("gate_up_scales", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR),
-                      ("down_blocks", ops.TENSOR), ("down_scales", ops.TENSOR), ("b_down", ops.OPT_TENSOR),
-                      ("act", ops.ATTR), ("inter", ops.ATTR), ("gate_up_bias", ops.ATTR), ("down_bias", ops.ATTR)),
-        reference=moe_mxfp4_reference,
-        doc="moe_experts with MXFP4 expert matrices as published (layout nk): gate_up_blocks uint8 [E,GU,H/32,16], "
-            "gate_up_scales uint8 [E,GU,H/32], down_blocks [E,H,I/32,16], down_scales [E,H,I/32]; other args as "
-            "moe_experts"))
-
-
 OP_MOE_FP8 = "moe_experts_fp8"
-
-
-def fp8_blocks_dequant_ref(wq: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
-    """fp32 [.., R, C] = E4M3(wq) * s[.., r // br, c // bc] (wq float8_e4m3fn or its uint8 bytes)."""
-    br, bc = block
-    r, c = wq.shape[-2:]
-    v = (wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq).float()
-    return v * s.float().repeat_interleave(br, dim=-2)[..., :r, :].repeat_interleave(bc, dim=-1)[..., :c]
-
-
-def moe_fp8_reference(ins, attrs):
-    from .moe import moe_reference
-
-    it = iter(ins)
-    x, ids, w, gq, gs = (next(it) for _ in range(5))
-    bgu = next(it) if attrs["gate_up_bias"] else None
-    dq_, ds = next(it), next(it)
-    bd = next(it) if attrs["down_bias"] else None
-    if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
-    dense = [x, ids, w, fp8_blocks_dequant_ref(gq, gs, attrs["gate_up_block"])] + ([bgu] if bgu is not None else []) \
-        + [fp8_blocks_dequant_ref(dq_, ds, attrs["down_block"])] + ([bd] if bd is not None else [])
-    return moe_reference(dense, attrs)
-
-
-if ops.REGISTRY.get(OP_MOE_FP8) is None:
-    ops.register(ops.OpDef(
-        OP_MOE_FP8, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
-                          ("gate_up_weight", ops.TENSOR), ("gate_up_scale", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR),
-                          ("down_weight", ops.TENSOR), ("down_scale", ops.TENSOR), ("b_down", ops.OPT_TENSOR),
-                          ("layout", ops.ATTR), ("act", ops.ATTR), ("inter", ops.ATTR), ("gate_up_bias", ops.ATTR),
-                          ("down_bias", ops.ATTR), ("gate_up_block", ops.ATTR), ("down_block", ops.ATTR)),
-        reference=moe_fp8_reference,
-        doc="moe_experts with FP8 expert matrices: gate_up_weight float8_e4m3fn [E,GU,H] (nk) or [E,H,GU] (kn), "
-            "gate_up_scale fp32 [E, ceil(d1/br), ceil(d2/bc)] with (br, bc) = gate_up_block; down_weight / "
-            "down_scale / down_block likewise; W[e,i1,i2] = E4M3(weight[e,i1,i2]) * scale[e, i1 // br, i2 // bc]; "
-            "other args as moe_experts"))
-
-
-# ---- the typed dequant op (the frontend's low-precision binding) -------------------------------------------
-
-OP_DEQUANT = "dequant"
-
-
-def dequant_reference(ins, attrs):
-    """fp32 W from a weight as stored (see the op's doc), as lowprec.dequant_mxfp4 / dequant_fp8_block."""
-    data, scale = ins
-    mx = attrs["format"] == "mxfp4"
-    if data.device.type == "meta":
-        w = torch.empty((*data.shape[:-2], data.shape[-2] * 32) if mx else data.shape, dtype=torch.float32,
-                        device="meta")
-    else:
-        w = _dequant_ref(data, scale) if mx else fp8_blocks_dequant_ref(data, scale, attrs["block"])
-    return (w.transpose(-1, -2) if attrs["transposed"] else w).contiguous()
-
-
-if ops.REGISTRY.get(OP_DEQUANT) is None:
-    ops.register(ops.OpDef(
-        OP_DEQUANT, args=(("data", ops.TENSOR), ("scale", ops.TENSOR), ("format", ops.ATTR), ("block", ops.ATTR),
-                          ("transposed", ops.ATTR), ("out_dtype", ops.ATTR)),
-        reference=dequant_reference,
-        doc="a low-precision weight as stored -> float32: format mxfp4 (data uint8 [.., O, G, 16], scale E8M0 "
-            "uint8 [.., O, G], block 32: W [.., O, 32G]) or fp8 (data float8_e4m3fn [.., R, C], scale fp32 "
-            "[.., ceil(R/br), ceil(C/bc)], block (br, bc): W [.., R, C]); transposed swaps W's last two axes; "
-            "out_dtype float32. Emitted by the frontend's low-precision binding (frontend/lowprec.py)"))
-
-
-# ---- dense linear ops ----------------------------------------------------------------------------------------
-
-OPS_LINEAR = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
-
-
-def int4_storage(a) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((R, C) of an int4 weight's unpacked storage, shape of its scales / zero points) from the node's attrs."""
-    R, C = (a["N"], a["K"]) if a["layout"] == "nk" else (a["K"], a["N"])
-    bs = a["block"]
-    return (R, C), ((R // bs, C) if a["block_axis"] == 0 else (R, C // bs))
-
-
-def int4_dequant_ref(packed: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, a) -> torch.Tensor:
-    """fp32 W [N, K] from int4 storage, step for step as the ONNX chain (see dequant_linear_int4's doc)."""
-    (R, C), ss = int4_storage(a)
-    b = packed.reshape(R, C // 2)
-    codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(R, C)
-    if a["signed"]:
-        codes = codes ^ 8
-    v = codes.float()
-    if a["offset"]:
-        v = v - a["offset"]
-    rep = lambda t: t.reshape(ss).repeat_interleave(a["block"], dim=a["block_axis"])  # noqa: E731
-    if zp is not None:
-        v = v - rep(zp)
-    w = v * rep(scales)
-    return w if a["layout"] == "nk" else w.t()
-
-
-def _linear_ref(fmt: str):
-    def ref(ins, attrs):
-        from dayzero.frontend import lowprec
-
-        x = ins[0]
-        if x.device.type == "meta":
-            return torch.empty((x.shape[0], attrs["N"]), dtype=torch.float32, device="meta")
-        if fmt == "int4":
-            w = int4_dequant_ref(ins[1], ins[2], ins[3] if attrs["zero_point"] else None, attrs)
-        elif fmt == "mxfp4":
-            w = lowprec.dequant_mxfp4(ins[1], ins[2])
-        else:
-            w = lowprec.dequant_fp8_block(ins[1], ins[2])
-        return (x.float() @ w.float().t()).contiguous()
-    return ref
-
-
-_LINEAR_DOCS = {
-    "int4": "y [T, N] = x [T, K] @ W.T, W decoded from packed uint8 [R, C/2] (low nibble first), scales fp32 and "
-            "optional zero points fp32 [R/block, C] (block_axis 0) or [R, C/block] (1); [R, C] = [N, K] (layout "
-            "nk) or [K, N] (kn); W = ((float(code [^ 8 if signed]) - offset) - zp) * scale",
-    "mxfp4": "y [T, N] = x [T, K] @ W.T, W MXFP4: blocks uint8 [N, K/32, 16], E8M0 scales uint8 [N, K/32]",
-    "fp8": "y [T, N] = x [T, K] @ W.T, W float8_e4m3fn [N, K] times scale_inv fp32 [ceil(N/128), ceil(K/128)]",
-}
-for _fmt, _extra in (("int4", (("zero_points", ops.OPT_TENSOR), ("layout", ops.ATTR), ("block", ops.ATTR),
-                               ("block_axis", ops.ATTR), ("signed", ops.ATTR), ("offset", ops.ATTR))),
-                     ("mxfp4", ()), ("fp8", ())):
-    if ops.REGISTRY.get(f"dequant_linear_{_fmt}") is None:
-        _w = (("packed", ops.TENSOR), ("scales", ops.TENSOR)) if _fmt == "int4" else \
-            (("blocks", ops.TENSOR), ("scales", ops.TENSOR)) if _fmt == "mxfp4" else \
-            (("weight", ops.TENSOR), ("scale_inv", ops.TENSOR))
-        ops.register(ops.OpDef(f"dequant_linear_{_fmt}", args=(("x", ops.TENSOR), *_w, *_extra, ("N", ops.ATTR),
-                                                                 ("K", ops.ATTR)),
-                               reference=_linear_ref(_fmt), doc=_LINEAR_DOCS[_fmt]))
+OP_DEQUANT = "dequant"  # the typed op of the frontend's low-precision binding (passes/ir/dayzero_ops.py)
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
@@ -401,7 +234,6 @@ def _fused_experts(n: Node, m: Match) -> Node | None:
     """moe_experts whose two expert matrices are MXFP4 chains (layout nk: untransposed, kn: transposed) ->
     moe_experts_mxfp4, or FP8 block chains (either layout: the chain's output is the parameter itself, so the
     scale blocks lie over its last two axes) -> moe_experts_fp8."""
-    from dayzero.codegen.kernels import moe as kernels
 
     a = n.attr
     x, ids, w, wgu = n.inputs[:4]
@@ -411,12 +243,12 @@ def _fused_experts(n: Node, m: Match) -> Node | None:
     H, inter, want_t = int(x.shape[1]), int(a["inter"]), a["layout"] == "kn"
     gu, d = match_mxfp4(wgu, m.constants), match_mxfp4(wd, m.constants)
     if gu is not None and d is not None:
-        need(gu[2] == d[2] == want_t and kernels.supports_mxfp4(H, int(gu[0].shape[1]), inter))
+        need(gu[2] == d[2] == want_t and capabilities.moe_experts_mxfp4(H, int(gu[0].shape[1]), inter))
         op, attrs = OP_MOE, {k: a[k] for k in ("act", "inter", "gate_up_bias", "down_bias")}
     else:
         gu, d = match_fp8_blocks(wgu), match_fp8_blocks(wd)
         need(gu is not None and d is not None and len(wgu.shape) == len(wd.shape) == 3)
-        need(kernels.supports_fp8(H, int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]), inter))
+        need(capabilities.moe_experts_fp8(H, int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]), inter))
         op, attrs = OP_MOE_FP8, {k: a[k] for k in ("layout", "act", "inter", "gate_up_bias", "down_bias")}
         attrs.update(gate_up_block=tuple(gu[2:]), down_block=tuple(d[2:]))
     ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
@@ -431,14 +263,13 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
     bias = n.inputs[2] if not kn and n.attr.get("bias") else None
     N, K = (w.shape[1], w.shape[0]) if kn else w.shape
     need(isinstance(N, int) and isinstance(K, int) and x.shape[-1] == K)
-    from dayzero.codegen.kernels import dequant_linear as kernels
 
     op, ins, attrs = None, [], {"N": N, "K": K}
     q = match_int4(w, m.constants)
     if q is not None:
         a = dict(attrs, layout="kn" if kn else "nk", block=q["block"], block_axis=q["block_axis"],
                  signed=q["signed"], offset=q["offset"], zero_point=q["zero_points"] is not None)
-        if kernels.check_int4(dict(a, fmt="int4")) is None:
+        if capabilities.dequant_linear_int4_problem(a) is None:
             (R, C), ss = int4_storage(a)
             ins = [_view(q["packed"], (R, C // 2), n.span), _view(q["scales"], ss, n.span)]
             if q["zero_points"] is not None:

@@ -1,7 +1,7 @@
 """expert_workspace: MXFP4 routed experts take the convert -> compute -> reclaim -> reuse route.
 
 Runs after the pipeline, per program, when the compile options / target choose the workspace route for it
-(``route_for``; the kernel's docstring, ``codegen/kernels/expert_workspace.py``, gives the measurements behind
+(``route_for``; the docstring of the kernel table's ``moe_experts_mxfp4_ws`` kernel gives the measurements behind
 the choice)::
 
     moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])
@@ -15,7 +15,7 @@ the choice)::
 WS and META are named by the expert shape, compute dtype and slot count, so every layer and every program
 (prefill, decode) of the artifact reads the same bytes: the workspace is reused across experts and layers, and
 cached experts persist across steps and programs. The dequant_workspace zone is placed once (not per request
-slot) and zeroed when the artifact is loaded, never when a request starts (``codegen/memory.py``,
+slot) and zeroed when the artifact is loaded, never when a request starts (the memory plan,
 ``runtime/executor.py``). Layer indices are the moe nodes' positions in graph order (no names are read): MoE
 layers lie on one dependency chain (a layer's input depends on the layer before), so every topological order of a
 program, the prefill's and the decode's alike, numbers them the same way.
@@ -31,8 +31,10 @@ from __future__ import annotations
 import torch
 
 from dayzero import UserError
-from dayzero.passes.ir import ops
+from dayzero.passes.ir.dayzero_ops import (WORKSPACE_STORAGE, workspace_meta_len, workspace_slot_bytes,
+                                          workspace_slot_elems)
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.targets import capabilities
 
 OP_IN = "moe_experts_mxfp4"
 OP = "moe_experts_mxfp4_ws"
@@ -40,30 +42,6 @@ ZONE = "dequant_workspace"
 ROUTES = ("auto", "fused", "workspace")
 # compute dtype names as targets/spec.py spells them -> IR dtypes
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
-
-
-def _reference(ins, attrs):
-    """The moe_experts_mxfp4 reference on x as the compute dtype sees it (bf16: rounded; fp8: weights only, exact
-    for E2M1 values; fp32: unchanged). The workspace and cache are an implementation detail: not read here."""
-    from .dequant import moe_mxfp4_reference
-
-    x = ins[0]
-    if attrs["compute_dtype"] == "bfloat16" and x.device.type != "meta":
-        x = x.to(torch.bfloat16).to(x.dtype)
-    return moe_mxfp4_reference([x, *ins[1:-3]], attrs)
-
-
-if ops.REGISTRY.get(OP) is None:
-    ops.register(ops.OpDef(
-        OP, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
-                  ("gate_up_blocks", ops.TENSOR), ("gate_up_scales", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR),
-                  ("down_blocks", ops.TENSOR), ("down_scales", ops.TENSOR), ("b_down", ops.OPT_TENSOR),
-                  ("layer", ops.TENSOR), ("workspace", ops.TENSOR), ("cache_state", ops.TENSOR),
-                  ("act", ops.ATTR), ("inter", ops.ATTR), ("gate_up_bias", ops.ATTR), ("down_bias", ops.ATTR),
-                  ("compute_dtype", ops.ATTR), ("cache", ops.ATTR)),
-        reference=_reference,
-        doc="moe_experts_mxfp4 computed from converted copies of the routed experts in a workspace (state, zone "
-            "dequant_workspace) with an optional LRU cache of converted experts; layer int32 [1] keys the cache"))
 
 
 def compute_dtype_of(name: str) -> str:
@@ -80,7 +58,7 @@ def route_for(*, compute_dtype: str, cache_bytes: int, route: str = "auto", targ
         raise UserError(f"expert route {route!r} is not one of {', '.join(ROUTES)}")
     if cache_bytes < 0:
         raise UserError(f"expert cache budget must be >= 0 bytes, got {cache_bytes}")
-    if target_kind != "llvm":
+    if target_kind not in capabilities.WORKSPACE_KINDS:
         if route == "workspace" or cache_bytes or compute_dtype != "float32":
             raise UserError(f"the expert workspace route is written for the host CPU only, not {target_kind}")
         return "fused"
@@ -96,8 +74,6 @@ def route_for(*, compute_dtype: str, cache_bytes: int, route: str = "auto", targ
 
 def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_bytes: int = 0) -> Graph:
     """Rewrite every moe_experts_mxfp4 node to the workspace route; layer constants go to ``ctx.constants``."""
-    from dayzero.codegen.kernels import expert_workspace as kw
-
     nodes = [n for n in g.nodes() if n.op == OP_IN]
     if not nodes:
         return g
@@ -112,20 +88,20 @@ def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_byt
         a = n.attr
         x, gb = n.inputs[0], n.inputs[3]
         E, GU, H, I = int(gb.shape[0]), int(gb.shape[1]), int(x.shape[1]), int(a["inter"])
-        if not kw.supports(H, GU, I):
+        if not capabilities.moe_experts_mxfp4_ws(H, GU, I):
             return None
         cache = cache_bytes > 0
         # no more slots than there are (layer, expert) keys of this shape: a larger budget could never be used
         keys = E * sum(1 for m in nodes if tuple(m.inputs[3].shape[:2]) == (E, GU) and int(m.attr["inter"]) == I)
-        slots = min(max(1, cache_bytes // kw.slot_bytes(H, GU, I, compute_dtype)), keys) if cache else 1
+        slots = min(max(1, cache_bytes // workspace_slot_bytes(H, GU, I, compute_dtype)), keys) if cache else 1
         tag = f"{compute_dtype}.gu{GU}.h{H}.i{I}.s{slots}"
         lname = f"expert_workspace.layer{layer}"
         ctx.constants[lname] = torch.tensor([layer], dtype=torch.int32)
         lnode = Node.make("weight", (), {"name": lname}, [TensorType("int32", (1,))], n.span)
         ws = Node.make("state", (), {"name": f"expert_workspace.{tag}", "zone": ZONE},
-                       [TensorType(kw.STORAGE[compute_dtype], (slots, kw.slot_elems(H, GU, I)))], n.span)
+                       [TensorType(WORKSPACE_STORAGE[compute_dtype], (slots, workspace_slot_elems(H, GU, I)))], n.span)
         meta = Node.make("state", (), {"name": f"expert_cache.{tag}", "zone": ZONE},
-                         [TensorType("int64", (kw.meta_len(slots),))], n.span)
+                         [TensorType("int64", (workspace_meta_len(slots),))], n.span)
         count += 1
         return Node.make(OP, [*n.inputs, lnode, ws, meta], dict(a, compute_dtype=compute_dtype, cache=cache),
                          n.types, n.span)

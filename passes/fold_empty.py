@@ -10,7 +10,7 @@ Rules, in one bottom-up sweep (a node sees its inputs already rewritten):
 
 * empty -- a node whose one output is statically empty (some dimension is the integer 0) becomes
   ``empty.memory_format`` of its type: no inputs, so whatever computed it is gone too. Inputs, weights, states and
-  in-place ops (their write is the point) are left alone. codegen/program.py gives an empty value a buffer of 0
+  in-place ops (their write is the point) are left alone. The program builder gives an empty value a buffer of 0
   bytes and no kernel.
 * cat -- statically empty inputs are dropped (ATen skips them, including the legacy 1-D ``[0]`` tensor); a cat
   left with one input is that input. Where a dropped input decided the result dtype (ATen promotes over all

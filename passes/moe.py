@@ -27,93 +27,20 @@ routed scaling, hash routing by token id) stays as the generic ops it traces to:
 experts' O(T*k*H*I), its forms differ per model far more than the expert computation does, and ids/weights [T,k]
 are the clean interface between the two. Shared experts stay dense (``linear``). The node's reference runs the
 routed experts with a per-expert loop over only the experts some token chose; its kernel
-(``codegen/kernels/moe.py``) sorts assignments by expert and runs a grouped GEMM over the routed experts only.
+(the kernel table's ``moe_experts``) sorts assignments by expert and runs a grouped GEMM over the routed experts only.
 Ordering: after fold_constants (constant scalars in the activation are read from ``ctx.constants``).
 """
 
 from __future__ import annotations
 
-import torch
-
-from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import Alt, Match, P, Rule, V, add_counts, isin, need, rewrite, strip_views
+from dayzero.passes.ir.pattern import Alt, Match, P, Pat, Rule, V, add_counts, isin, need, rewrite, strip_views
+from dayzero.targets import capabilities
 
 OP = "moe_experts"
 _UNARY = {"silu", "sigmoid", "gelu", "relu", "tanh", "exp", "neg"}
 _BINARY = {"mul.Tensor": "mul", "add.Tensor": "add", "sub.Tensor": "sub", "div.Tensor": "div"}
 _SCALAR = {"mul.Scalar": "mul", "add.Scalar": "add", "sub.Scalar": "sub", "div.Scalar": "div"}
-
-
-# ---- the op --------------------------------------------------------------------------------------------------
-
-def eval_act(expr, g: torch.Tensor) -> torch.Tensor:
-    """The activation expression on G [S, GU] (torch): the reference semantics of ``act``."""
-    kind = expr[0]
-    if kind == "col":
-        _, start, step, width = expr
-        return g[:, start: start + step * (width - 1) + 1: step]
-    if kind == "const":
-        return torch.tensor(expr[1], dtype=g.dtype)
-    if kind == "clamp":
-        return torch.clamp(eval_act(expr[1], g), min=expr[2], max=expr[3])
-    if kind in _UNARY:
-        x = eval_act(expr[1], g)
-        return {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "relu": torch.relu,
-                "tanh": torch.tanh, "exp": torch.exp, "neg": torch.neg, "gelu": torch.nn.functional.gelu}[kind](x)
-    a, b = eval_act(expr[1], g), eval_act(expr[2], g)
-    return {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div}[kind](a, b)
-
-
-def _split_inputs(ins, attrs):
-    it = iter(ins)
-    x, ids, w, wgu = next(it), next(it), next(it), next(it)
-    bgu = next(it) if attrs["gate_up_bias"] else None
-    wd = next(it)
-    bd = next(it) if attrs["down_bias"] else None
-    return x, ids, w, wgu, bgu, wd, bd
-
-
-def moe_reference(ins, attrs):
-    """y[t] = sum_j w[t,j] * (down_e(act(gate_up_e(x[t]) + b_gu[e])) + b_d[e]),  e = ids[t, j].
-
-    Loops over the experts some token chose (each read once), accumulating in fp32."""
-    x, ids, w, wgu, bgu, wd, bd = _split_inputs(ins, attrs)
-    out_dtype = torch.promote_types(torch.promote_types(x.dtype, wd.dtype), w.dtype)
-    T, H = x.shape
-    if x.device.type == "meta":
-        return torch.empty(T, H, dtype=out_dtype, device="meta")
-    nk = attrs["layout"] == "nk"
-    y = torch.zeros(T, H, dtype=torch.float32)
-    flat = ids.reshape(-1)
-    k = ids.shape[1]
-    for e in torch.unique(flat).tolist():
-        a = (flat == e).nonzero(as_tuple=True)[0]
-        tok = a // k
-        xe = x[tok].float()
-        g = xe @ (wgu[e].float().T if nk else wgu[e].float())
-        if bgu is not None:
-            g = g + bgu[e].float()
-        h = eval_act(attrs["act"], g)
-        d = h @ (wd[e].float().T if nk else wd[e].float())
-        if bd is not None:
-            d = d + bd[e].float()
-        y.index_add_(0, tok, d * w.reshape(-1)[a].float()[:, None])
-    return y.to(out_dtype)
-
-
-if ops.REGISTRY.get(OP) is None:
-    ops.register(ops.OpDef(
-        OP, args=(("x", ops.TENSOR), ("topk_ids", ops.TENSOR), ("topk_weights", ops.TENSOR),
-                  ("w_gate_up", ops.TENSOR), ("b_gate_up", ops.OPT_TENSOR), ("w_down", ops.TENSOR),
-                  ("b_down", ops.OPT_TENSOR), ("layout", ops.ATTR), ("act", ops.ATTR), ("inter", ops.ATTR),
-                  ("gate_up_bias", ops.ATTR), ("down_bias", ops.ATTR)),
-        reference=moe_reference,
-        doc="routed experts: x [T,H], topk_ids int [T,k], topk_weights [T,k], w_gate_up [E,GU,H] (nk) or "
-            "[E,H,GU] (kn), [b_gate_up [E,GU]], w_down [E,H,I] (nk) or [E,I,H] (kn), [b_down [E,H]]; attrs "
-            "layout, act (expression over G's columns, see passes/moe.py), inter I, gate_up_bias, down_bias"))
-
-from dayzero.codegen.kernels import moe as _kernels  # noqa: E402,F401  (registers the moe_experts PrimFunc)
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
@@ -197,7 +124,7 @@ def _grouped_experts(n: Node, m: Match) -> Node | None:
     inter = int(a.shape[1])
     gu = int(wgu.shape[1] if layout == "nk" else wgu.shape[2])
     need(all(isinstance(d, int) for d in (*wgu.shape, *wd.shape, H)) and
-         _kernels.supports(int(H), gu, inter, wgu.dtype, wd.dtype))
+         capabilities.moe_experts(int(H), gu, inter, wgu.dtype, wd.dtype))
     ins = [x, ids, topw, wgu] + ([bgu] if bgu is not None else []) + [wd] + ([bd] if bd is not None else [])
     attrs = {"layout": layout, "act": act, "inter": inter, "gate_up_bias": bgu is not None,
              "down_bias": bd is not None}

@@ -37,99 +37,18 @@ full-length request + the scratch block.
 
 from __future__ import annotations
 
-import torch
-
 from dayzero import InternalError
-from dayzero.passes.ir import ops
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.reference_attention import READERS
 
 TABLE = "block_table"
 ZONE = "kv_pages"
 WRITE = "paged_state_index_put"
 
-# op -> {input index of a cache operand: its position dimension}
-READERS: dict[str, dict[int, int]] = {
-    "cache_attention": {1: 2, 2: 2},
-    "sparse_attention": {1: 2, 2: 2},
-    "mla_sparse_attention": {1: 2, 2: 2},
-    "mla_attention": {1: 2, 2: 2},
-    "dsa_indexer_topk": {2: 1},
-    "compressed_attention": {1: 2},  # DeepSeek-V4: the K=V state; its compressed entries stay per request
-}
-
-
 # op -> input index of its query positions (qpos [S])
 READER_POSITION = {"cache_attention": 3, "sparse_attention": 3, "mla_sparse_attention": 4, "mla_attention": 4,
                    "dsa_indexer_topk": 3, "compressed_attention": 2}
-
-
-def table_rows(table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """Pool row of each logical position p: table[p // bs] * bs + p % bs; a per-token table [S, NT] maps
-    position s through its row s."""
-    p = positions.long()
-    if table.dim() == 2:
-        return table.long()[torch.arange(p.shape[0], device=p.device), p // block_size] * block_size + p % block_size
-    return table.long()[p // block_size] * block_size + p % block_size
-
-
-def gather(pool: torch.Tensor, table: torch.Tensor, dim: int, block_size: int, length: int) -> torch.Tensor:
-    """The logically contiguous cache [.., length, ..] of one request, read through its table."""
-    return pool.index_select(dim, table_rows(table, block_size, torch.arange(length, device=table.device)))
-
-
-def unpage(ins: list, attrs: dict, op: str) -> list:
-    """A paged op's inputs with each cache operand gathered back to its logical [.., length, ..] form and the table
-    dropped: the contiguous op's reference then applies unchanged."""
-    if not attrs.get("paged"):
-        return ins
-    *ins, table = ins
-    if ins[0].device.type == "meta":
-        return ins
-    for k, dim in READERS[op].items():
-        ins[k] = gather(ins[k], table, dim, attrs["paged"], attrs["length"])
-    return ins
-
-
-# op -> ({input index: its query dimension}, the output's query dimension): how a per-token reader splits by query
-QUERY_DIMS: dict[str, tuple[dict[int, int], int]] = {
-    "cache_attention": ({0: 2, 3: 0}, 2),
-    "sparse_attention": ({0: 2, 3: 0, 4: 1}, 2),
-    "mla_sparse_attention": ({0: 2, 4: 0, 5: 1}, 2),
-    "mla_attention": ({0: 2, 4: 0}, 2),
-    "dsa_indexer_topk": ({0: 1, 1: 1, 3: 0}, 1),
-}
-
-
-def by_token(op: str, reference):
-    """A reader's reference that also runs its per-token form: query s alone, through table row s, each
-    (the op's one-table reference per query, outputs joined along the query dimension)."""
-    def run(ins, attrs):
-        if not attrs.get("per_token") or ins[0].device.type == "meta":
-            return reference(ins, attrs)
-        dims, out_dim = QUERY_DIMS[op]
-        *args, table = ins
-        one = {k: v for k, v in attrs.items() if k != "per_token"}
-        outs = [reference([a.narrow(dims[k], s, 1) if k in dims else a for k, a in enumerate(args)] + [table[s]],
-                          one) for s in range(table.shape[0])]
-        return torch.cat(outs, dim=out_dim)
-    return run
-
-
-def _write_reference(ins, attrs):
-    state, idx, values, table = ins
-    index = [None] * state.dim()
-    index[attrs["dim"]] = table_rows(table, attrs["block_size"], idx)
-    return torch.ops.aten.index_put_(state, index, values)
-
-
-if ops.REGISTRY.get(WRITE) is None:
-    ops.register(ops.OpDef(
-        WRITE, args=(("state", ops.TENSOR), ("idx", ops.TENSOR), ("values", ops.TENSOR), ("table", ops.TENSOR),
-                     ("dim", ops.ATTR), ("block_size", ops.ATTR)),
-        inplace=True, meta_ok=False, reference=_write_reference,
-        doc="state[.., table[idx // bs] * bs + idx % bs, ..] = values in place (dim = the position dim, bs = "
-            "block_size): a KV-cache write into a paged pool; output aliases the state. A per-token table "
-            "[S, NT] (attr per_token) maps values[.., s, ..] through its row s"))
 
 
 def _cache_root(n: Node) -> Node:
@@ -230,7 +149,8 @@ def paged_kv(g: Graph, ctx) -> Graph:
         # prefill at a time): (batch - 1) windows + one full-length request + the scratch block
         blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
         name = TABLE if w == 0 else f"{TABLE}_w{w}"
-        tables[w] = (Node.make("input", (), {"name": name}, (TensorType("int32", rows + (nt,)),)), blocks)
+        tables[w] = (Node.make("input", (), {"name": name, "kind": BLOCK_TABLE}, (TensorType("int32", rows + (nt,)),)),
+                    blocks)
         classes.append({"name": name, "window": w, "blocks": blocks,
                         "states": sorted(paged[sid][0].attr["name"] for sid, c in cls_of.items() if c == w)})
     cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from dayzero import InternalError, UserError
 from dayzero.codegen.artifact import recover_interrupted_swap
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
 
@@ -51,9 +52,9 @@ class _Program:
             return b if a is None else a
         # outputs that are the new contents of a state (a KV cache written in place) are not returned
         self.user_outputs = [o for o in self.outputs if self.buffers[root(o)].get("state") is None]
-        # block-table inputs (passes/paged_kv.py: block_table, block_table_w{W}), last: the runtime passes them
+        # block-table inputs (passes/paged_kv.py: input kind block_table), last: the runtime passes them
         self.table_inputs = [self.buffers[b]["name"] for b in self.inputs
-                             if self.buffers[b]["name"].startswith("block_table")]
+                             if self.buffers[b].get("input_kind") == BLOCK_TABLE]
         self.states = {b["state"]: b["id"] for b in self.buffers if b.get("state") and b["alias_of"] is None
                        and b["zone"] in PER_REQUEST_ZONES}
         # states of every request (the dequant workspace and its expert cache): one copy, zeroed at load only

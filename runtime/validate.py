@@ -36,6 +36,7 @@ from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_digest
 from dayzero.codegen.memory import ALIGN
 from dayzero.codegen.memory import STATE_ZONES as PER_REQUEST_ZONES  # replicated per request slot
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE, INPUT_KINDS
 from dayzero.passes.ir.ops import DTYPE_BYTES
 from dayzero.passes.ir.shape_expr import dim_at
 from dayzero.passes.memory_plan import ZONES
@@ -207,6 +208,9 @@ def _check_buffer(b, i: int, symbols, w: _Where, path: str) -> None:
         w.fail(f"{p}.zone", f"{z!r:.40} is not a memory zone ({', '.join(ZONES)})")
     for k in ("weight", "state", "name"):
         w.str(b.get(k), f"{p}.{k}", none=True)
+    kind = b.get("input_kind")
+    if kind is not None and kind not in INPUT_KINDS:
+        w.fail(f"{p}.input_kind", f"{kind!r:.40} is not an input kind ({', '.join(INPUT_KINDS)})")
     a = w.key(b, "alias_of", p)
     if a is not None:
         w.int(a, f"{p}.alias_of", 0, i - 1 if i else 0)
@@ -460,10 +464,10 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
                         len(b["shape"]) == 2 and b["shape"][1] == tl and isinstance(b["shape"][0], str))):
                     w.fail(f"programs.{name}.buffers[{i}].shape", f"the block table {tname} is {b['shape']}, "
                                                                   f"kv_pages.table_len is {tl}")
-    for name, p in progs.items():  # the runtime passes a table to each input named block_table*
+    for name, p in progs.items():  # the runtime passes a table to each input of kind block_table
         for i in p["inputs"]:
             n = p["buffers"][i].get("name") or ""
-            if n.startswith("block_table") and n not in names:
+            if p["buffers"][i].get("input_kind") == BLOCK_TABLE and n not in names:
                 w.fail(f"programs.{name}.buffers[{i}].name", f"{n!r:.40} is not a table of kv_pages.tables")
     if set(pools) - paged:
         w.fail("kv_pages.tables", f"no table maps the paged state(s) {sorted(set(pools) - paged)}")

@@ -16,6 +16,7 @@ import tvm
 
 from dayzero.codegen.kernels import compressed_attention as kern
 from dayzero.passes import compressed_attention as ca
+from dayzero.passes.ir import reference_attention as ra
 
 HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 MAX_SEQ = 64
@@ -138,7 +139,7 @@ def test_reference_equals_upstream_eager(csa):
     bias = torch.cat([_window_bias(L, qpos, W)[None, None].expand(B, 1, S, L), block], dim=-1)
     ref = _upstream(q, kv, ent, sinks, bias, 0.3)
     attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa}
-    got = ca.reference([q, kv, qpos, ent, sinks, idx if csa else qpos], attrs)
+    got = ra.compressed_reference([q, kv, qpos, ent, sinks, idx if csa else qpos], attrs)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -179,12 +180,11 @@ def test_kernel_matches_reference_reading_only_visible_rows(csa, B, H, Hkv, S, s
         idx[0, 0, 0] = -1 if K > 2 else idx[0, 0, 0]
     attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa}
     ins = [q, kv, qpos, ent, sinks, idx if csa else qpos.clone()]
-    ref = ca.reference(ins, attrs)
+    ref = ra.compressed_reference(ins, attrs)
     assert torch.isfinite(ref).all()
     # every row no query of the call sees holds NaN: one read of any of them would poison the output
-    from dayzero.passes.sparse_attention import valid_positions
-    seen_kv = valid_positions(L, qpos, W).any(0)
-    seen_ent = ca.entry_selection(attrs, B, S, E, idx if csa else None, None if csa else qpos).any(1)  # [B, E]
+    seen_kv = ra.valid_positions(L, qpos, W).any(0)
+    seen_ent = ra.entry_selection(attrs, B, S, E, idx if csa else None, None if csa else qpos).any(1)  # [B, E]
     kv[:, :, ~seen_kv] = float("nan")
     for b in range(B):
         ent[b, :, ~seen_ent[b]] = float("nan")
@@ -205,7 +205,7 @@ def test_csa_reads_only_selected_entries_of_a_long_history():
     qpos = torch.tensor([40])
     attrs = {"scale": 0.3, "window": W, "rate": 0, "idx": True, "epos": False}
     clean = ent.nan_to_num(0.0)
-    ref = ca.reference([q, kv, qpos, clean, sinks, idx], attrs)
+    ref = ra.compressed_reference([q, kv, qpos, clean, sinks, idx], attrs)
     got = _run(_params(True, B, H, 1, 1, L, E, D, 2, 0, W), [q, kv, qpos, ent, sinks, idx])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 

@@ -12,6 +12,7 @@ import torch
 
 from dayzero import UserError
 from dayzero.frontend.hf import load_upstream
+from dayzero.passes.ir import ops, reference_attention as ra
 from dayzero.runtime import load
 
 BATCHED = ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32"]
@@ -230,10 +231,10 @@ def test_per_token_dense_kernel_reads_each_querys_own_request(W, sinks):
     vs = [torch.randn(1, 2, L, 16, generator=g) for _ in range(S)]
     extra = [torch.randn(4, generator=g)] if sinks else []
     attrs = {"scale": 0.25, "window": W, "sinks": sinks}
-    want = torch.cat([sa.dense_reference([q[:, :, s:s + 1], ks[s], vs[s], qpos[s:s + 1]] + extra, attrs)
+    want = torch.cat([ra.dense_reference([q[:, :, s:s + 1], ks[s], vs[s], qpos[s:s + 1]] + extra, attrs)
                       for s in range(S)], dim=2)
     for s in range(S):  # rows a query must not see: never read
-        hidden = ~sa.valid_positions(L, qpos[s:s + 1], W)[0]
+        hidden = ~ra.valid_positions(L, qpos[s:s + 1], W)[0]
         ks[s][:, :, hidden], vs[s][:, :, hidden] = float("nan"), float("nan")
     kp, table = _pool(ks, 2, blocks, seed=1)
     vp, _ = _pool(vs, 2, blocks, seed=1)
@@ -244,7 +245,7 @@ def test_per_token_dense_kernel_reads_each_querys_own_request(W, sinks):
     _compile(build(p, "llvm"))["main"](q, kp, vp, qpos, *extra, table, o)
     torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
     # the IR op's reference (by_token) runs the same per-query semantics on the pool
-    ref = sa.ops.REGISTRY[sa.DENSE].reference([q, kp.nan_to_num(), vp.nan_to_num(), qpos] + extra + [table],
+    ref = ops.REGISTRY[sa.DENSE].reference([q, kp.nan_to_num(), vp.nan_to_num(), qpos] + extra + [table],
                                               dict(attrs, paged=BS, length=L, per_token=True))
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
 
@@ -264,10 +265,10 @@ def test_per_token_mla_kernel_reads_each_querys_own_request(dense):
     idx = torch.stack([torch.randperm(int(qpos[s]) + 1, generator=g)[:K] for s in range(S)])[None]
     want = []
     for s in range(S):
-        k, v = sa.mla_expand(lats[s], ropes[s], w, 16, H)
+        k, v = ra.mla_expand(lats[s], ropes[s], w, 16, H)
         qs, ps = q[:, :, s:s + 1], qpos[s:s + 1]
-        want.append(sa.dense_reference([qs, k, v, ps], {"scale": 0.2, "window": 0, "sinks": False}) if dense
-                    else sa.sparse_reference([qs, k, v, ps, idx[:, s:s + 1]], {"scale": 0.2}))
+        want.append(ra.dense_reference([qs, k, v, ps], {"scale": 0.2, "window": 0, "sinks": False}) if dense
+                    else ra.sparse_reference([qs, k, v, ps, idx[:, s:s + 1]], {"scale": 0.2}))
         lats[s][:, :, int(qpos[s]) + 1:], ropes[s][:, :, int(qpos[s]) + 1:] = float("nan"), float("nan")
     lp, table = _pool(lats, 2, blocks, seed=2)
     rp, _ = _pool(ropes, 2, blocks, seed=2)
@@ -292,7 +293,7 @@ def test_per_token_indexer_kernel_equals_torch_topk_per_request():
     keys = [r(1, L, Di) for _ in range(S)]
     qpos = torch.tensor([20, 63, 6])
     attrs = {"scale": 0.25, "k": K, "sorted": True, "fill": float("-inf")}
-    want = torch.cat([sa.indexer_reference([q[:, s:s + 1], w[:, s:s + 1], keys[s], qpos[s:s + 1]], attrs)
+    want = torch.cat([ra.indexer_reference([q[:, s:s + 1], w[:, s:s + 1], keys[s], qpos[s:s + 1]], attrs)
                       for s in range(S)], dim=1)
     for s in range(S):
         keys[s][:, int(qpos[s]) + 1:] = float("nan")  # future rows: scored as fill, never read as NaN
@@ -306,8 +307,7 @@ def test_per_token_indexer_kernel_equals_torch_topk_per_request():
 
 
 def test_per_token_write_lands_in_each_tokens_table_row():
-    from dayzero.codegen import lower
-    from dayzero.codegen.kernels import state  # noqa: F401 - registers the paged write kernels
+    from dayzero.codegen.kernels.table import KERNELS
     from dayzero.passes.ir.node import Node, TensorType
     from dayzero.passes.ir.shape_expr import make_symbol
 
@@ -320,7 +320,7 @@ def test_per_token_write_lands_in_each_tokens_table_row():
                       Node.make("input", (), {"name": "v"}, (TensorType("float32", (1, 2, seq, 4)),)),
                       Node.make("input", (), {"name": "block_table"}, (TensorType("int32", (seq, 4)),))],
                      {"dim": 2, "block_size": BS, "per_token": True}, (state,))
-    lib = _compile(lower.PRIMFUNCS["paged_state_index_put"](node))
+    lib = _compile(KERNELS["paged_state_index_put"].compute(node))
     table = torch.tensor([[4, 2, 0, 0], [1, 0, 0, 0], [3, 5, 7, 6]], dtype=torch.int32)
     pos = torch.tensor([17, 3, 60])
     vals = torch.randn(1, 2, S, 4)
@@ -332,7 +332,6 @@ def test_per_token_write_lands_in_each_tokens_table_row():
     want[:, :, 6 * BS + 12] = vals[:, :, 2]  # token 2: position 60 -> its block 3 = pool block 6, row 12
     assert torch.equal(pool, want)
     ref = torch.zeros_like(pool)
-    from dayzero.passes import paged_kv  # noqa: F401 - declares the paged ops
     from dayzero.passes.ir import ops
 
     ops.REGISTRY["paged_state_index_put"].reference([ref, pos, vals, table], {"dim": 2, "block_size": BS})

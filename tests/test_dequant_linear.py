@@ -25,12 +25,13 @@ from onnx import TensorProto, helper
 from dayzero.codegen.kernels import dequant_linear as kl
 from dayzero.frontend import lowprec
 from dayzero.frontend.onnx_import import reference_outputs, trace_onnx
-from dayzero.passes import dequant as dq
 from dayzero.passes.ir import interp
+from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
 from dayzero.passes.pipeline import PassContext, run_pipeline
 from dayzero.runtime.executor import load
+from dayzero.targets.capabilities import int4_storage
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 from dayzero.tools.driver import compile_model
 
@@ -224,11 +225,11 @@ INT4 = {
 
 def _int4_args(p, seed=0):
     g = torch.Generator().manual_seed(seed)
-    (R, C), ss = dq.int4_storage(p)
+    (R, C), ss = int4_storage(p)
     packed = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
     scales = torch.rand(ss, generator=g) * 0.1 + 0.01
     ws = [packed, scales] + ([torch.randint(0, 16, ss, generator=g).float()] if p["zero_point"] else [])
-    return ws, dq.int4_dequant_ref(*ws, *([None] * (3 - len(ws))), p)
+    return ws, rd.int4_dequant_ref(*ws, *([None] * (3 - len(ws))), p)
 
 
 def _weights(fmt, p):
@@ -255,7 +256,7 @@ def test_kernel_matches_torch(fmt, case, T):
         f(x, *ws, y)
         want = x.double() @ w.double().t()
         assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, case, t)
-        ref = dq._linear_ref(fmt)([x, *ws], dict(p))
+        ref = rd.linear_reference(fmt)([x, *ws], dict(p))
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 

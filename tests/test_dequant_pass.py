@@ -27,6 +27,7 @@ from dayzero.passes import dequant as dq
 from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.ir import interp  # noqa: F401
 from dayzero.passes.ir import ops
+from dayzero.passes.ir import reference_moe as rm
 from dayzero.passes.ir.node import Graph
 
 from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
@@ -104,7 +105,7 @@ def test_moe_mxfp4_kernel_matches_reference():
     bgu = torch.randn(E, 2 * I, generator=gen)
     y = torch.empty(Tn, H)
     lib(x, ids, w, gb, gs, bgu, db, ds, y)
-    ref = dq.moe_mxfp4_reference([x, ids, w, gb, gs, bgu, db, ds],
+    ref = rm.moe_mxfp4_reference([x, ids, w, gb, gs, bgu, db, ds],
                                  {"act": act, "inter": I, "gate_up_bias": True, "down_bias": False})
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())), float((y - ref).abs().max())
 

@@ -10,6 +10,7 @@ from dayzero.codegen import program
 from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
+from dayzero.passes.ir.reference_dequant import dequant_reference
 from dayzero.passes.pipeline import PassContext, run_pipeline
 
 CASES = {  # name -> (format, stored fp32 shape, block, transposed)
@@ -48,9 +49,9 @@ def test_reference_and_lowering_equal_lowprec_bit_for_bit(case):
     data, scale = _stored(fmt, shape, block)
     want = _expected(fmt, data, scale, block, transposed)
     attrs = {"format": fmt, "block": block, "transposed": transposed, "out_dtype": "float32"}
-    got = dq.dequant_reference([data, scale], attrs)
+    got = dequant_reference([data, scale], attrs)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    meta = dq.dequant_reference([data.to("meta"), scale.to("meta")], attrs)
+    meta = dequant_reference([data.to("meta"), scale.to("meta")], attrs)
     assert meta.shape == want.shape and meta.dtype == torch.float32
     # the lowering of the op alone (no consumer fused it)
     n = _typed(fmt, *_types(data, scale), block, transposed, tuple(want.shape))

@@ -22,8 +22,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dayzero.passes import dequant as dq
 from dayzero.passes import expert_workspace as ew
+from dayzero.passes.ir import reference_dequant as rd
+from dayzero.passes.ir import reference_moe as rm
+from dayzero.passes.ir.dayzero_ops import workspace_slot_bytes
 
 E, H, I, K = 4, 64, 32, 2
 ACT = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
@@ -79,7 +81,7 @@ def _call(lib, st, wt, x, ids, w, layer):
 
 
 def _reference(wt, x, ids, w):
-    return dq.moe_mxfp4_reference([x, ids, w, wt["gb"], wt["gs"], wt["bgu"], wt["db"], wt["ds"], wt["bd"]],
+    return rm.moe_mxfp4_reference([x, ids, w, wt["gb"], wt["gs"], wt["bgu"], wt["db"], wt["ds"], wt["bd"]],
                                   {"act": ACT, "inter": I, "gate_up_bias": True, "down_bias": True})
 
 
@@ -87,7 +89,7 @@ def _bf16_reference(wt, x, ids, w):
     """What a bf16 matrix unit computes: both GEMMs' inputs (x, the activation) rounded to bf16, weights exact in
     bf16 (E2M1 x E8M0), fp32 accumulation. Written out token by token, independent of the moe reference."""
     r = lambda t: t.bfloat16().double()  # noqa: E731
-    wgu, wd = dq._dequant_ref(wt["gb"], wt["gs"]).double(), dq._dequant_ref(wt["db"], wt["ds"]).double()
+    wgu, wd = rd.mxfp4_dequant_ref(wt["gb"], wt["gs"]).double(), rd.mxfp4_dequant_ref(wt["db"], wt["ds"]).double()
     y = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
@@ -164,8 +166,8 @@ def test_lru_cache_hits_and_tags(weights, cd):
     assert dict(zip(tags, last)) == live
     # a cached slot holds exactly the dequantised expert (gate/up rows then down rows)
     s = tags.index(0 * E + 1 + 1)  # layer 0, expert 1
-    want = torch.cat([dq._dequant_ref(weights["gb"][1], weights["gs"][1]).reshape(-1),
-                      dq._dequant_ref(weights["db"][1], weights["ds"][1]).reshape(-1)])
+    want = torch.cat([rd.mxfp4_dequant_ref(weights["gb"][1], weights["gs"][1]).reshape(-1),
+                      rd.mxfp4_dequant_ref(weights["db"][1], weights["ds"][1]).reshape(-1)])
     assert torch.equal(st.ws[s].float(), want)
 
 
@@ -220,7 +222,7 @@ def test_rewrite_shares_one_workspace_placed_once():
     prog = build_program(g, "prefill", {})
     layout = plan_programs([prog], slots=3)
     mem = layout["programs"]["prefill"]
-    want = slots * kw.slot_bytes(H, 2 * I, I, "bfloat16") + -(-kw.meta_len(slots) * 8 // 64) * 64
+    want = slots * workspace_slot_bytes(H, 2 * I, I, "bfloat16") + -(-kw.meta_len(slots) * 8 // 64) * 64
     assert mem["zones"]["dequant_workspace"] == want and layout["state_stride"] == 0
     offs = {mem["offsets"][b.id] for b in prog.buffers if b.state == ws.attr["name"]}
     assert len(offs) == 1
@@ -287,7 +289,7 @@ def test_gpt_oss_bf16_workspace_with_cache(tmp_path):
     ck = make_tiny("gpt_oss", tmp_path / "ck", experts="mxfp4", seed=0)
     cfg = json.loads((ck / "config.json").read_text())
     Hm, Im, Em = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
-    slot = kw.slot_bytes(Hm, 2 * Im, Im, "bfloat16")
+    slot = workspace_slot_bytes(Hm, 2 * Im, Im, "bfloat16")
     art = tmp_path / "a.dz"
     r = CliRunner().invoke(main, ["compile", str(ck), "-o", str(art), "--max-seq", "64", "--max-batch", "2",
                                   "--compute-dtype", "h200", "--expert-cache", str(6 * slot)])

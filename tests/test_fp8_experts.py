@@ -32,6 +32,8 @@ from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir import interp  # noqa: F401
 from dayzero.passes.ir import ops
+from dayzero.passes.ir import reference_dequant as rd
+from dayzero.passes.ir import reference_moe as rm
 
 from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
     rewrite_checkpoint
@@ -95,7 +97,7 @@ def test_scales_rebound_per_row_block_are_exact(case, g):
     sshape = ck.fp8_scale_shape(shape, g)
     s = _replay(p.scale_runs, scales, int(np.prod(sshape)), torch.float32).reshape(sshape)
     assert not s.isnan().any()  # every scale element written
-    got = dq.fp8_blocks_dequant_ref(wq, s, (g, 128))
+    got = rd.fp8_blocks_dequant_ref(wq, s, (g, 128))
     # the reference: each checkpoint key dequantised on its own by DeepSeek's rule, then stacked as transformers does
     want = torch.cat([lowprec.dequant_fp8_block(w, sc).reshape(-1) for w, sc in keys.values()]).reshape(shape)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -117,7 +119,7 @@ def test_chain_is_recognised_and_exact(shape, g):
         vals[id(n)] = {"weight": w, "scale_inv": s}[n.attr["name"]] if n.op == "input" else \
             ops.get(n.op).call([vals[id(i)] for i in n.inputs], n.attr)
     got = vals[id(graph.outputs[0])]
-    want = dq.fp8_blocks_dequant_ref(w, s, (g, 128))
+    want = rd.fp8_blocks_dequant_ref(w, s, (g, 128))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     if g == 128 and len(shape) == 3:  # per expert exactly lowprec's DeepSeek dequantisation
         assert torch.equal(want[1], lowprec.dequant_fp8_block(w[1], s[1]))
@@ -155,7 +157,7 @@ def test_moe_fp8_kernel_matches_reference(layout, gub, db):
         w = torch.rand(tokens, K_TOP, generator=gen)
         y = torch.empty(tokens, H)
         lib(x, ids, w, gq, gs, bgu, dq_, ds, y)
-        ref = dq.moe_fp8_reference([x, ids, w, gq, gs, bgu, dq_, ds], {
+        ref = rm.moe_fp8_reference([x, ids, w, gq, gs, bgu, dq_, ds], {
             "act": ACT, "inter": I, "layout": layout, "gate_up_bias": True, "down_bias": False,
             "gate_up_block": gub, "down_block": db})
         err = float((y - ref).abs().max())
@@ -179,7 +181,7 @@ def test_moe_fp8_node_kernel_compiles_for_sm90():
     n = Node.make(dq.OP_MOE_FP8, ins, dict(layout="nk", act=ACT, inter=I, gate_up_bias=False, down_bias=False,
                                            gate_up_block=(32, 128), down_block=(128, 128)),
                   [TensorType("float32", (5, H))])
-    f = km._prim_func_for_fp8(n).with_attr("global_symbol", "k")
+    f = km.prim_func_fp8(n).with_attr("global_symbol", "k")
     target = {"kind": "cuda", "arch": "sm_90"}
     mod = schedule.schedule_kernel(Kernel("k", dq.OP_MOE_FP8, f, "key"), tvm.target.Target(target), None)
     lib = tvm.compile(mod, target=target)

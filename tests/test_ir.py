@@ -7,7 +7,7 @@ import sympy
 import torch
 
 from dayzero import InternalError, UserError
-from dayzero.passes.ir.node import Graph, Node, TensorType, structurally_equal
+from dayzero.passes.ir.node import Graph, Node, Span, TensorType, structurally_equal
 from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
 from dayzero.passes.ir.verify import VerifyError, check_shapes, verify
 from dayzero.tools import examples
@@ -44,6 +44,9 @@ def test_spans_point_at_upstream_source(traced):
     spans = [n.span for n in traced.traced.graph.nodes() if n.op == "linear"]
     assert spans and all(s.source.startswith("transformers/models/") for s in spans)
     assert any(".layers.1." in s.module for s in spans)
+    # the frontend writes each node's decoder layer into its span: structure codegen reads, never the module text
+    assert {s.layer for s in spans} == {("layers", 0), ("layers", 1), None}  # None: lm_head, outside the stack
+    assert all(f".layers.{s.layer[1]}." in s.module if s.layer else ".layers." not in s.module for s in spans)
 
 
 @pytest.mark.parametrize("seq", [1, 5, 33])
@@ -100,6 +103,18 @@ def test_verifier_rejects_wrong_input_count():
     bad = g.outputs[0].replace(inputs=g.outputs[0].inputs[:1])
     with pytest.raises(VerifyError):
         verify(g.replace(outputs=(bad,)))
+
+
+def test_span_layer_round_trips_in_the_text_form():
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (4,))])
+    y = Node.make("neg", (x,), {}, [TensorType("float32", (4,))], Span("model.layers.3.mlp", "m.py:7", ("layers", 3)))
+    g = Graph("main", (x,), (y,), ())
+    text = print_graph(g)
+    assert 'loc("model.layers.3.mlp", "m.py:7", "layers", 3)' in text
+    g2 = parse_graph(text)
+    assert structurally_equal(g, g2) and g2.outputs[0].span.layer == ("layers", 3)
+    with pytest.raises(UserError, match="non-negative integer"):
+        parse_graph(text.replace('"layers", 3)', '"layers", 2.5)'))
 
 
 def test_parse_errors_are_user_errors():

@@ -235,25 +235,38 @@ def _program():
     p.buffers.append(BufferInfo(6, "float32", (8, 16), "kv_cache", state="cache_1_keys"))
     p.buffers.append(BufferInfo(7, "float32", (4, 16), "activations", alias_of=2))  # a view of layer 0's output
     p.inputs, p.outputs = [], [5]
-    steps = [("embedding at model.embed_tokens (m.py:1)", [0]),
-             ("rms_norm at model.layers.0.input_layernorm (m.py:2)", [0, 1]),
-             ("add.Tensor at model.layers.0 (m.py:3)", [0, 1, 2]),
-             ("rms_norm at model.layers.1.input_layernorm (m.py:2)", [7, 3]),
-             ("add.Tensor at model.layers.1 (m.py:3)", [3, 6, 4]),
-             ("linear at lm_head (m.py:4)", [4, 5])]
-    for node, args in steps:
-        p.steps.append(Step("k", args, node, [], 1))
+    # the layer is the frontend's attribution (Span.layer), carried by the step; the node text is only for reading
+    steps = [("embedding at model.embed_tokens (m.py:1)", [0], None),
+             ("rms_norm at model.layers.0.input_layernorm (m.py:2)", [0, 1], ("layers", 0)),
+             ("add.Tensor at model.layers.0 (m.py:3)", [0, 1, 2], ("layers", 0)),
+             ("rms_norm at model.layers.1.input_layernorm (m.py:2)", [7, 3], ("layers", 1)),
+             ("add.Tensor at model.layers.1 (m.py:3)", [3, 6, 4], ("layers", 1)),
+             ("linear at lm_head (m.py:4)", [4, 5], None)]
+    for node, args, layer in steps:
+        p.steps.append(Step("k", args, node, [], 1, layer))
     return p
 
 
-def test_step_block_reads_the_repeated_stack_from_the_span():
-    from dayzero.codegen.memory import step_block
+def test_repeated_block_reads_the_stack_entry_from_a_module_path():
+    from dayzero.passes.ir.node import repeated_block
 
-    assert step_block("add.Tensor at model.layers.12.mlp.experts (modeling_x.py:40)") == ("layers", 12)
-    assert step_block("linear at visual.blocks.3.attn (v.py:1)") == ("blocks", 3)
-    assert step_block("MatMul at /model/layers.2/self_attn/MatMul (MatMul (opset 17))") == ("layers", 2)
-    assert step_block("embedding at model.embed_tokens (m.py:1)") is None
-    assert step_block("add.Tensor at model (m.py:7)") is None
+    assert repeated_block("model.layers.12.mlp.experts") == ("layers", 12)
+    assert repeated_block("visual.blocks.3.attn") == ("blocks", 3)
+    assert repeated_block("/model/layers.2/self_attn/MatMul") == ("layers", 2)
+    assert repeated_block("model.embed_tokens") is None
+    assert repeated_block("model") is None
+
+
+def test_cross_layer_state_follows_the_steps_layer_not_their_text():
+    """A step's layer is structure (Step.layer, from the node's span), not read back from its text: with the
+    attribution dropped, no buffer crosses a layer, whatever the step text says."""
+    from dayzero.codegen.memory import cross_layer_roots
+
+    p = _program()
+    assert cross_layer_roots(p) == {2}
+    for st in p.steps:
+        st.layer = None
+    assert cross_layer_roots(p) == set()
 
 
 def test_buffer_handed_to_a_later_layer_is_cross_layer_state():

@@ -20,7 +20,7 @@ import tvm
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dayzero.codegen.kernels import moe as K
-from dayzero.passes import moe as P
+from dayzero.passes.ir import reference_moe as rm
 
 TOL = 1e-4
 SILU_GLU = lambda i: ("mul", ("silu", ("col", 0, 1, i)), ("col", i, 1, i))  # noqa: E731
@@ -112,7 +112,7 @@ def _check(ids: torch.Tensor, layout: str, bias: bool, act_name: str, seed: int 
     ins = [x, ids, w, wgu] + ([bgu] if bias else []) + [wd] + ([bd] if bias else [])
     y = torch.full((T, H), float("nan"))
     f(*ins, y)
-    ref = P.moe_reference(ins, dict(layout=layout, act=act, inter=I, gate_up_bias=bias, down_bias=bias))
+    ref = rm.moe_reference(ins, dict(layout=layout, act=act, inter=I, gate_up_bias=bias, down_bias=bias))
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4), (y - ref).abs().max()
 
 
@@ -152,7 +152,7 @@ def test_kernel_int32_ids_and_a_single_token():
     ids = torch.tensor([[3, 5]], dtype=torch.int32)
     y = torch.empty(1, H)
     f(x, ids, w, wgu, wd, y)
-    ref = P.moe_reference([x, ids, w, wgu, wd], dict(layout="nk", act=SILU_GLU(I), inter=I, gate_up_bias=False,
+    ref = rm.moe_reference([x, ids, w, wgu, wd], dict(layout="nk", act=SILU_GLU(I), inter=I, gate_up_bias=False,
                                                       down_bias=False))
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
 
@@ -176,7 +176,7 @@ def test_schedule_rule_rebuilds_the_node_kernel_for_cuda():
            inp("wgu", "float32", (E, 2 * I, H)), inp("wd", "float32", (E, H, I))]
     n = Node.make("moe_experts", ins, dict(layout="nk", act=SILU_GLU(I), inter=I, gate_up_bias=False,
                                            down_bias=False), [TensorType("float32", (5, H))])
-    f = K._prim_func_for(n).with_attr("global_symbol", "k")
+    f = K.prim_func(n).with_attr("global_symbol", "k")
     mod = schedule.schedule_kernel(Kernel("k", "moe_experts", f, "key"), tvm.target.Target(
         {"kind": "cuda", "arch": "sm_90"}), None)
     tvm.compile(mod, target={"kind": "cuda", "arch": "sm_90"})
@@ -201,7 +201,7 @@ def test_unrouted_experts_do_not_contribute():
     ids = torch.tensor([[1, 4], [4, 6], [1, 6]])
     x, w = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g)
     wgu, wd = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
-    ref = P.moe_reference([x, ids, w, wgu, wd], dict(layout="nk", act=act, inter=I, gate_up_bias=False,
+    ref = rm.moe_reference([x, ids, w, wgu, wd], dict(layout="nk", act=act, inter=I, gate_up_bias=False,
                                                       down_bias=False))
     unrouted = [e for e in range(E) if e not in (1, 4, 6)]
     wgu[unrouted], wd[unrouted] = float("nan"), float("nan")
@@ -243,7 +243,6 @@ def _host_decodes() -> list[str]:
 def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):
     """The fused kernel against transformers' dequantisation + the moe reference, for token counts that run MB
     tiles, a 2-token and a 1-token tile; random code bytes (every E2M1 code) and scales 2^-5 .. 2^4."""
-    from dayzero.passes import dequant as dq
     from dayzero.targets.host import host_target_dict
 
     E_, H_, I_, k = 4, 64, 32, 2
@@ -264,7 +263,7 @@ def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):
         ins = [x, ids, w, gb, gs] + ([bgu] if gb_ else []) + [db, ds] + ([bd] if db_ else [])
         y = torch.full((T, H_), float("nan"))
         lib(*ins, y)
-        ref = dq.moe_mxfp4_reference(ins, {"act": act, "inter": I_, "gate_up_bias": gb_, "down_bias": db_})
+        ref = rm.moe_mxfp4_reference(ins, {"act": act, "inter": I_, "gate_up_bias": gb_, "down_bias": db_})
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), (T, float((y - ref).abs().max()))
 
 

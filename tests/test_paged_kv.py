@@ -16,10 +16,11 @@ import pytest
 import torch
 import tvm
 
-from dayzero.codegen import lower
 from dayzero.codegen.kernels import indexer
 from dayzero.codegen.kernels.attention import build
+from dayzero.codegen.kernels.table import KERNELS
 from dayzero.passes import sparse_attention as sa
+from dayzero.passes.ir import reference_attention as ra
 from dayzero.passes.ir.node import Node, TensorType
 
 HOST = "llvm"
@@ -60,10 +61,10 @@ def test_paged_dense_kernel_reads_through_the_table(S, start, W, sinks):
     q = torch.randn(1, 4, S, 16, generator=g)
     k, v = torch.randn(1, 2, L, 16, generator=g), torch.randn(1, 2, L, 16, generator=g)
     qpos = torch.arange(S) + start
-    hidden = ~sa.valid_positions(L, qpos, W).any(0)
+    hidden = ~ra.valid_positions(L, qpos, W).any(0)
     k[:, :, hidden], v[:, :, hidden] = float("nan"), float("nan")  # rows no query sees: never read
     extra = [torch.randn(4, generator=g)] if sinks else []
-    ref = sa.dense_reference([q, k.nan_to_num(), v.nan_to_num(), qpos] + extra,
+    ref = ra.dense_reference([q, k.nan_to_num(), v.nan_to_num(), qpos] + extra,
                              {"scale": 0.25, "window": W, "sinks": sinks})
     table = _table(start + S, L, blocks, seed=S)
     p = _paged(dict(op=sa.DENSE, B=1, Hq=4, Hkv=2, S=S if S == 1 else None, L=L, D=16, Dv=16, dtype="float32",
@@ -85,7 +86,7 @@ def test_paged_mla_kernel_reads_only_selected_rows_through_the_table(S, start):
     qpos = torch.arange(S) + start
     idx = torch.stack([torch.randperm(int(qpos[s]) + 1, generator=g)[:K] for s in range(S)])[None]
     ins = [q, lat, rope, w, qpos, idx]
-    ref = sa.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
+    ref = ra.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
     read = torch.zeros(L, dtype=torch.bool)
     read[idx.flatten()] = True
     lat[:, :, ~read], rope[:, :, ~read] = float("nan"), float("nan")
@@ -109,10 +110,10 @@ def test_paged_mla_reference_reads_the_pool_through_the_table_once():
     w = torch.randn(H * 32, 32, generator=g) * 0.1
     qpos = torch.arange(S) + start
     idx = torch.stack([torch.randperm(int(qpos[s]) + 1, generator=g)[:K] for s in range(S)])[None]
-    ref = sa.mla_sparse_reference([q, lat, rope, w, qpos, idx], {"scale": 0.2, "nope": 16})
+    ref = ra.mla_sparse_reference([q, lat, rope, w, qpos, idx], {"scale": 0.2, "nope": 16})
     table = _table(L, L, blocks + 4, seed=1)
     paged = [q, _page(lat, 2, table, blocks + 4), _page(rope, 2, table, blocks + 4), w, qpos, idx, table]
-    out = sa.mla_sparse_reference(paged, {"scale": 0.2, "nope": 16, "paged": BS, "length": L})
+    out = ra.mla_sparse_reference(paged, {"scale": 0.2, "nope": 16, "paged": BS, "length": L})
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
@@ -126,8 +127,8 @@ def test_dense_mla_kernel_equals_attention_over_upstreams_expansion(S, start, pa
     lat, rope = torch.randn(1, 1, L, 32, generator=g), torch.randn(1, 1, L, 8, generator=g)
     w = torch.randn(H * 32, 32, generator=g) * 0.1
     qpos = torch.arange(S) + start
-    k, v = sa.mla_expand(lat, rope, w, 16, H)
-    ref = sa.dense_reference([q, k, v, qpos], {"scale": 0.2, "window": 0, "sinks": False})
+    k, v = ra.mla_expand(lat, rope, w, 16, H)
+    ref = ra.dense_reference([q, k, v, qpos], {"scale": 0.2, "window": 0, "sinks": False})
     lat[:, :, start + S:], rope[:, :, start + S:] = float("nan"), float("nan")
     p = dict(op=sa.MLA_DENSE, B=1, H=H, S=S if S == 1 else None, L=L, R=32, Dn=16, Dr=8, Dv=16, K=0, dense=True,
              dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64",
@@ -179,8 +180,8 @@ def test_paged_compressed_attention_reads_the_window_through_the_table(csa, S, s
     idx = torch.stack([torch.randperm(max((int(p) + 1) // R, K), generator=g)[:K] for p in qpos])[None]
     attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa}
     extra = idx if csa else qpos.clone()
-    ref = ca.reference([q, kv, qpos, ent, sinks, extra], attrs)
-    kv[:, :, ~sa.valid_positions(L, qpos, W).any(0)] = float("nan")
+    ref = ra.compressed_reference([q, kv, qpos, ent, sinks, extra], attrs)
+    kv[:, :, ~ra.valid_positions(L, qpos, W).any(0)] = float("nan")
     table = _table(start + S, L, blocks, seed=S)
     p = dict(op=ca.OP, B=1, H=H, Hkv=1, S=S if S == 1 else None, L=L, E=E, D=D, dtype="float32", kv_dtype="float32",
              ent_dtype="float32", out_dtype="float32", pos_dtype="int64", sink_dtype="float32", scale=0.3,
@@ -202,7 +203,7 @@ def test_paged_indexer_kernel_equals_torch_topk(S, start):
     q, w, keys = r(1, S, Hi, Di), r(1, S, Hi), r(1, L, Di)
     qpos = torch.arange(S) + start
     attrs = {"scale": 0.25, "k": K, "sorted": True, "fill": float("-inf")}
-    ref = sa.indexer_reference([q, w, keys, qpos], attrs)
+    ref = ra.indexer_reference([q, w, keys, qpos], attrs)
     table = _table(start + S, L, blocks, seed=S * start)
     p = _paged(dict(op=sa.INDEXER, B=1, S=S if S == 1 else None, Hi=Hi, Di=Di, L=L, K=K, sorted=True, scale=0.25,
                     fill=float("-inf"), q_dtype="float32", w_dtype="float32", k_dtype="float32",
@@ -223,7 +224,7 @@ def test_paged_write_lands_in_the_tables_rows():
                       Node.make("input", (), {"name": "v"}, (TensorType("float32", (1, 2, S, 4)),)),
                       Node.make("input", (), {"name": "block_table"}, (TensorType("int32", (L // BS,)),))],
                      {"dim": 2, "block_size": BS}, (state,))
-    lib = tvm.compile(tvm.IRModule({"main": lower.PRIMFUNCS["paged_state_index_put"](node)}), target=HOST)
+    lib = tvm.compile(tvm.IRModule({"main": KERNELS["paged_state_index_put"].compute(node)}), target=HOST)
     table = torch.tensor([4, 2, 5, 0], dtype=torch.int32)
     pos = torch.tensor([13, 14, 15, 16, 17, 33, 40])
     vals = torch.randn(1, 2, S, 4)
@@ -267,6 +268,9 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     for prog in pj["programs"].values():
         names = [prog["buffers"][b]["name"] for b in prog["inputs"]]
         assert names[-len(tables):] == [t["name"] for t in pages["tables"]]
+        # a table is an input of kind block_table (IR structure, passes/paged_kv.py), not a name prefix
+        kinds = [prog["buffers"][b].get("input_kind") for b in prog["inputs"]]
+        assert kinds == [None] * (len(kinds) - len(tables)) + ["block_table"] * len(tables)
         kv = [b for b in prog["buffers"] if b.get("state") and b["alias_of"] is None]
         assert kv and all(b["zone"] == "kv_pages" and any(t["blocks"] * 16 in b["shape"] for t in tables.values())
                           for b in kv)
@@ -275,6 +279,7 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
 
     rt = load(art)
     prefill = rt.programs["prefill"]
+    assert prefill.table_inputs == [t["name"] for t in pages["tables"]]
     for b in prefill.buffers:  # every row of every pool: NaN
         if b["zone"] == "kv_pages" and b.get("state") and b["alias_of"] is None:
             prefill.view(b["id"], ()).fill_(float("nan"))

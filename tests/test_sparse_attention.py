@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dayzero.codegen.kernels.attention import build
 from dayzero.passes import sparse_attention as sa
+from dayzero.passes.ir import reference_attention as ra
 
 HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 
@@ -109,9 +110,9 @@ def test_dense_kernel_matches_reference(S, start, W, sinks):
     k, v = torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, 64, 16, generator=g)
     qpos = torch.arange(S) + start
     ins = [q, k, v, qpos] + ([torch.randn(4, generator=g)] if sinks else [])
-    ref = sa.dense_reference(ins, {"scale": 0.25, "window": W, "sinks": sinks})
+    ref = ra.dense_reference(ins, {"scale": 0.25, "window": W, "sinks": sinks})
     # rows no query may see hold NaN: the kernel must never read them
-    hidden = ~sa.valid_positions(64, qpos, W).any(0)
+    hidden = ~ra.valid_positions(64, qpos, W).any(0)
     k[:, :, hidden], v[:, :, hidden] = float("nan"), float("nan")
     torch.testing.assert_close(_run(p, ins), ref, rtol=1e-5, atol=1e-5)
 
@@ -144,7 +145,7 @@ def test_sparse_kernel_matches_reference(S, start, K):
     p = dict(op=sa.SPARSE, B=1, Hq=4, Hkv=4, S=S if S == 1 else None, L=64, D=24, Dv=16, dtype="float32",
              out_dtype="float32", pos_dtype="int64", scale=0.2, K=K, idx_dtype="int64", window=0, sinks=False)
     ins = [q, k, v, qpos, idx]
-    ref = sa.sparse_reference(ins, {"scale": 0.2})
+    ref = ra.sparse_reference(ins, {"scale": 0.2})
     read = torch.zeros(64, dtype=torch.bool)
     for s in range(S):
         read[idx[0, s][idx[0, s] <= qpos[s]]] = True
@@ -160,7 +161,7 @@ def test_decode_reads_rows_not_max_len():
     k, v = torch.full((1, 2, L, 16), float("nan")), torch.full((1, 2, L, 16), float("nan"))
     k[:, :, :10], v[:, :, :10] = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     qpos = torch.tensor([9])
-    ref = sa.dense_reference([q, k[:, :, :10], v[:, :, :10], qpos], {"scale": 0.25, "window": 0, "sinks": False})
+    ref = ra.dense_reference([q, k[:, :, :10], v[:, :, :10], qpos], {"scale": 0.25, "window": 0, "sinks": False})
     torch.testing.assert_close(_run(p, [q, k, v, qpos]), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -202,7 +203,7 @@ def test_mla_kernel_matches_upstream_expansion(S, start, K, B, H):
     assert mla_head_group(H, "llvm") == (4 if H == 32 else 1)
     q, lat, rope, w, qpos, idx = _mla_case(S, start, K, B=B, H=H, seed=S + start + K + B)
     ins = [q, lat, rope, w, qpos, idx]
-    ref = sa.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
+    ref = ra.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
     read = torch.zeros(B, 64, dtype=torch.bool)
     for b in range(B):
         for s in range(S):
@@ -249,7 +250,7 @@ def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3):
     r = lambda *sh: torch.randint(-values, values + 1, sh, generator=g).float()  # noqa: E731
     q, w, keys = r(B, S, Hi, Di), r(B, S, Hi), r(B, L, Di)
     qpos = torch.arange(S) + start
-    ref = sa.indexer_reference([q, w, keys, qpos], {"scale": 0.25, "k": K, "sorted": sorted_, "fill": float("-inf")})
+    ref = ra.indexer_reference([q, w, keys, qpos], {"scale": 0.25, "k": K, "sorted": sorted_, "fill": float("-inf")})
     out = torch.full((B, S, K), -1, dtype=torch.int64)
     _indexer_lib(B, S, Hi, Di, L, K, sorted_)(q, w, keys, qpos, out)
     assert torch.equal(out, ref), (out, ref)

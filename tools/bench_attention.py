@@ -107,7 +107,7 @@ def run_bench(quick: bool = False) -> dict:
 
     from dayzero.codegen.kernels.attention import build
     from dayzero.codegen.kernels.indexer import build as build_indexer
-    from dayzero.passes.sparse_attention import mla_expand
+    from dayzero.passes.ir.reference_attention import mla_expand
     from dayzero.targets.host import host_target_dict
     from dayzero.tools.bench import machine_info
     from dayzero.tools.bench_dequant import read_bandwidth

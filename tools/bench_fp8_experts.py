@@ -39,7 +39,7 @@ def _fp8_pool(gen, shape):
 
 
 def _dequant(wq, s):
-    from ..passes.dequant import fp8_blocks_dequant_ref
+    from ..passes.ir.reference_dequant import fp8_blocks_dequant_ref
 
     return fp8_blocks_dequant_ref(wq, s, BLOCK)
 

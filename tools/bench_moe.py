@@ -103,6 +103,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
 
     from dayzero.codegen.kernels import expert_workspace as kw
     from dayzero.codegen.kernels.moe import moe_experts_func
+    from dayzero.passes.ir.dayzero_ops import workspace_slot_bytes
 
     act = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
 
@@ -168,7 +169,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
     steps = 32 if quick else 64
     routes = [_zipf_routes(gen, steps) for _ in layers]  # each layer its own popularity order
     seq = [(torch.randn(1, H, generator=gen), [routes[li][t] for li in range(len(layers))]) for t in range(steps)]
-    budget = 16 * kw.slot_bytes(H, 2 * I, I, "float32")
+    budget = 16 * workspace_slot_bytes(H, 2 * I, I, "float32")
     lids = [torch.tensor([li], dtype=torch.int32) for li in range(2)]
 
     def seq_f():
@@ -179,7 +180,7 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
     t_f = best_time(seq_f, r) / (2 * steps)
     per = {}
     for cd in ("float32", "bfloat16"):
-        slots = budget // kw.slot_bytes(H, 2 * I, I, cd)
+        slots = budget // workspace_slot_bytes(H, 2 * I, I, cd)
         lib, ws, meta = workspace(cd, slots, True)
 
         def seq_w():

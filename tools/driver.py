@@ -29,6 +29,7 @@ from dayzero.frontend.checkpoint import (Checkpoint, bound_tensors, check_covera
                                          learn_recipes_low_precision)
 from dayzero.frontend.lowprec import bind_low_precision
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.pipeline import PassContext, run_pipeline
@@ -271,7 +272,7 @@ def batched_decode_graph(prefill: Graph, constants: dict, kv_pages: dict, max_ba
         return None, why
     if first_position_reads(g):
         return None, "the step reads the first token's position outside the cache ops"
-    if not any(n.op == "input" and n.attr["name"].startswith("block_table") for n in g.inputs):
+    if not any(n.attr.get("kind") == BLOCK_TABLE for n in g.inputs):
         return None, "no paged KV cache"
     return g, ""
 

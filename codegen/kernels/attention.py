@@ -32,7 +32,6 @@ from __future__ import annotations
 import tvm
 
 from dayzero import InternalError
-from dayzero.codegen import schedule
 from dayzero.passes.ir.node import Node
 
 QB = 16  # queries per block (prefill, host CPU)
@@ -327,6 +326,3 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
            f"{idx}{table}o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return tvm.script.from_source(src)
 
-
-schedule.register_param_kernel(("cache_attention", "sparse_attention", "mla_sparse_attention", "mla_attention"),
-                               params, build, "dayzero.attention_params")

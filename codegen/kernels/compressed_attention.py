@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import tvm
 
-from dayzero.codegen import schedule
 from dayzero.codegen.kernels import attention
 from dayzero.passes.ir.node import Node
 
@@ -155,5 +154,3 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
            + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return tvm.script.from_source(src)
 
-
-schedule.register_param_kernel((OP,), params, build, "dayzero.compressed_attention_params")

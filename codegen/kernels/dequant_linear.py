@@ -20,8 +20,9 @@ once into an L2-resident buffer and reused for every token tile (``dequant._toke
 AVX-512); one compiled kernel for every T). The CPU schedules are ``dequant.py``'s (``_fp8_gemv_cpu`` /
 ``_gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``dequant.mxfp4_gemv`` / ``mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
 
-Registration: ``lower.PRIMFUNCS[op]`` gives the unscheduled kernel carrying its parameters, and the
-``schedule.HAND_SCHEDULED[op]`` rule rebuilds it scheduled for the real target (as ``moe.py`` does).
+In the kernel table (``codegen/kernels/table.py``): ``prim_func`` gives the unscheduled kernel carrying its
+parameters, and ``schedule_rule`` rebuilds it scheduled for the real target (as ``moe.py`` does). What the int4
+kernel takes is ``targets/capabilities.py``'s ``dequant_linear_int4_problem``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import tvm
 from tvm import te, tirx
 
 from dayzero import InternalError, UserError
-from dayzero.codegen import lower, schedule
 from dayzero.codegen.kernels import dequant as dq
+from dayzero.targets.capabilities import dequant_linear_int4_problem, int4_storage
 
 OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
 GEMV_MAX_T = 64
@@ -43,24 +44,6 @@ _u8 = functools.partial(tirx.const, dtype="uint8")
 _f32 = functools.partial(tirx.const, dtype="float32")
 
 
-# ------------------------------------------------------------------------------------------ geometry
-def int4_storage(p: dict) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((R, C) of the unpacked storage, shape of scales / zero points) for int4 params P."""
-    R, C = (p["N"], p["K"]) if p["layout"] == "nk" else (p["K"], p["N"])
-    bs = p["block"]
-    return (R, C), ((R // bs, C) if p["block_axis"] == 0 else (R, C // bs))
-
-
-def check_int4(p: dict) -> str | None:
-    """Why an int4 geometry has no kernel, or None when it has one."""
-    (R, C), _ = int4_storage(p)
-    if p["layout"] not in ("nk", "kn") or p["block_axis"] not in (0, 1):
-        return f"layout {p['layout']} / block axis {p['block_axis']}"
-    if C % 2:
-        return f"odd row length {C} (a byte would straddle two rows)"
-    if (R, C)[p["block_axis"]] % p["block"]:
-        return f"blocks of {p['block']} do not tile {(R, C)[p['block_axis']]}"
-    return None
 
 
 # ------------------------------------------------------------------------------------------ definitions
@@ -112,8 +95,9 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
         if T is not None:
             return dq.mxfp4_gemv(T, N, K, target=target)
         return dq.mxfp4_gemm(N, K, target=target)
-    if p["fmt"] == "int4" and check_int4(p):
-        raise InternalError(f"dequant_linear_int4 cannot take {p}: {check_int4(p)} (the pass checks first)")
+    problem = dequant_linear_int4_problem(p) if p["fmt"] == "int4" else None
+    if problem:
+        raise InternalError(f"dequant_linear_int4 cannot take {p}: {problem} (the pass checks first)")
     ws = _weight_placeholders(p)
     wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p) if p["fmt"] == "int4" else _fp8_wd(*ws, N, K)
     if T is not None:
@@ -172,13 +156,13 @@ def _host() -> dict:
     return {"kind": "llvm"}
 
 
-def _prim_func_for(node) -> tirx.PrimFunc:
-    """lower.PRIMFUNCS entry: the unscheduled kernel with its parameters, so the rule rebuilds it per target."""
+def prim_func(node) -> tirx.PrimFunc:
+    """The kernel table's compute: the unscheduled kernel with its parameters, so the rule rebuilds it per target."""
     p = params(node)
     return kernel(p, _host(), scheduled=False).with_attr("dayzero.dequant_linear", json.dumps(p, sort_keys=True))
 
 
-def _schedule_rule(k, target: tvm.target.Target):
+def schedule_rule(k, target: tvm.target.Target):
     attrs = k.func.attrs
     if attrs is None or "dayzero.dequant_linear" not in attrs:
         return None
@@ -193,7 +177,3 @@ def _schedule_rule(k, target: tvm.target.Target):
     f = kernel(json.loads(str(attrs["dayzero.dequant_linear"])), tgt)
     return tvm.IRModule({"main": f.with_attr("global_symbol", attrs["global_symbol"])})
 
-
-for _op in OPS:
-    lower.PRIMFUNCS[_op] = _prim_func_for
-    schedule.HAND_SCHEDULED[_op] = _schedule_rule

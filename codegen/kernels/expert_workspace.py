@@ -73,33 +73,16 @@ import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
-from dayzero.codegen import lower
 from dayzero.codegen.kernels import dequant
 from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent_biases,
                                          expert_gemm_tiles, no_prefetch, optional, parallel_chunks, sort_by_expert)
-from dayzero.passes import expert_workspace as _op  # noqa: F401  (registers the moe_experts_mxfp4_ws op)
+from dayzero.passes.ir.dayzero_ops import WORKSPACE_META_HEAD as META_HEAD
+from dayzero.passes.ir.dayzero_ops import WORKSPACE_STORAGE as STORAGE
+from dayzero.passes.ir.dayzero_ops import workspace_meta_len as meta_len
+from dayzero.passes.ir.dayzero_ops import workspace_slot_elems as slot_elems
+from dayzero.targets import capabilities
 
 OP = "moe_experts_mxfp4_ws"
-META_HEAD = 4  # tick, hits, conversions, unused
-# the workspace's storage dtype per compute dtype (fp8 is stored as its e4m3 bytes and decoded with integer ops)
-STORAGE = {"float32": "float32", "bfloat16": "bfloat16", "float8_e4m3fn": "uint8"}
-
-
-def slot_elems(H: int, GU: int, I: int) -> int:
-    """Elements of one converted expert: gate/up [GU, H] then down [H, I]."""
-    return GU * H + H * I
-
-
-def slot_bytes(H: int, GU: int, I: int, compute_dtype: str) -> int:
-    return slot_elems(H, GU, I) * {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[compute_dtype]
-
-
-def meta_len(slots: int) -> int:
-    return META_HEAD + 2 * slots
-
-
-def supports(H: int, GU: int, I: int) -> bool:
-    return not (H % 32 or I % 32 or GU % NB or H % NB or H % L or I % L)
 
 
 def _e4m3_of_e2m1(code):
@@ -122,7 +105,7 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                    w_dtype="float32", b_dtype="float32", out_dtype="float32") -> tvm.tirx.PrimFunc:
     """The kernel for one expert shape (host CPU). ``cache=False``: one slot, every routed expert converted on
     every call (meta counts conversions); ``cache=True``: ``slots`` slots under LRU."""
-    if not supports(H, GU, I):
+    if not capabilities.moe_experts_mxfp4_ws(H, GU, I):
         raise InternalError(f"expert workspace kernel needs H, I multiples of 32 and GU of {NB} "
                             f"(H={H}, GU={GU}, I={I})")
     if compute_dtype not in STORAGE:
@@ -260,7 +243,7 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
     return drop_absent_biases(kernel, gate_up_bias, down_bias)
 
 
-def _params(node) -> dict:
+def params(node) -> dict:
     """Kernel parameters of a moe_experts_mxfp4_ws node (passes/expert_workspace.py)."""
     a = node.attr
     x, ids, w, gb = node.inputs[:4]
@@ -273,12 +256,16 @@ def _params(node) -> dict:
                 b_dtype=bias.dtype if bias is not None else "float32", out_dtype=node.dtype)
 
 
-def _prim_func_for(node) -> tvm.tirx.PrimFunc:
-    """lower.PRIMFUNCS entry: the host-CPU kernel, written scheduled (the pass routes only LLVM targets here)."""
-    p = _params(node)
+def prim_func(node) -> tvm.tirx.PrimFunc:
+    """The kernel table's compute: the host-CPU kernel, written scheduled (the pass routes only LLVM targets here)."""
+    p = params(node)
     E, H, GU, I, k = (p.pop(n) for n in ("E", "H", "GU", "I", "k"))
     f = workspace_func(E, H, GU, I, k, **p)
     return f.with_attr("tirx.is_scheduled", True)
 
 
-lower.PRIMFUNCS[OP] = _prim_func_for
+
+def geometry(node) -> tuple[int, int, int]:
+    """(H, GU, I) of a moe_experts_mxfp4_ws node: what targets/capabilities.py's answer depends on."""
+    p = params(node)
+    return p["H"], p["GU"], p["I"]

@@ -32,7 +32,6 @@ import math
 
 import tvm
 
-from dayzero.codegen import schedule
 from dayzero.passes.ir.node import Node
 
 from . import attention, topk_exact
@@ -210,5 +209,3 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
            + "\n".join(head) + "\n" + "\n".join("    " + ln for ln in body) + "\n")
     return tvm.script.from_source(src)
 
-
-schedule.register_param_kernel((OP,), params, build, "dayzero.indexer_params")

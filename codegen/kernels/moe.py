@@ -56,10 +56,11 @@ import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
-from dayzero.codegen import lower, schedule
 from dayzero.codegen.kernels import dequant
+from dayzero.targets import capabilities
+from dayzero.targets.capabilities import MOE_L, MOE_MB, MOE_NB
 
-MB, NB, L = 4, 4, 16
+MB, NB, L = MOE_MB, MOE_NB, MOE_L  # the tiles (targets/capabilities.py states what they take)
 
 
 def parallel_chunks(nblocks: int, most: int = 16) -> int:
@@ -443,13 +444,7 @@ def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_
     return drop_absent_biases(stored, gate_up_bias, down_bias)
 
 
-def supports(H: int, GU: int, I: int, wgu_dtype: str, wd_dtype: str) -> bool:
-    """What the kernel takes; the moe pass leaves other blocks as generic ops (slow, correct)."""
-    return wgu_dtype == wd_dtype and not (H % NB or GU % NB or H % L or I % L) and \
-        wgu_dtype in ("float32", "bfloat16", "float16")
-
-
-def _params(node) -> dict:
+def params(node) -> dict:
     a = node.attr
     x, ids, w, wgu = node.inputs[:4]
     wd = node.inputs[5 if a["gate_up_bias"] else 4]
@@ -466,17 +461,17 @@ def _build(p: dict, target_kind: str) -> tvm.tirx.PrimFunc:
     return moe_experts_func(E, H, GU, I, k, target_kind=target_kind, **p)
 
 
-def _prim_func_for(node) -> tvm.tirx.PrimFunc | None:
-    """lower.PRIMFUNCS entry: the host-CPU kernel, carrying its parameters so the schedule rule can rebuild it for
-    the actual target (PRIMFUNCS does not see the target)."""
-    p = _params(node)
-    if not supports(p["H"], p["GU"], p["I"], p["wt_dtype"], p["wd_dtype"]):
-        raise InternalError(f"moe_experts kernel cannot take {p} (the moe pass checks supports() first)")
+def prim_func(node) -> tvm.tirx.PrimFunc | None:
+    """The kernel table's compute (codegen/kernels/table.py): the host-CPU kernel, carrying its parameters so
+    the schedule rule can rebuild it for the actual target (compute does not see the target)."""
+    p = params(node)
+    if not capabilities.moe_experts(p["H"], p["GU"], p["I"], p["wt_dtype"], p["wd_dtype"]):
+        raise InternalError(f"moe_experts kernel cannot take {p} (the moe pass asks targets/capabilities.py first)")
     return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
 
 
-def _schedule_rule(kernel, target: tvm.target.Target):
-    """schedule.HAND_SCHEDULED entry: the same kernel written for the target (CPU: parallel + AVX-512 lanes; CUDA:
+def schedule_rule(kernel, target: tvm.target.Target):
+    """The kernel table's schedule rule: the same kernel written for the target (CPU: parallel + AVX-512 lanes; CUDA:
     phases bound to blocks)."""
     attrs = kernel.func.attrs
     if attrs is None or "dayzero.moe_params" not in attrs:
@@ -510,7 +505,7 @@ def bytes_read(ids, *, E: int, H: int, GU: int, I: int, wt_bytes: int = 4, act_b
     return {"weights": weights, "activations": acts, "total": weights + acts, "routed_expert_bytes": routed}
 
 
-def _params_mxfp4(node) -> dict:
+def params_mxfp4(node) -> dict:
     """moe_experts_mxfp4(x, ids, w, gu_blocks, gu_scales, [b_gu], d_blocks, d_scales, [b_d]) (passes/dequant.py)."""
     a = node.attr
     x, ids, w, gub = node.inputs[:4]
@@ -522,18 +517,14 @@ def _params_mxfp4(node) -> dict:
                 wfmt="mxfp4")
 
 
-def supports_mxfp4(H: int, GU: int, I: int) -> bool:
-    return not (H % 32 or I % 32 or GU % NB or H % NB)
-
-
-def _prim_func_for_mxfp4(node) -> tvm.tirx.PrimFunc:
-    p = _params_mxfp4(node)
-    if not supports_mxfp4(p["H"], p["GU"], p["I"]):
+def prim_func_mxfp4(node) -> tvm.tirx.PrimFunc:
+    p = params_mxfp4(node)
+    if not capabilities.moe_experts_mxfp4(p["H"], p["GU"], p["I"]):
         raise InternalError(f"moe_experts_mxfp4 kernel cannot take {p} (the dequant pass checks first)")
     return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
 
 
-def _params_fp8(node) -> dict:
+def params_fp8(node) -> dict:
     """moe_experts_fp8(x, ids, w, gu_weight, gu_scale, [b_gu], d_weight, d_scale, [b_d]) (passes/dequant.py)."""
     a = node.attr
     x, ids, w, guw = node.inputs[:4]
@@ -547,21 +538,9 @@ def _params_fp8(node) -> dict:
                 down_block=list(a["down_block"]))
 
 
-def supports_fp8(H: int, GU: int, I: int) -> bool:
-    """The FP8 expert kernel has the dense kernel's tiling constraints (any block sizes, nk or kn)."""
-    return not (H % NB or GU % NB or H % L or I % L)
-
-
-def _prim_func_for_fp8(node) -> tvm.tirx.PrimFunc:
-    p = _params_fp8(node)
-    if not supports_fp8(p["H"], p["GU"], p["I"]):
+def prim_func_fp8(node) -> tvm.tirx.PrimFunc:
+    p = params_fp8(node)
+    if not capabilities.moe_experts_fp8(p["H"], p["GU"], p["I"]):
         raise InternalError(f"moe_experts_fp8 kernel cannot take {p} (the dequant pass checks first)")
     return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
 
-
-lower.PRIMFUNCS["moe_experts"] = _prim_func_for
-lower.PRIMFUNCS["moe_experts_mxfp4"] = _prim_func_for_mxfp4
-lower.PRIMFUNCS["moe_experts_fp8"] = _prim_func_for_fp8
-schedule.HAND_SCHEDULED["moe_experts_mxfp4"] = _schedule_rule
-schedule.HAND_SCHEDULED["moe_experts_fp8"] = _schedule_rule
-schedule.HAND_SCHEDULED["moe_experts"] = _schedule_rule

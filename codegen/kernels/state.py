@@ -13,7 +13,6 @@ from __future__ import annotations
 import sympy
 import tvm
 
-from dayzero.codegen import lower
 from dayzero.passes.ir.node import Node
 
 
@@ -106,7 +105,3 @@ def assign(n: Node):
     body = loops + f"{indent}s[{', '.join(a)}] = T.Cast(\"{state.dtype}\", v[{', '.join(a)}])\n"
     return _func(["s_", "v_"], matches, body, dims)
 
-
-lower.PRIMFUNCS["state_index_put"] = state_index_put
-lower.PRIMFUNCS["paged_state_index_put"] = paged_state_index_put
-lower.PRIMFUNCS["assign"] = assign

@@ -9,7 +9,8 @@
 * ``types``  -- one ``TensorType(dtype, shape)`` per output; most ops have one output. A shape entry is an
                int or a ``sympy.Expr`` over the graph's symbols (``seq``, ``batch``), which have declared
                bounds in ``Graph.symbols``.
-* ``span``   -- where it came from: the upstream module path and ``file:line``.
+* ``span``   -- where it came from: the upstream module path and ``file:line``, and the repeated block (decoder
+               layer) it belongs to, as the frontend that traced it knows it.
 
 Nodes are immutable and compared by identity; ``structurally_equal`` compares two graphs. A ``Graph`` is its
 input nodes, output nodes and symbols; the node list is always derived from the outputs (so dead code is
@@ -19,6 +20,7 @@ never in it).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -27,10 +29,26 @@ import sympy
 Dim = int | sympy.Expr
 
 
+# the first ``<name>.<int>`` component of a module path: an entry of a repeated stack (a ModuleList entry such as
+# ``model.layers.3``, or ``/model/layers.3/`` in an ONNX node name)
+_BLOCK = re.compile(r"([A-Za-z_]\w*)\.(\d+)(?=[./\s(]|$)")
+
+
+def repeated_block(module_path: str) -> tuple[str, int] | None:
+    """(stack, index) of the outermost repeated block in an upstream module path (``"model.layers.3.mlp"`` ->
+    ``("layers", 3)``), or None outside any stack (embedding, final norm, head). For the frontends, which
+    write it into the ``Span`` of every node they trace."""
+    m = _BLOCK.search(module_path)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 @dataclass(frozen=True)
 class Span:
     module: str = ""  # upstream module path, e.g. "model.layers.0.mlp.experts"
     source: str = ""  # "modeling_qwen3_moe.py:123"
+    # (stack, index) of the repeated block the node was traced from ("layers", 0): set by the frontend (the
+    # module hierarchy is its knowledge), read by the memory plan (cross-layer state); None outside a stack
+    layer: tuple[str, int] | None = None
 
     def __str__(self) -> str:
         return f"{self.module} ({self.source})" if self.source else self.module

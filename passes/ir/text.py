@@ -4,12 +4,14 @@
       %0 = input {name="input_ids"} : int64[1, seq]
       %1 = weight {name="model.embed_tokens.weight"} : float32[256, 64]
       %2 = embedding(%1, %0) {padding_idx=-1, ...} : float32[1, seq, 64] loc("model.embed_tokens", "sparse.py:189")
-      %3 = topk(%2) {k=2, ...} : (float32[1, seq, 2], int64[1, seq, 2])
+      %3 = rms_norm(%2, %1) {...} : float32[1, seq, 64] loc("model.layers.0.input_layernorm", "m.py:5", "layers", 0)
+      %4 = topk(%3) {k=2, ...} : (float32[1, seq, 2], int64[1, seq, 2])
       return %2
     }
 
 Attr values: null, true, false, ints, floats (repr, inf, nan), JSON strings, [lists], and symbolic
 dimensions in backticks (`2*seq`). In types a dimension is an int, a symbol name, or a backticked expression.
+A span is ``loc(module, source)``, with the repeated block's stack name and index after them when it has one.
 Inputs are the ``input`` nodes in order of appearance.
 """
 
@@ -76,8 +78,9 @@ def print_graph(g: Graph) -> str:
             s += " {" + ", ".join(f"{a}={_value(v)}" for a, v in n.attrs) + "}"
         ty = _type(n.types[0]) if len(n.types) == 1 else "(" + ", ".join(map(_type, n.types)) + ")"
         s += " : " + ty
-        if n.span.module or n.span.source:
-            s += f" loc({json.dumps(n.span.module)}, {json.dumps(n.span.source)})"
+        if n.span.module or n.span.source or n.span.layer:
+            layer = f", {json.dumps(n.span.layer[0])}, {n.span.layer[1]}" if n.span.layer else ""
+            s += f" loc({json.dumps(n.span.module)}, {json.dumps(n.span.source)}{layer})"
         lines.append(s)
     lines.append("  return " + ", ".join(names[id(o)] for o in g.outputs))
     lines.append("}")
@@ -243,8 +246,17 @@ class _Parser:
                 mod = json.loads(self.next("str"))
                 self.next(",")
                 src = json.loads(self.next("str"))
+                layer = None
+                if self.peek(","):  # the repeated block: stack name, index
+                    self.next(",")
+                    stack = json.loads(self.next("str"))
+                    self.next(",")
+                    index = self.next("num")
+                    if not index.isdigit():
+                        raise UserError(f"IR text: a repeated block's index is a non-negative integer, got {index!r}")
+                    layer = (stack, int(index))
                 self.next(")")
-                span = Span(mod, src)
+                span = Span(mod, src, layer)
             node = Node.make(op, ins, attrs, types, span)
             env[ref] = node
             if op == "input":

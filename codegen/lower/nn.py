@@ -1,5 +1,5 @@
-"""Lowerings for the network ops vision and ONNX exports bring: convolution, pooling, padding, and the
-bit ops of 4-bit weight unpacking. Registered into ``lower.LOWERINGS`` like every other lowering.
+"""Network layers: normalisation (rms_norm, layer_norm), convolution and pooling, as vision and ONNX exports
+bring them.
 
 Shapes (N batch, C channels, spatial dims last; every value contiguous row-major):
 
@@ -16,11 +16,68 @@ Accumulation is in float32 for floating inputs (as the ATen CPU kernels do for t
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
 import tvm
 from tvm import te
 
 from dayzero import InternalError
-from .lower import IDX, _cast, _const, _dt, _elementwise, _result_dtype, lowering
+from dayzero.passes.ir import ops
+from .common import IDX, cast, const, dtype_of, in_bounds, lowering_table
+
+LOWERINGS: dict[str, Callable] = {}
+lowering = lowering_table(LOWERINGS)
+
+
+@lowering("rms_norm")
+def _rms_norm(ctx, ins, attrs, outs):
+    x = ins[0]
+    w = ins[1] if attrs.get("weight") else None
+    nshape = attrs["normalized_shape"]
+    if len(nshape) != 1:
+        raise InternalError("rms_norm over more than one dimension")
+    nd = len(x.shape)
+    eps = attrs.get("eps") or float(torch.finfo(ops.torch_dtype(dtype_of(x))).eps)
+    k = te.reduce_axis((0, x.shape[nd - 1]), name="k")
+    ss = te.compute(x.shape[:-1], lambda *i: te.sum(cast(x[i + (k,)], "float32") * cast(x[i + (k,)], "float32"), axis=k), name="ss")
+    n = cast(x.shape[nd - 1], "float32")
+
+    def body(*i):
+        y = cast(x[i], "float32") * tvm.tirx.rsqrt(ss[i[:-1]] / n + const(eps, "float32"))
+        if w is not None:
+            y = y * cast(w[i[-1]], "float32")
+        return cast(y, outs[0].dtype)
+    return te.compute(x.shape, body, name="T")
+
+
+@lowering("layer_norm")
+def _layer_norm(ctx, ins, attrs, outs):
+    it = iter(ins)
+    x = next(it)
+    w = next(it) if attrs.get("weight") else None
+    b = next(it) if attrs.get("bias") else None
+    nshape = attrs["normalized_shape"]
+    if len(nshape) != 1:
+        raise InternalError("layer_norm over more than one dimension")
+    nd = len(x.shape)
+    eps = attrs.get("eps", 1e-5)
+    n = cast(x.shape[nd - 1], "float32")
+    k = te.reduce_axis((0, x.shape[nd - 1]), name="k")
+    mean = te.compute(x.shape[:-1], lambda *i: te.sum(cast(x[i + (k,)], "float32"), axis=k), name="s1")
+    k2 = te.reduce_axis((0, x.shape[nd - 1]), name="k2")
+    var = te.compute(x.shape[:-1], lambda *i: te.sum(
+        (cast(x[i + (k2,)], "float32") - mean[i] / n) * (cast(x[i + (k2,)], "float32") - mean[i] / n), axis=k2),
+        name="s2")
+
+    def body(*i):
+        y = (cast(x[i], "float32") - mean[i[:-1]] / n) * tvm.tirx.rsqrt(var[i[:-1]] / n + const(eps, "float32"))
+        if w is not None:
+            y = y * cast(w[i[-1]], "float32")
+        if b is not None:
+            y = y + cast(b[i[-1]], "float32")
+        return cast(y, outs[0].dtype)
+    return te.compute(x.shape, body, name="T")
 
 
 def _tuple(v, n: int) -> list[int]:
@@ -30,11 +87,6 @@ def _tuple(v, n: int) -> list[int]:
 
 def _acc(dtype: str) -> str:
     return "float32" if dtype in ("float16", "bfloat16", "float32") else dtype
-
-
-def _inside(idx, lo_hi) -> "tvm.tirx.PrimExpr":
-    conds = [tvm.tirx.all(i >= tvm.tirx.const(0, IDX), i < size) for i, size in zip(idx, lo_hi)]
-    return tvm.tirx.all(*conds) if len(conds) > 1 else conds[0]
 
 
 @lowering("convolution")
@@ -57,14 +109,14 @@ def _convolution(ctx, ins, attrs, outs):
         c = tvm.tirx.floordiv(oc, cout_g) * cin_g + rc if groups > 1 else rc
         sp = [o[i] * stride[i] - pad[i] + rk[i] * dil[i] for i in range(nsp)]
         if any(pad):
-            v = tvm.tirx.if_then_else(_inside(sp, x.shape[2:]), _cast(x[(n, c, *sp)], cd), _const(0.0, cd))
+            v = tvm.tirx.if_then_else(in_bounds(sp, x.shape[2:]), cast(x[(n, c, *sp)], cd), const(0.0, cd))
         else:
-            v = _cast(x[(n, c, *sp)], cd)
-        return te.sum(v * _cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
+            v = cast(x[(n, c, *sp)], cd)
+        return te.sum(v * cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
     acc = te.compute(ctx.shape(out.shape), body, name="conv")
     if b is None:
-        return te.compute(acc.shape, lambda *i: _cast(acc[i], out.dtype), name="T")
-    return te.compute(acc.shape, lambda *i: _cast(acc[i] + _cast(b[i[1]], cd), out.dtype), name="T")
+        return te.compute(acc.shape, lambda *i: cast(acc[i], out.dtype), name="T")
+    return te.compute(acc.shape, lambda *i: cast(acc[i] + cast(b[i[1]], cd), out.dtype), name="T")
 
 
 def _pool_geometry(attrs, nsp=2):
@@ -81,13 +133,13 @@ def _max_pool2d(ctx, ins, attrs, outs):
     k, s, p = _pool_geometry(attrs)
     d = _tuple(attrs.get("dilation", 1), 2)
     rh, rw = te.reduce_axis((0, k[0]), name="rh"), te.reduce_axis((0, k[1]), name="rw")
-    dt = _dt(x)
+    dt = dtype_of(x)
     lowest = -tvm.tirx.infinity(dt) if dt.startswith("float") else tvm.tirx.min_value(dt)
 
     def body(*i):
         lead, oh, ow = i[:-2], i[-2], i[-1]
         h, w_ = oh * s[0] - p[0] + rh * d[0], ow * s[1] - p[1] + rw * d[1]
-        v = tvm.tirx.if_then_else(_inside([h, w_], x.shape[-2:]), x[(*lead, h, w_)], lowest)
+        v = tvm.tirx.if_then_else(in_bounds([h, w_], x.shape[-2:]), x[(*lead, h, w_)], lowest)
         return te.max(v, axis=[rh, rw])
     return te.compute(ctx.shape(out.shape), body, name="T")
 
@@ -107,7 +159,7 @@ def _avg_pool2d(ctx, ins, attrs, outs):
     def total(*i):
         lead, oh, ow = i[:-2], i[-2], i[-1]
         h, w_ = oh * s[0] - p[0] + rh, ow * s[1] - p[1] + rw
-        v = tvm.tirx.if_then_else(_inside([h, w_], [H, W]), _cast(x[(*lead, h, w_)], cd), _const(0.0, cd))
+        v = tvm.tirx.if_then_else(in_bounds([h, w_], [H, W]), cast(x[(*lead, h, w_)], cd), const(0.0, cd))
         return te.sum(v, axis=[rh, rw])
     acc = te.compute(ctx.shape(out.shape), total, name="sum")
 
@@ -120,38 +172,5 @@ def _avg_pool2d(ctx, ins, attrs, outs):
 
     def body(*i):
         n = count(i[-2], H, k[0], s[0], p[0]) * count(i[-1], W, k[1], s[1], p[1])
-        return _cast(acc[i] / _cast(n, cd), out.dtype)
+        return cast(acc[i] / cast(n, cd), out.dtype)
     return te.compute(acc.shape, body, name="T")
-
-
-@lowering("constant_pad_nd")
-def _constant_pad_nd(ctx, ins, attrs, outs):
-    x = ins[0]
-    out = outs[0]
-    nd = len(x.shape)
-    pad = list(attrs["pad"])
-    before = [0] * nd
-    for j in range(len(pad) // 2):
-        before[nd - 1 - j] = pad[2 * j]
-    value = attrs.get("value", 0)
-    value = 0 if value is None else value
-    fill = _const(float(value) if out.dtype.startswith("float") else value, out.dtype)
-
-    def body(*i):
-        src = [i[d] - before[d] for d in range(nd)]
-        padded = [d for d in range(nd) if before[d] or pad]
-        if not padded:
-            return x[tuple(src)]
-        return tvm.tirx.if_then_else(_inside([src[d] for d in padded], [x.shape[d] for d in padded]),
-                                     x[tuple(src)], fill)
-    return te.compute(ctx.shape(out.shape), body, name="T")
-
-
-@lowering("bitwise_right_shift.Tensor")
-def _shift_right(ctx, ins, attrs, outs):
-    return _elementwise(ctx, ins, outs[0], lambda a, b: a >> b, _result_dtype(ins))
-
-
-@lowering("bitwise_xor.Tensor")
-def _xor(ctx, ins, attrs, outs):
-    return _elementwise(ctx, ins, outs[0], lambda a, b: a ^ b, _result_dtype(ins))

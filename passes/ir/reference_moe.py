@@ -1,0 +1,112 @@
+"""Torch references of dayzero's routed-expert ops (declared in ``dayzero_ops.py``): a per-expert loop over only
+the experts some token chose, in fp32; the low-precision forms decode their expert matrices first.
+
+The activation between the two GEMMs is an expression over columns of G (passes/moe.py documents the form):
+``("col", start, step, width)``, ``("const", v)``, a unary ``(op, e)``, a binary ``(op, a, b)``,
+``("clamp", e, lo, hi)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference_dequant import fp8_blocks_dequant_ref, mxfp4_dequant_ref
+
+# the unary activations of an act expression
+ACT_UNARY = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "relu": torch.relu, "tanh": torch.tanh,
+             "exp": torch.exp, "neg": torch.neg, "gelu": torch.nn.functional.gelu}
+
+
+def eval_act(expr, g: torch.Tensor) -> torch.Tensor:
+    """The activation expression on G [S, GU] (torch): the reference semantics of ``act``."""
+    kind = expr[0]
+    if kind == "col":
+        _, start, step, width = expr
+        return g[:, start: start + step * (width - 1) + 1: step]
+    if kind == "const":
+        return torch.tensor(expr[1], dtype=g.dtype)
+    if kind == "clamp":
+        return torch.clamp(eval_act(expr[1], g), min=expr[2], max=expr[3])
+    if kind in ACT_UNARY:
+        return ACT_UNARY[kind](eval_act(expr[1], g))
+    a, b = eval_act(expr[1], g), eval_act(expr[2], g)
+    return {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div}[kind](a, b)
+
+
+def _split_inputs(ins, attrs):
+    it = iter(ins)
+    x, ids, w, wgu = next(it), next(it), next(it), next(it)
+    bgu = next(it) if attrs["gate_up_bias"] else None
+    wd = next(it)
+    bd = next(it) if attrs["down_bias"] else None
+    return x, ids, w, wgu, bgu, wd, bd
+
+
+def moe_reference(ins, attrs):
+    """y[t] = sum_j w[t,j] * (down_e(act(gate_up_e(x[t]) + b_gu[e])) + b_d[e]),  e = ids[t, j].
+
+    Loops over the experts some token chose (each read once), accumulating in fp32."""
+    x, ids, w, wgu, bgu, wd, bd = _split_inputs(ins, attrs)
+    out_dtype = torch.promote_types(torch.promote_types(x.dtype, wd.dtype), w.dtype)
+    T, H = x.shape
+    if x.device.type == "meta":
+        return torch.empty(T, H, dtype=out_dtype, device="meta")
+    nk = attrs["layout"] == "nk"
+    y = torch.zeros(T, H, dtype=torch.float32)
+    flat = ids.reshape(-1)
+    k = ids.shape[1]
+    for e in torch.unique(flat).tolist():
+        a = (flat == e).nonzero(as_tuple=True)[0]
+        tok = a // k
+        xe = x[tok].float()
+        g = xe @ (wgu[e].float().T if nk else wgu[e].float())
+        if bgu is not None:
+            g = g + bgu[e].float()
+        h = eval_act(attrs["act"], g)
+        d = h @ (wd[e].float().T if nk else wd[e].float())
+        if bd is not None:
+            d = d + bd[e].float()
+        y.index_add_(0, tok, d * w.reshape(-1)[a].float()[:, None])
+    return y.to(out_dtype)
+
+
+def _stored_experts(ins, attrs):
+    """(x, ids, w, gate/up data, gate/up scales, b_gu, down data, down scales, b_d) of a low-precision moe op;
+    absent biases are None."""
+    it = iter(ins)
+    x, ids, w, gq, gs = (next(it) for _ in range(5))
+    bgu = next(it) if attrs["gate_up_bias"] else None
+    dq, ds = next(it), next(it)
+    bd = next(it) if attrs["down_bias"] else None
+    return x, ids, w, gq, gs, bgu, dq, ds, bd
+
+
+def _meta_out(x, w):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device="meta")
+
+
+def moe_mxfp4_reference(ins, attrs):
+    x, ids, w, gb, gs, bgu, db, ds, bd = _stored_experts(ins, attrs)
+    if x.device.type == "meta":
+        return _meta_out(x, w)
+    dense = [x, ids, w, mxfp4_dequant_ref(gb, gs)] + ([bgu] if bgu is not None else []) + \
+        [mxfp4_dequant_ref(db, ds)] + ([bd] if bd is not None else [])
+    return moe_reference(dense, dict(attrs, layout="nk"))
+
+
+def moe_fp8_reference(ins, attrs):
+    x, ids, w, gq, gs, bgu, dq_, ds, bd = _stored_experts(ins, attrs)
+    if x.device.type == "meta":
+        return _meta_out(x, w)
+    dense = [x, ids, w, fp8_blocks_dequant_ref(gq, gs, attrs["gate_up_block"])] + ([bgu] if bgu is not None else []) \
+        + [fp8_blocks_dequant_ref(dq_, ds, attrs["down_block"])] + ([bd] if bd is not None else [])
+    return moe_reference(dense, attrs)
+
+
+def moe_workspace_reference(ins, attrs):
+    """The moe_experts_mxfp4 reference on x as the compute dtype sees it (bf16: rounded; fp8: weights only, exact
+    for E2M1 values; fp32: unchanged). The workspace and cache are an implementation detail: not read here."""
+    x = ins[0]
+    if attrs["compute_dtype"] == "bfloat16" and x.device.type != "meta":
+        x = x.to(torch.bfloat16).to(x.dtype)
+    return moe_mxfp4_reference([x, *ins[1:-3]], attrs)
