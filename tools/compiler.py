@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -239,10 +239,10 @@ def run_steps(g: Graph, env: StepEnv, verify: bool = False, dump_dir: str | Path
     if verify:
         verify_graph(g)
     found = Found()
-    constants = dict(env.constants)
+    constants = dict(env.constants)  # what the steps so far folded: each step reads it, the loop extends it
+    env = replace(env, constants=constants)
     for k, (name, step) in enumerate(GRAPH_STEPS, start=1):
-        g, made = step(g, StepEnv(constants, env.kv_pages, env.token_positions, env.route, env.expert_dtype,
-                                  env.expert_cache_bytes))
+        g, made = step(g, env)
         found.merge(made)
         constants.update(made.constants)
         if verify:
