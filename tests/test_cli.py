@@ -122,6 +122,25 @@ def test_dump_ir_stateful_expert_route(lowprec_tiny, tmp_path):
 
 
 @pytest.mark.slow
+def test_dump_ir_multimodal_programs(tmp_path):
+    """A multimodal checkpoint: its vision program is dumped beside prefill and decode, through the same steps
+    (no batched step for it; only the text programs' caches are paged)."""
+    from dayzero.passes.ir.text import parse_graph
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("qwen3_vl_moe", tmp_path / "ckpt", seed=0)
+    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path / "ir"), "--max-seq", "32",
+                                  "--image-grid", "1x4x4"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["decode", "prefill", "vision_1x4x4"]
+    last = _step_files()[-1]
+    for prog, paged in (("prefill", True), ("decode", True), ("vision_1x4x4", False)):
+        assert sorted(p.name for p in (tmp_path / "ir" / prog).iterdir()) == _step_files()
+        g = parse_graph((tmp_path / "ir" / prog / last).read_text())
+        assert any(n.attr["name"].startswith("block_table") for n in g.inputs) == paged, prog
+
+
+@pytest.mark.slow
 def test_demo_json():
     """The demo: tiny DeepSeek-V4 with FP8 experts, a chat prompt through its template, text out, equal to
     upstream transformers (its own FP8 loader) in logits and greedy tokens; every pattern found on a kernel route."""
