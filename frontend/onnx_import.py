@@ -1329,7 +1329,7 @@ def import_onnx(model: onnx.ModelProto, max_seq: int, max_batch: int = DEFAULT_M
 
 def trace_onnx(path, max_seq: int, max_batch: int = DEFAULT_MAX_BATCH):
     """The driver's hook for MODEL paths ending in ``.onnx``."""
-    from dayzero.tools.driver import Frontend
+    from dayzero.frontend.trace import Frontend
 
     return Frontend(traced=import_onnx(load_model(path), max_seq, max_batch), model_type="onnx")
 

@@ -140,7 +140,7 @@ def trace_multimodal(ckpt, max_seq: int, image_grids) -> dict:
 
     from dayzero.frontend import hf
     from dayzero.frontend.torch_export import export_module, symbol_names_from, to_graph
-    from dayzero.tools.driver import _rename_states
+    from dayzero.frontend.trace import _rename_states
 
     cfg = hf._config(ckpt)
     with hf._quiet():

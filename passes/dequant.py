@@ -59,9 +59,8 @@ import numpy as np
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, last_dim, need,
                                        rewrite, scalar, strip_views)
-from dayzero.passes.ir.reference_dequant import E2M1 as _E2M1
+from dayzero.passes.ir.reference_dequant import E2M1 as _E2M1, int4_storage
 from dayzero.targets import capabilities
-from dayzero.targets.capabilities import int4_storage
 
 OP_MOE = "moe_experts_mxfp4"
 OP_MOE_FP8 = "moe_experts_fp8"

@@ -11,7 +11,7 @@ frontend/decode_export.py)::
 
 For contiguous positions the two are equal, so the rewrite keeps the prefill exact; it makes the graph valid for
 any per-token positions, which is what the batched decode step needs: its S tokens are S requests' next tokens,
-one each (``decode_batch``, tools/driver.py), each with its own position and block table (paged_kv with
+one each (``decode_batch``, tools/compiler.py), each with its own position and block table (paged_kv with
 ``PassContext.token_positions``). Runs only under that flag. A graph that still reads ``%p[0]`` after it (some
 other use of the first position) is not per-token: ``first_position_reads`` lists those nodes.
 """

@@ -20,6 +20,8 @@ the expert workspace (``WORKSPACE_KINDS``: host CPU only), which ``passes/expert
 
 from __future__ import annotations
 
+from dayzero.passes.ir.reference_dequant import int4_storage  # the op's storage geometry
+
 # the grouped expert GEMM's tiles (codegen/kernels/moe.py): MB token rows x NB weight rows, L fp32 lanes
 MOE_MB, MOE_NB, MOE_L = 4, 4, 16
 MXFP4_BLOCK = 32  # values per E8M0 scale
@@ -57,14 +59,6 @@ def moe_experts_fp8(H: int, GU: int, I: int) -> bool:
 def moe_experts_mxfp4_ws(H: int, GU: int, I: int) -> bool:
     """MXFP4 experts converted into a workspace slot, then the dense GEMMs: both tilings (on WORKSPACE_KINDS)."""
     return _dense_tiles(H, GU, I) and _mxfp4_tiles(H, GU, I)
-
-
-def int4_storage(p: dict) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((R, C) of the unpacked int4 storage, shape of its scales / zero points) for dequant_linear_int4 attrs
-    ``p`` (N, K, layout, block, block_axis)."""
-    R, C = (p["N"], p["K"]) if p["layout"] == "nk" else (p["K"], p["N"])
-    bs = p["block"]
-    return (R, C), ((R // bs, C) if p["block_axis"] == 0 else (R, C // bs))
 
 
 def dequant_linear_int4_problem(p: dict) -> str | None:

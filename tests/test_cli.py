@@ -63,17 +63,81 @@ def test_compile_run_report_json(compiled_factory, tmp_path):
     assert rep["unsupported"] == [] and rep["routes"]
 
 
+def _step_files() -> list[str]:
+    from dayzero.tools.compiler import GRAPH_STEPS
+
+    return ["000_trace.ir"] + [f"{k:03d}_{n}.ir" for k, (n, _) in enumerate(GRAPH_STEPS, 1)]
+
+
 def test_dump_ir_writes_every_pass(tmp_path):
-    from dayzero.passes.pipeline import PIPELINE
     from dayzero.passes.ir.text import parse_graph
 
-    r = CliRunner().invoke(main, ["dump-ir", "dayzero.tools.examples:tiny_moe", "--dir", str(tmp_path),
-                                  "--max-seq", "16"])
+    r = CliRunner().invoke(main, ["dump-ir", "dayzero.tools.examples:tiny_moe", str(tmp_path), "--max-seq", "16"])
     assert r.exit_code == 0, r.output
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["000_input.ir"] + [f"{k:03d}_{n}.ir" for k, (n, _) in enumerate(PIPELINE, 1)]
+    assert [p.name for p in tmp_path.iterdir()] == ["prefill"]  # a stateless module: one program
+    files = sorted(p.name for p in (tmp_path / "prefill").iterdir())
+    assert files == _step_files()
     for f in files:
-        parse_graph((tmp_path / f).read_text())
+        parse_graph((tmp_path / "prefill" / f).read_text())
+
+
+def test_dump_ir_takes_compile_options(tmp_path):
+    r = CliRunner().invoke(main, ["dump-ir", "dayzero.tools.examples:tiny_moe", str(tmp_path / "d"),
+                                  "--kv-blocks", "1"])
+    assert r.exit_code == 2 and r.output.strip() == "error: --kv-blocks must be at least 2 (block 0 is the " \
+                                                    "scratch block)", r.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_dump_ir_stateful_expert_route(lowprec_tiny, tmp_path):
+    """A stateful MXFP4 checkpoint on the workspace route: every program's dump shows the steps that only compile
+    options switch on (paged KV, the batched decode's token positions, the expert workspace)."""
+    from dayzero.passes.ir.text import parse_graph
+
+    ckpt = lowprec_tiny("gpt_oss", "mxfp4")
+    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path), "--max-seq", "32", "--max-batch", "2",
+                                  "--expert-route", "workspace"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode", "decode_batch", "prefill"]
+    for prog in ("prefill", "decode", "decode_batch"):
+        d = tmp_path / prog
+        assert sorted(p.name for p in d.iterdir()) == _step_files()
+        ir = {f: parse_graph((d / f).read_text()) for f in _step_files()}
+
+        def ops(f):
+            return {n.op for n in ir[f].nodes()}
+
+        def tables(f):
+            return [n.attr["name"] for n in ir[f].inputs if n.attr["name"].startswith("block_table")]
+        pages, positions, workspace = (next(f for f in _step_files() if f.endswith(f"_{s}.ir"))
+                                       for s in ("paged_kv", "token_positions", "expert_workspace"))
+        before = _step_files()[_step_files().index(pages) - 1]
+        assert not tables(before) and tables(pages), prog  # paged_kv adds the block tables
+        ws_before = _step_files()[_step_files().index(workspace) - 1]
+        assert "moe_experts_mxfp4" in ops(ws_before) and "moe_experts_mxfp4" not in ops(workspace)
+        assert "moe_experts_mxfp4_ws" in ops(workspace), prog
+        pos_before = _step_files()[_step_files().index(positions) - 1]
+        changed = (d / positions).read_text() != (d / pos_before).read_text()
+        assert changed == (prog == "decode_batch"), prog  # each token at its own position: the batched step only
+
+
+@pytest.mark.slow
+def test_dump_ir_multimodal_programs(tmp_path):
+    """A multimodal checkpoint: its vision program is dumped beside prefill and decode, through the same steps
+    (no batched step for it; only the text programs' caches are paged)."""
+    from dayzero.passes.ir.text import parse_graph
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("qwen3_vl_moe", tmp_path / "ckpt", seed=0)
+    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path / "ir"), "--max-seq", "32",
+                                  "--image-grid", "1x4x4"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["decode", "prefill", "vision_1x4x4"]
+    last = _step_files()[-1]
+    for prog, paged in (("prefill", True), ("decode", True), ("vision_1x4x4", False)):
+        assert sorted(p.name for p in (tmp_path / "ir" / prog).iterdir()) == _step_files()
+        g = parse_graph((tmp_path / "ir" / prog / last).read_text())
+        assert any(n.attr["name"].startswith("block_table") for n in g.inputs) == paged, prog
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ MAX_SEQ = 64
 
 @pytest.fixture(scope="module")
 def v4_programs(tmp_path_factory):
-    from dayzero.passes.pipeline import PassContext, run_pipeline
+    from dayzero.passes.pipeline import PassContext
+    from dayzero.tools.compiler import run_pipeline
     from dayzero.tools.driver import trace_model
     from dayzero.tools.make_tiny import make_tiny
 

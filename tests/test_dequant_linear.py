@@ -29,7 +29,8 @@ from dayzero.passes.ir import interp
 from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
-from dayzero.passes.pipeline import PassContext, run_pipeline
+from dayzero.passes.pipeline import PassContext
+from dayzero.tools.compiler import run_pipeline
 from dayzero.runtime.executor import load
 from dayzero.targets.capabilities import int4_storage
 from dayzero.targets.host import cuda_target_dict, host_target_dict

@@ -30,7 +30,8 @@ EXPECTED = {  # architecture -> (op, layers, {window: count}, sinks)
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
 def programs(request, tmp_path_factory):
-    from dayzero.passes.pipeline import PassContext, run_pipeline
+    from dayzero.passes.pipeline import PassContext
+    from dayzero.tools.compiler import run_pipeline
     from dayzero.tools.driver import trace_model
     from dayzero.tools.make_tiny import make_tiny
 
@@ -311,7 +312,8 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     activation it is left alone. Either way the graph computes what the module does (same indices)."""
     from dayzero.frontend.torch_export import export_module, to_graph
     from dayzero.passes.ir.interp import run_graph
-    from dayzero.passes.pipeline import PassContext, run_pipeline
+    from dayzero.passes.pipeline import PassContext
+    from dayzero.tools.compiler import run_pipeline
 
     g = torch.Generator().manual_seed(B)
     r = lambda *sh: torch.randint(-2, 3, sh, generator=g).float()  # noqa: E731  (exact scores, many ties)

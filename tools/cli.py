@@ -7,6 +7,8 @@ exits 3 with a hint; ``--debug`` (before the command) shows the traceback instea
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import os
@@ -66,65 +68,76 @@ def main(debug: bool) -> None:
         warnings.filterwarnings("ignore")
 
 
+def compile_options(fn):
+    """The options of ``dayzero compile``, shared by ``dump-ir`` (which runs the same compiler); the command gets
+    them as ``options=CompileOptions(...)``, validated there."""
+    options = [
+        click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]"),
+        click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves"),
+        click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)"),
+        click.option("--prefill-chunk", type=int, default=None,
+                     help="most tokens per prefill call (default min(--max-seq, 512)): longer prompts are prefilled "
+                          "in chunks, and the prefill arena is sized by the chunk, not by --max-seq"),
+        click.option("--kv-block-size", default=16, show_default=True,
+                     help="tokens per KV-cache block: caches are pools of blocks handed to requests through block "
+                          "tables (0: one contiguous cache per request slot)"),
+        click.option("--kv-blocks", type=int, default=None,
+                     help="blocks per KV-cache pool (default: --max-batch requests of --max-seq tokens, + 1 scratch "
+                          "block); fewer lets requests share a smaller pool, a request that finds it full gets an "
+                          "error"),
+        click.option("--image-grid", "image_grids", multiple=True, metavar="TxHxW",
+                     help="multimodal checkpoints: an image grid (in patches) to compile a vision program for; "
+                          "repeat for several sizes (default 1x4x4)"),
+        click.option("--verify", is_flag=True, help="run the IR verifier after every pass"),
+        click.option("--tune", type=int, default=None, metavar="TRIALS",
+                     help="tune kernels without a hand-scheduled rule or a record, TRIALS MetaSchedule trials each"),
+        click.option("--tune-minutes", type=float, default=None, help="wall-clock budget for all tuning"),
+        click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
+                     help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)"),
+        click.option("--compute-dtype", default=None, metavar="fp32|bf16|fp8_e4m3|SPEC",
+                     help="dtype MXFP4 experts are converted to and computed in (or a target spec, e.g. h200, "
+                          "whose compute_dtype is taken); default: the target's (host: fp32)"),
+        click.option("--expert-route", type=click.Choice(["auto", "fused", "workspace"]), default="auto",
+                     show_default=True, help="MXFP4 experts: decode in registers (fused), or convert the routed "
+                                             "experts into a reused workspace; auto: fused, unless a cache or a "
+                                             "non-fp32 compute dtype is asked for (measured: "
+                                             "codegen/kernels/expert_workspace.py)"),
+        click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
+                     help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)"),
+        click.option("--allow-nonfinite", is_flag=True,
+                     help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)"),
+    ]
+
+    @functools.wraps(fn)
+    def with_options(*args, image_grids, expert_cache, **kwargs):
+        from dayzero.tools.compiler import CompileOptions
+
+        names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
+                 "tune_minutes", "tuning_dir", "compute_dtype", "expert_route", "allow_nonfinite")
+        opts = CompileOptions(**{k: kwargs.pop(k) for k in names}, image_grids=tuple(image_grids) or None,
+                              expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
+        return fn(*args, options=opts, **kwargs)
+    for option in reversed(options):
+        with_options = option(with_options)
+    return with_options
+
+
 @main.command("compile")
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="artifact directory to write")
-@click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]")
-@click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves")
-@click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)")
-@click.option("--prefill-chunk", type=int, default=None,
-              help="most tokens per prefill call (default min(--max-seq, 512)): longer prompts are prefilled in "
-                   "chunks, and the prefill arena is sized by the chunk, not by --max-seq")
-@click.option("--kv-block-size", default=16, show_default=True,
-              help="tokens per KV-cache block: caches are pools of blocks handed to requests through block tables "
-                   "(0: one contiguous cache per request slot)")
-@click.option("--kv-blocks", type=int, default=None,
-              help="blocks per KV-cache pool (default: --max-batch requests of --max-seq tokens, + 1 scratch "
-                   "block); fewer lets requests share a smaller pool, a request that finds it full gets an error")
-@click.option("--image-grid", "image_grids", multiple=True, metavar="TxHxW",
-              help="multimodal checkpoints: an image grid (in patches) to compile a vision program for; repeat "
-                   "for several sizes (default 1x4x4)")
-@click.option("--verify", is_flag=True, help="run the IR verifier after every pass")
-@click.option("--tune", type=int, default=None, metavar="TRIALS",
-              help="tune kernels without a hand-scheduled rule or a record, TRIALS MetaSchedule trials each")
-@click.option("--tune-minutes", type=float, default=None, help="wall-clock budget for all tuning")
-@click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
-              help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)")
-@click.option("--compute-dtype", default=None, metavar="fp32|bf16|fp8_e4m3|SPEC",
-              help="dtype MXFP4 experts are converted to and computed in (or a target spec, e.g. h200, whose "
-                   "compute_dtype is taken); default: the target's (host: fp32)")
-@click.option("--expert-route", type=click.Choice(["auto", "fused", "workspace"]), default="auto",
-              show_default=True, help="MXFP4 experts: decode in registers (fused), or convert the routed experts "
-                                      "into a reused workspace; auto: fused, unless a cache or a non-fp32 "
-                                      "compute dtype is asked for (measured: "
-                                      "codegen/kernels/expert_workspace.py)")
-@click.option("--expert-cache", "expert_cache", default="0", metavar="BYTES",
-              help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)")
-@click.option("--allow-nonfinite", is_flag=True,
-              help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)")
+@compile_options
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def compile_cmd(model, out, target, max_seq, max_batch, prefill_chunk, kv_block_size, kv_blocks, image_grids,
-                verify, tune, tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache, allow_nonfinite,
-                as_json):
+def compile_cmd(model, out, options, as_json):
     """Compile MODEL (checkpoint dir, module.path:factory or model.onnx) into the artifact directory OUT.
 
     Without --tune, kernels use a record from the tuning database when one exists, else the default schedule."""
-    from dayzero.tools.driver import compile_model
+    from dayzero.tools.compiler import compile_artifact
 
-    if max_seq < 1:
-        raise UserError("--max-seq must be at least 1")
-    if tune_minutes is not None and tune_minutes <= 0:
-        raise UserError("--tune-minutes must be positive")
-    rep = compile_model(model, out, target=target, max_seq=max_seq, verify=verify, tune=tune,
-                        tune_minutes=tune_minutes, tuning_dir=tuning_dir, max_batch=max_batch,
-                        image_grids=list(image_grids) or None, compute_dtype=compute_dtype,
-                        expert_route=expert_route, expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"),
-                        kv_block_size=kv_block_size, kv_blocks=kv_blocks, prefill_chunk=prefill_chunk,
-                        allow_nonfinite=allow_nonfinite)
+    rep = compile_artifact(model, out, options)
     summary = {"artifact": os.path.abspath(out), "kernels": rep["build"]["kernels"],
                "steps": rep["programs"]["prefill"]["steps"],
                "arena_bytes": rep["programs"]["prefill"]["memory"]["arena_bytes"], "seconds": rep["seconds"],
-               "routes": dict(__import__("collections").Counter(rep["routes"].values()))}
+               "routes": dict(collections.Counter(rep["routes"].values()))}
     _emit(summary, as_json)
 
 
@@ -224,16 +237,14 @@ def run_cmd(artifact, input_ids, prompt, chat, max_new_tokens, temperature, top_
 
 @main.command("dump-ir")
 @click.argument("model")
-@click.option("--dir", "out_dir", required=True, type=click.Path(file_okay=False), help="where NNN_<pass>.ir go")
-@click.option("--max-seq", default=512, show_default=True)
-def dump_ir_cmd(model, out_dir, max_seq):
-    """Trace MODEL and write its IR after every pass (NNN_<pass>.ir), verifying each."""
-    from dayzero.tools.driver import optimize, trace_model
+@click.argument("out", type=click.Path(file_okay=False))
+@compile_options
+def dump_ir_cmd(model, out, options):
+    """Run the compiler on MODEL with compile's options up to lowering, writing every program's IR after every
+    step as OUT/<program>/NNN_<step>.ir (prefill, decode, decode_batch, vision_*), verified after each."""
+    from dayzero.tools.compiler import dump_ir
 
-    fe = trace_model(model, max_seq)
-    optimize(fe, verify=True, dump_dir=out_dir)
-    files = sorted(os.listdir(out_dir))
-    click.echo("\n".join(os.path.join(out_dir, f) for f in files))
+    click.echo("\n".join(str(f) for f in dump_ir(model, out, options)))
 
 
 @main.command("demo")

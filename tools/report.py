@@ -11,7 +11,7 @@
                                    (x = [first step, last step + 1), y = [offset, offset + bytes)), zone colours
 
 Nothing is recompiled: the buffer lifetimes come from report.json (``programs.<name>.memory.buffers`` =
-``[offset, bytes, first_step, last_step, zone]``, written by ``tools/driver.plan_memory``).
+``[offset, bytes, first_step, last_step, zone]``, written by ``codegen/memory.plan_programs``).
 
 The KV-cache figures are read off the state buffers the programs share (``program.json``, zone ``kv_cache``),
 one request slot's worth: a state with a dimension of the compiled maximum length (the longest prompt the prefill

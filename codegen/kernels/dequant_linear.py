@@ -35,7 +35,8 @@ from tvm import te, tirx
 
 from dayzero import InternalError, UserError
 from dayzero.codegen.kernels import dequant as dq
-from dayzero.targets.capabilities import dequant_linear_int4_problem, int4_storage
+from dayzero.passes.ir.reference_dequant import int4_storage
+from dayzero.targets.capabilities import dequant_linear_int4_problem
 
 OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
 GEMV_MAX_T = 64

@@ -24,6 +24,9 @@ from .opdef import (ATTR, DTYPE_BYTES, OPT_TENSOR, OPT_TENSOR_LIST, TENSOR, TENS
 # arguments that do not change the computation on our targets
 _DROPPED_ARGS = {"layout", "device", "pin_memory", "memory_format", "non_blocking"}
 
+__all__ = ["ATTR", "DTYPE_BYTES", "OPT_TENSOR", "OPT_TENSOR_LIST", "TENSOR", "TENSOR_LIST", "OpDef", "REGISTRY",
+           "aten_name", "aten_op", "bind_symbols", "dtype_name", "get", "register", "torch_dtype"]
+
 REGISTRY: dict[str, OpDef] = {op.name: op for op in DAYZERO_OPS}
 
 

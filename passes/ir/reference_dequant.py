@@ -10,10 +10,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dayzero.targets.capabilities import int4_storage
 
+FP8_LINEAR_BLOCK = (128, 128)  # dequant_linear_fp8's scale blocks (DeepSeek's published layout)
 # the 16 E2M1 values by code
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def int4_storage(p: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((R, C) of the unpacked int4 storage, shape of its scales / zero points) for dequant_linear_int4 attrs
+    ``p`` (N, K, layout, block, block_axis)."""
+    R, C = (p["N"], p["K"]) if p["layout"] == "nk" else (p["K"], p["N"])
+    bs = p["block"]
+    return (R, C), ((R // bs, C) if p["block_axis"] == 0 else (R, C // bs))
 
 
 def mxfp4_dequant_ref(b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -50,17 +58,15 @@ def int4_dequant_ref(packed: torch.Tensor, scales: torch.Tensor, zp: torch.Tenso
 
 def linear_reference(fmt: str):
     def ref(ins, attrs):
-        from dayzero.frontend import lowprec
-
         x = ins[0]
         if x.device.type == "meta":
             return torch.empty((x.shape[0], attrs["N"]), dtype=torch.float32, device="meta")
         if fmt == "int4":
             w = int4_dequant_ref(ins[1], ins[2], ins[3] if attrs["zero_point"] else None, attrs)
         elif fmt == "mxfp4":
-            w = lowprec.dequant_mxfp4(ins[1], ins[2])
+            w = mxfp4_dequant_ref(ins[1], ins[2])
         else:
-            w = lowprec.dequant_fp8_block(ins[1], ins[2])
+            w = fp8_blocks_dequant_ref(ins[1], ins[2], FP8_LINEAR_BLOCK)
         return (x.float() @ w.float().t()).contiguous()
     return ref
 

@@ -1,0 +1,251 @@
+"""The frontend's entry point: MODEL -> ``Frontend`` (the traced programs, the checkpoint and its recipes).
+
+MODEL is a checkpoint directory (config.json + safetensors), ``module.path:factory`` (a callable returning
+``(nn.Module, example_inputs)``), an ``(nn.Module, example_inputs)`` pair from Python, or a ``model.onnx`` path.
+A checkpoint whose model has a static KV cache is traced twice (prefill, decode: ``_trace_with_cache``); a
+multimodal one goes through frontend/vision.py, an ONNX file through frontend/onnx_import.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dayzero import UserError
+from dayzero.frontend import hf
+from dayzero.frontend.checkpoint import Checkpoint, check_coverage, learn_recipes_low_precision
+from dayzero.frontend.lowprec import bind_low_precision
+from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
+from dayzero.passes.ir.node import Graph, rewrite
+
+DEFAULT_MAX_SEQ = 512
+
+@dataclass
+class Frontend:
+    traced: Traced
+    checkpoint: Checkpoint | None = None
+    recipes: dict[str, list] = field(default_factory=dict)
+    model_type: str = ""
+    decode: Traced | None = None  # the decode step (seq = 1), when the model has a KV cache dayzero can own
+    extra: dict[str, Traced] = field(default_factory=dict)  # more programs by name (vision_TxHxW: issue 9)
+    multimodal: dict | None = None  # what the runtime needs to drive them (artifact multimodal.json)
+    cache_layout: list = field(default_factory=list)  # per cache state: layer, layer type, position dim, rate
+
+
+
+def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
+                prefill_chunk: int | None = None) -> Frontend:
+    """``prefill_chunk``: the longest prefill call of a model with a KV cache (default ``max_seq``); its cache
+    still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``)."""
+    seq = torch.export.Dim("seq", min=1, max=max_seq)
+    if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
+        from dayzero.frontend.onnx_import import trace_onnx
+
+        return trace_onnx(model, max_seq)
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        ckpt = Checkpoint(model)
+        from dayzero.frontend import vision
+        if vision.is_multimodal(ckpt.config):  # image + text (Qwen3-VL-MoE): frontend/vision.py
+            return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend)
+        # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
+        recipes, lowp, missing = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
+        for p in lowp.values():
+            recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
+        check_coverage(ckpt, recipes, missing, hf.meta_model(ckpt)[0])  # before the (slow) trace
+        traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq, prefill_chunk or max_seq)
+        if traced is None:  # no static cache for this architecture: a stateless prefill only
+            module, _ = hf.meta_model(ckpt)
+            ep = export_seq_dynamic(hf.CausalLMPrefill(module), "input_ids", max_seq)
+            traced = to_graph(ep, symbol_names_from(ep, {"input_ids": {1: "seq"}}), strip_prefix="upstream.")
+        # tensors the checkpoint does not hold (non-persistent buffers such as rotary inverse frequencies) come
+        # from a CPU model built from the config: only those are kept
+        names = {n.attr["name"] for t in (traced, decode) if t is not None for n in t.graph.nodes()
+                 if n.op == "weight"}
+        names -= set(lowp)
+        own = _buffers_from_config(ckpt, names - set(recipes)) if names - set(recipes) else {}
+        for t in (traced, decode):
+            if t is not None and lowp:
+                t.weights = own
+                bind_low_precision(t, lowp)
+        traced.weights = own
+        if decode is not None:
+            decode.weights = own
+        return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode,
+                        cache_layout=cache_layout)
+    if isinstance(model, str):
+        if ":" not in model:
+            raise UserError(f"{model}: neither a checkpoint directory nor module.path:factory")
+        mod_name, _, attr = model.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"cannot load {model}: {e}") from None
+        model = factory()
+    if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module)):
+        raise UserError("a model factory must return (nn.Module, example_inputs)")
+    module, example = model
+    example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    names = [p for p in inspect.signature(module.forward).parameters][:len(example)]
+    dyn = {n: ({1: seq} if isinstance(x, torch.Tensor) and x.dim() >= 2 else None) for n, x in zip(names, example)}
+    ep = export_module(module.eval(), example, dyn)
+    dims = {n: {1: "seq"} for n, d in dyn.items() if d}
+    traced = to_graph(ep, symbol_names_from(ep, dims))
+    return Frontend(traced)
+
+
+_SUGGEST_MULT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*\*\s*(\w+)\s*$", re.M)
+_SUGGEST_DIM = re.compile(r"^\s*(\w+)\s*=\s*Dim\('\w+'(.*?)\)\s*$", re.M)
+_GUARD = re.compile(r"satisfy the generated guard (.*?)\.?$", re.M)
+
+
+def export_seq_dynamic(module: torch.nn.Module, input_name: str, max_seq: int, attempts: int = 5,
+                       with_positions: bool = False, bound_option: str = "--max-seq"):
+    """Export ``module(input_ids [1, seq])`` with the widest symbolic ``seq`` torch.export accepts.
+
+    ``with_positions``: the module takes ``(input_ids [1, seq], cache_position [seq])`` (a stateful step).
+    ``bound_option``: the CLI option that set ``max_seq``, named in the error when it is too small.
+
+    Some graphs constrain the sequence length: a ``min(topk, seq)`` guard (it holds, but only once seq >= topk
+    torch can prove it), or block-compressed attention that needs seq a multiple of its block sizes. What the
+    constraint is gets learned from torch.export's constraint-violation report, never from the model's type:
+    its suggested fixes (``seq = 8*_seq``, ``Dim('seq', min=16)``), lower bounds in the violated guards
+    (``16 <= seq``) and, when a guard gives neither, the integer constants it compares seq with, tried as lower
+    bounds one at a time. The compiled program then accepts seq = multiple * k >= lo, and the runtime pads shorter
+    or unaligned prompts on the right (a causal LM's earlier logits do not see later tokens) and slices back.
+    """
+    mult, lo = 1, 1
+    tried_consts: set[int] = set()
+    last = None
+    for _ in range(attempts):
+        if mult > 1:
+            kmin = max(1, -(-lo // mult))
+            if max_seq // mult < kmin:
+                raise UserError(f"{bound_option} {max_seq} is below the shortest sequence this model exports at "
+                                f"({mult * kmin})")
+            seq = mult * torch.export.Dim("seq_blocks", min=kmin, max=max_seq // mult)
+            n = mult * max(kmin, min(max_seq // mult, -(-max(lo, 32) // mult)))
+        else:
+            if lo > max_seq:
+                raise UserError(f"{bound_option} {max_seq} is below the shortest sequence this model exports at "
+                                f"({lo})")
+            seq = torch.export.Dim("seq", min=lo, max=max_seq)
+            n = min(max(lo, 32), max_seq)  # well inside the range: short examples take special paths
+        if with_positions:
+            example = (torch.zeros(1, n, dtype=torch.int64), torch.arange(n))
+            dynamic = {input_name: {1: seq}, "cache_position": {0: seq}}
+        else:
+            example = (torch.zeros(1, n, dtype=torch.int64, device="meta"),)
+            dynamic = {input_name: {1: seq}}
+        try:
+            return export_module(module, example, dynamic)
+        except UserError as e:
+            cause = e.__cause__
+            msg = str(cause) if cause is not None else str(e)
+            if "Constraints violated" not in msg:
+                raise
+            last = e
+        new_mult, new_lo = mult, lo
+        for _, k, _ in _SUGGEST_MULT.findall(msg):
+            new_mult = math.lcm(new_mult, int(k))
+        for _, kw in _SUGGEST_DIM.findall(msg):
+            m = re.search(r"min\s*=\s*(\d+)", kw)
+            if m:
+                new_lo = max(new_lo, int(m.group(1)))
+        for g in _GUARD.findall(msg):
+            m = re.match(r"^\s*(\d+)\s*<=\s*L\[", g)
+            if m:
+                new_lo = max(new_lo, int(m.group(1)))
+        if (new_mult, new_lo) == (mult, lo):
+            consts = sorted({int(c) for g in _GUARD.findall(msg) for c in re.findall(r"(?<![\w\[])(\d+)(?![\w\]])", g)
+                             if lo < int(c) <= max_seq} - tried_consts)
+            if not consts:
+                break
+            tried_consts.add(consts[0])
+            new_lo = consts[0]
+        mult, lo = new_mult, new_lo
+    raise last if last is not None else UserError("torch.export failed")
+
+
+def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
+                      ) -> tuple[Traced | None, Traced | None, list[dict]]:
+    """Prefill and decode as two traces of one stateful step that writes transformers' own static KV cache.
+
+    The cache holds ``max_seq`` positions; the prefill's ``seq`` ranges up to ``prefill_chunk`` only (a longer
+    prompt is several prefill calls at increasing positions, each reading the cache the earlier ones wrote), so
+    its activations, and the arena, are sized by the chunk.
+
+    The cache tensors become ``state`` nodes (zone kv_cache) shared by both programs; the third value describes
+    each (``decode_export.CacheTensor``: layer, layer type, token-position dim, compression rate), which
+    ``dayzero report`` turns into KV bytes per token per layer type. Architectures whose cache has no static form
+    get (None, None, []): prefill only, see README."""
+    from transformers import AutoModelForCausalLM
+
+    from dayzero.frontend.decode_export import CacheStep, describe
+
+    cfg = hf._config(ckpt)
+    with hf._quiet():
+        cpu = AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.EXPORT_EXPERTS).eval()
+    try:
+        step = CacheStep(cpu, max_cache_len=max_seq)
+    except UserError:
+        return None, None, []
+    ep = export_seq_dynamic(step, "input_ids", prefill_chunk, with_positions=True,
+                            bound_option="--prefill-chunk" if prefill_chunk < max_seq else "--max-seq")
+    cache_layout = [asdict(c) for c in describe(ep, step, prefill_chunk).cache]
+    names = symbol_names_from(ep, {"input_ids": {1: "seq"}, "cache_position": {0: "seq"}})
+    prefill = to_graph(ep, names, strip_prefix="model.")
+    with torch.no_grad():
+        ep1 = export_module(step, (torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), None)
+    decode = to_graph(ep1, {}, strip_prefix="model.")
+    for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
+        t.graph = _rename_states(t.graph)
+    return prefill, decode, cache_layout
+
+
+def _rename_states(g: Graph) -> Graph:
+    """State names without the traced wrapper's ``model.`` prefix (the step's own buffer names)."""
+    return rewrite(g, lambda n: n.replace(attrs=dict(n.attr, name=n.attr["name"].removeprefix("model.")))
+                   if n.op == "state" else None)
+
+
+def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors the model reads that no checkpoint tensor fills: only non-persistent buffers (rotary inv_freq)
+    or what transformers lets a checkpoint omit get here (``check_coverage`` rejected the rest)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf._config(ckpt)
+    with hf._quiet():
+        m = AutoModelForCausalLM.from_config(cfg)
+    sd = dict(m.named_parameters())
+    sd.update(m.named_buffers())
+    unknown = sorted(names - set(sd))
+    if unknown:
+        raise UserError(f"{ckpt.dir}: the model reads {', '.join(unknown[:5])}, which neither the checkpoint "
+                        "nor the model's own initialisation provides")
+    return {n: sd[n].detach().clone() for n in names}
+
+
+
+def batched_decode_input(prefill: Graph, max_batch: int) -> tuple[Graph | None, str]:
+    """The batched decode step before its passes: the prefill graph whose S tokens are S requests' next tokens,
+    with S at most ``max_batch`` beyond the prefill's shortest length (the compiler's ``decode_batch`` program).
+
+    Returns (graph, "") or (None, why) when the prefill has not exactly one sequence-length symbol."""
+    import sympy
+
+    if len(prefill.symbols) != 1:
+        return None, f"the prefill has symbols {[s for s, _, _ in prefill.symbols]}, not one sequence length"
+    (name, lo, hi), = prefill.symbols
+    length = sympy.sympify(prefill.inputs[0].shape[-1], strict=True)  # input_ids [1, seq] (or a linear form of it)
+    top = lo  # the smallest bound whose length holds max_batch tokens
+    while top < hi and int(length.subs({x: top for x in length.free_symbols})) < max_batch:
+        top += 1
+    return prefill.replace(symbols=((name, lo, top),)), ""

@@ -1,0 +1,499 @@
+"""The dayzero compiler on one screen: MODEL + ``CompileOptions`` -> artifact directory, every step in order.
+
+    trace            frontend/trace.py: MODEL -> Frontend (the traced prefill, decode and vision_* graphs, the
+                     checkpoint and its recipes); a checkpoint's non-finite weights are refused here
+    programs         prefill, decode (a model whose KV cache dayzero owns), decode_batch (the prefill graph with
+                     one token per request), vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
+                     canonicalize -> identify patterns -> lay out state -> specialise (``dayzero dump-ir`` writes
+                     the graph after every step as <program>/NNN_<step>.ir)
+    lower            codegen/program.py: graph -> Program (kernel nodes, steps, buffers)
+    schedule         codegen/schedule.py + build.py, per kernel the first that applies: hand-scheduled -> tuned
+                     (a tuning record; ``--tune`` makes missing ones) -> default; one compiled library
+    plan memory      codegen/memory.py: every program's buffers -> one arena
+    write            codegen/artifact.py: kernels.so, program.json, weights.json, report.json (atomic)
+
+Every step returns what it produced; ``compile_artifact`` and ``run_steps`` merge it (no shared context written
+by one step and read by another). Nothing is written until every step before ``write`` succeeded.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from dayzero import InternalError, UserError
+from dayzero.codegen import artifact, tuning
+from dayzero.codegen.build import build_library
+from dayzero.codegen.memory import STATE_ZONES, plan_programs
+from dayzero.codegen.program import Program, build_program, program_json
+from dayzero.codegen.schedule import tune_kernels
+from dayzero.frontend.checkpoint import bound_tensors, first_nonfinite
+from dayzero.frontend.trace import DEFAULT_MAX_SEQ, Frontend, batched_decode_input, trace_model
+from dayzero.passes import expert_workspace as ew
+from dayzero.passes.compressed_attention import compressed_attention
+from dayzero.passes.dequant import dequant
+from dayzero.passes.fold_constants import fold_constants
+from dayzero.passes.fold_empty import fold_empty
+from dayzero.passes.inplace_state import inplace_state
+from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
+from dayzero.passes.ir.node import Graph
+from dayzero.passes.ir.text import print_graph
+from dayzero.passes.ir.verify import verify as verify_graph
+from dayzero.passes.moe import moe
+from dayzero.passes.paged_kv import paged_kv
+from dayzero.passes.pipeline import PassContext
+from dayzero.passes.sparse_attention import sparse_attention
+from dayzero.passes.token_positions import first_position_reads, token_positions
+from dayzero.targets.host import host_target_dict
+from dayzero.targets.spec import COMPUTE_DTYPES, HOST_COMPUTE_DTYPE, load_target_spec
+
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call (capped at max_seq): the prefill arena is sized by it
+DEFAULT_KV_BLOCK = 16  # tokens per KV-cache block (passes/paged_kv.py)
+
+
+# ---- the options, validated once ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything a compile depends on besides MODEL and OUT (the ``dayzero compile`` flags).
+
+    ``prefill_chunk`` tokens at most per prefill call (default ``min(max_seq, 512)``) of a model whose KV cache
+    dayzero owns: the runtime prefills a longer prompt chunk by chunk, and the arena is sized by the chunk.
+    ``kv_block_size`` tokens per KV-cache block (0: one contiguous cache per request slot) and ``kv_blocks``
+    blocks per pool (default: ``max_batch`` requests of ``max_seq`` tokens, plus the scratch block).
+    ``compute_dtype`` (fp32 | bf16 | fp8_e4m3 | a target spec), ``expert_route`` (auto | fused | workspace) and
+    ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace).
+    A checkpoint float weight holding NaN/Inf is an error unless ``allow_nonfinite``.
+
+    Construction validates every value (one ``UserError`` line naming the flag) and resolves the derived ones:
+    ``target_dict``, ``expert_dtype`` (the resolved compute dtype), ``route`` and ``chunk``."""
+
+    target: str | dict = "host"
+    max_seq: int = DEFAULT_MAX_SEQ
+    max_batch: int = 4
+    prefill_chunk: int | None = None
+    kv_block_size: int = DEFAULT_KV_BLOCK
+    kv_blocks: int | None = None
+    image_grids: tuple | None = None
+    verify: bool = False
+    tune: int | None = None
+    tune_minutes: float | None = None
+    tuning_dir: str | None = None
+    compute_dtype: str | None = None
+    expert_route: str = "auto"
+    expert_cache_bytes: int = 0
+    allow_nonfinite: bool = False
+    target_dict: dict = field(init=False, repr=False)
+    expert_dtype: str = field(init=False, repr=False)
+    route: str = field(init=False, repr=False)
+    chunk: int = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.max_seq < 1:
+            raise UserError("--max-seq must be at least 1")
+        if self.tune_minutes is not None and self.tune_minutes <= 0:
+            raise UserError("--tune-minutes must be positive")
+        if self.tune and self.tune < 1:
+            raise UserError("--tune needs at least 1 trial")
+        tgt = resolve_target(self.target)
+        dtype = resolve_compute_dtype(self.compute_dtype, tgt)
+        route = ew.route_for(compute_dtype=ew.compute_dtype_of(dtype), cache_bytes=int(self.expert_cache_bytes),
+                             route=self.expert_route, target_kind=tgt.get("kind", "llvm"))
+        if self.max_batch < 1:
+            raise UserError("--max-batch must be at least 1")
+        if self.kv_block_size < 0:
+            raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise UserError("--kv-blocks must be at least 2 (block 0 is the scratch block)")
+        if self.prefill_chunk is not None and not 1 <= self.prefill_chunk <= self.max_seq:
+            raise UserError(f"--prefill-chunk must be in [1, --max-seq={self.max_seq}], got {self.prefill_chunk}")
+        for name, value in (("target_dict", tgt), ("expert_dtype", dtype), ("route", route),
+                            ("chunk", self.prefill_chunk or min(self.max_seq, DEFAULT_PREFILL_CHUNK)),
+                            ("image_grids", tuple(self.image_grids) if self.image_grids else None),
+                            ("expert_cache_bytes", int(self.expert_cache_bytes))):
+            object.__setattr__(self, name, value)
+
+    def experts(self) -> dict:
+        """The report's ``experts`` entry (before the routes each program took)."""
+        return {"compute_dtype": self.expert_dtype, "route": self.expert_route, "cache_bytes": self.expert_cache_bytes}
+
+    def kv_pages(self, fe: Frontend) -> dict | None:
+        """passes/paged_kv.py's configuration, or None: caches stay contiguous (no decode, or block size 0)."""
+        if fe.decode is None or not self.kv_block_size:
+            return None
+        return {"block_size": self.kv_block_size, "blocks": self.kv_blocks, "max_batch": self.max_batch}
+
+
+def resolve_target(target: str | dict) -> dict:
+    if isinstance(target, dict):
+        return target
+    if target in ("host", "llvm", "cpu"):
+        return host_target_dict()
+    if target.startswith("cuda"):
+        arch = target.partition(":")[2] or "sm_90"
+        return {"kind": "cuda", "arch": arch}
+    raise UserError(f"unknown target {target!r} (use host or cuda[:sm_90])")
+
+
+def resolve_compute_dtype(compute_dtype: str | None, target: dict) -> str:
+    """The dtype low-precision experts are computed in: given (fp32 | bf16 | fp8_e4m3, or a target spec name /
+    path whose ``compute_dtype`` is taken), else the compile target's own (the host CPU: fp32)."""
+    if compute_dtype is None:
+        return HOST_COMPUTE_DTYPE
+    if compute_dtype in COMPUTE_DTYPES:
+        return compute_dtype
+    try:
+        return load_target_spec(compute_dtype).compute_dtype
+    except UserError as e:
+        raise UserError(f"--compute-dtype {compute_dtype!r} is neither one of {', '.join(COMPUTE_DTYPES)} nor a "
+                        f"usable target spec ({e})") from None
+
+
+# ---- the graph steps of every program -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepEnv:
+    """What a program's graph steps read: fixed for the program, except ``constants`` (the folded tensors so far,
+    which ``run_steps`` extends between steps; steps never write it)."""
+    constants: Mapping[str, torch.Tensor]
+    kv_pages: dict | None = None  # passes/paged_kv.py's configuration (None: contiguous caches)
+    token_positions: bool = False  # decode_batch: each token is another request's, at its own position
+    route: str = "fused"  # MXFP4 experts: "workspace" rewrites them (expert_workspace)
+    expert_dtype: str = HOST_COMPUTE_DTYPE
+    expert_cache_bytes: int = 0
+
+
+@dataclass
+class Found:
+    """What a graph step produced besides its graph."""
+    patterns: dict[str, int] = field(default_factory=dict)  # pattern name -> matches
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors the step folded or made
+    kv_pages: dict | None = None  # the paged KV layout paged_kv chose (the artifact's ``kv_pages``)
+
+    def merge(self, other: Found) -> None:
+        for k, v in other.patterns.items():
+            self.patterns[k] = self.patterns.get(k, 0) + v
+        self.constants.update(other.constants)
+        self.kv_pages = other.kv_pages if other.kv_pages is not None else self.kv_pages
+
+
+Step = Callable[[Graph, StepEnv], "tuple[Graph, Found]"]
+
+
+def _pass(fn: Callable[[Graph, PassContext], Graph]) -> Step:
+    """A pass written as ``(graph, PassContext) -> graph``, as a step: it gets a context of its own, and what it
+    left there (pattern counts, new constants, the paged layout) is what it produced."""
+    def step(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
+        ctx = PassContext(constants=dict(env.constants), kv_pages=dict(env.kv_pages) if env.kv_pages else None,
+                          token_positions=env.token_positions)
+        g = fn(g, ctx)
+        made = {k: v for k, v in ctx.constants.items() if env.constants.get(k) is not v}
+        return g, Found(dict(ctx.patterns), made, (ctx.kv_pages or {}).get("resolved"))
+    return step
+
+
+def _inplace_state(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
+    g, n = inplace_state(g)
+    return g, Found({"inplace_kv_write": n} if n else {})
+
+
+def _expert_workspace(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
+    if env.route != "workspace":
+        return g, Found()
+    return _pass(lambda g, ctx: ew.expert_workspace(g, ctx, compute_dtype=ew.compute_dtype_of(env.expert_dtype),
+                                                    cache_bytes=env.expert_cache_bytes))(g, env)
+
+
+GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
+    # -- canonicalize ----------------------------------------------------------------------------------------------
+    ("fold_empty", _pass(lambda g, ctx: fold_empty(g))),  # before fold_constants, which leaves empty values alone
+    ("fold_constants", _pass(lambda g, ctx: fold_constants(g, ctx.constants))),
+    # -- identify patterns ---------------------------------------------------------------------------------------
+    ("moe", _pass(moe)),  # routed experts -> moe_experts (grouped GEMM over the routed experts only)
+    ("dequant", _pass(dequant)),  # MXFP4 / FP8 chains -> fused dequant kernels
+    # -- lay out state: cache writes in place ----------------------------------------------------------------------
+    ("inplace_state", _inplace_state),
+    # -- identify patterns that read the in-place cache ----------------------------------------------------------
+    ("sparse_attention", _pass(sparse_attention)),  # after inplace_state
+    ("compressed_attention", _pass(compressed_attention)),  # after sparse_attention
+    # -- lay out state: positions and pages ----------------------------------------------------------------------
+    ("token_positions", _pass(token_positions)),  # decode_batch only: each token at its own position
+    ("paged_kv", _pass(paged_kv)),  # after the attention ops exist
+    # -- specialise ----------------------------------------------------------------------------------------------
+    ("expert_workspace", _expert_workspace),  # MXFP4 experts on the workspace route (--expert-route)
+)
+
+
+def run_steps(g: Graph, env: StepEnv, verify: bool = False, dump_dir: str | Path | None = None
+              ) -> tuple[Graph, Found]:
+    """GRAPH_STEPS on one program's graph; the verifier after every step when ``verify``; ``dump_dir`` gets
+    ``000_trace.ir`` and ``NNN_<step>.ir`` after each."""
+    dump = Path(dump_dir) if dump_dir is not None else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "000_trace.ir").write_text(print_graph(g))
+    if verify:
+        verify_graph(g)
+    found = Found()
+    constants = dict(env.constants)  # what the steps so far folded: each step reads it, the loop extends it
+    env = replace(env, constants=constants)
+    for k, (name, step) in enumerate(GRAPH_STEPS, start=1):
+        g, made = step(g, env)
+        found.merge(made)
+        constants.update(made.constants)
+        if verify:
+            verify_graph(g)
+        if dump is not None:
+            (dump / f"{k:03d}_{name}.ir").write_text(print_graph(g))
+    return g, found
+
+
+def run_pipeline(g: Graph, ctx: PassContext, verify: bool = False) -> Graph:
+    """GRAPH_STEPS with the options a ``PassContext`` holds (experts stay fused): for tests of the passes. What
+    the steps produced is added to ``ctx`` (patterns, constants, ``kv_pages["resolved"]``)."""
+    g, found = run_steps(g, StepEnv(ctx.constants, ctx.kv_pages, ctx.token_positions), verify)
+    for k, v in found.patterns.items():
+        ctx.patterns[k] = ctx.patterns.get(k, 0) + v
+    ctx.constants.update(found.constants)
+    if ctx.kv_pages is not None and found.kv_pages is not None:
+        ctx.kv_pages["resolved"] = found.kv_pages
+    return g
+
+
+def per_request_states(g: Graph) -> str:
+    """Why ``g`` cannot serve several requests in one run: the states it keeps per request slot ("" if none)."""
+    names = sorted(n.attr["name"] for n in g.nodes()
+                   if n.op == "state" and n.attr.get("zone", "kv_cache") in STATE_ZONES)
+    return f"states kept per request slot, not paged: {', '.join(names[:4])}" if names else ""
+
+
+def batched_refusal(g: Graph) -> str:
+    """Why the batched decode graph (after its steps) cannot be the ``decode_batch`` program ("" if it can): a
+    state kept per request slot, a read of the first position other than through the cache, no paged cache."""
+    why = per_request_states(g)
+    if why:
+        return why
+    if first_position_reads(g):
+        return "the step reads the first token's position outside the cache ops"
+    if not any(n.attr.get("kind") == BLOCK_TABLE for n in g.inputs):
+        return "no paged KV cache"
+    return ""
+
+
+@dataclass
+class Programs:
+    """The compiler's programs after their graph steps and lowering, in build order."""
+    graphs: dict[str, Graph]
+    programs: list[Program]
+    constants: dict[str, torch.Tensor]
+    patterns: dict[str, dict[str, int]]  # program -> pattern -> matches
+    kv_pages: dict | None  # the resolved paged KV layout (report, program.json)
+    decode_batch: dict | None  # {"built", "reason"} when a batched decode program was considered
+
+
+def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, dump_dir: str | Path | None = None
+                   ) -> Programs:
+    """Every program of the artifact through GRAPH_STEPS, then lowered (an unsupported op raises here, before
+    anything is written). ``dump_dir``: <dump_dir>/<program>/NNN_<step>.ir."""
+    cfg = options.kv_pages(fe)
+    res = Programs({}, [], {}, {}, None, None)
+    shared: dict = {}  # kernels shared by the programs
+
+    def build(name: str, g: Graph, kv_pages: dict | None = None, per_token: bool = False,
+              accept: Callable[[Graph], str] | None = None) -> str:
+        env = StepEnv(res.constants, kv_pages, per_token, options.route, options.expert_dtype,
+                      options.expert_cache_bytes)
+        g, found = run_steps(g, env, verify, Path(dump_dir) / name if dump_dir is not None else None)
+        res.constants.update(found.constants)
+        why = accept(g) if accept is not None else ""
+        if why:
+            return why
+        res.patterns[name] = found.patterns
+        if not per_token and found.kv_pages is not None:
+            res.kv_pages = found.kv_pages
+        res.graphs[name] = g
+        res.programs.append(build_program(g, name, shared))
+        return ""
+
+    build("prefill", fe.traced.graph, cfg)
+    if fe.decode is not None:
+        build("decode", fe.decode.graph, cfg)
+    if fe.decode is not None and cfg and fe.multimodal is None:
+        why = per_request_states(res.graphs["decode"])  # the decode step's own states already tell (DeepSeek-V4)
+        if not why:
+            gb, why = batched_decode_input(fe.traced.graph, options.max_batch)
+            if gb is not None:
+                why = build("decode_batch", gb, cfg, per_token=True, accept=batched_refusal)
+        res.decode_batch = {"built": not why, "reason": why or None}
+    for name, t in fe.extra.items():  # vision programs of a multimodal checkpoint, one per image grid
+        build(name, t.graph)
+    return res
+
+
+# ---- the whole compiler ----------------------------------------------------------------------------------------
+
+def trace(model: Any, options: CompileOptions) -> Frontend:
+    """MODEL -> Frontend; refuses a checkpoint whose float weights hold NaN/Inf unless ``allow_nonfinite``."""
+    fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk)
+    if fe.checkpoint is not None and not options.allow_nonfinite:
+        bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
+        if bad is not None:
+            raise UserError(bad)
+    return fe
+
+
+@contextmanager
+def _timed(times: dict, key: str):
+    t0 = time.perf_counter()
+    yield
+    times[key] = time.perf_counter() - t0
+
+
+def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> dict:
+    """Compile MODEL into the artifact directory OUT; returns the report."""
+    times: dict[str, Any] = {}
+    writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
+    with _timed(times, "trace_s"):
+        fe = trace(model, options)
+    with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> lay out state -> specialise -> lower
+        ps = build_programs(fe, options, verify=options.verify)
+        check_shared_states(ps.programs)
+    db = tuning.TuningDatabase(options.tuning_dir)  # schedule: hand-scheduled -> tuned -> default
+    if options.tune:
+        t0 = time.perf_counter()
+        times["tuned_kernels"] = tune_program(ps.programs[0], options.target_dict, db, options.tune,
+                                              options.tune_minutes)
+        times["tune_s"] = time.perf_counter() - t0
+    with _timed(times, "codegen_s"):
+        lib, build_stats = build_library(ps.programs, options.target_dict, db)
+    layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)  # plan memory
+    report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
+    report["seconds"] = times
+    return report
+
+
+def check_shared_states(progs: list[Program]) -> None:
+    """A state is one tensor shared by the programs: the same zone and shape in each."""
+    states: dict[str, tuple] = {}
+    for p in progs:
+        for b in p.buffers:
+            if b.state is not None and b.alias_of is None:
+                seen = states.setdefault(b.state, (b.zone, tuple(b.shape), p.name))
+                if seen[:2] != (b.zone, tuple(b.shape)):
+                    raise InternalError(f"state {b.state} is {seen[0]}{list(seen[1])} in {seen[2]} but "
+                                        f"{b.zone}{list(b.shape)} in {p.name}")
+
+
+def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | None) -> int:
+    """Tune the program's tunable kernels that have no record, with a rich progress bar on stderr."""
+    import logging
+
+    import tvm
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    symbols = {s: (lo, hi) for s, lo, hi in prog.symbols}
+    with Progress(TextColumn("tuning {task.fields[kernel]}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tune", total=trials, kernel="", best="-")
+
+        def progress(kernel, n, best):
+            bar.update(task, completed=min(n, trials), kernel=kernel,
+                       best=f"{best * 1e6:.1f} us" if best else "-")
+        done = tune_kernels(list(prog.kernels.values()), tvm.target.Target(target), db, symbols, trials, minutes,
+                            progress)
+    return len(done)
+
+
+def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, torch.Tensor]
+                     ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """name -> where its bytes come from; plus the tensors the artifact must carry itself."""
+    entries, own = {}, {}
+    for n in (n for g in graphs for n in g.nodes()):
+        if n.op != "weight":
+            continue
+        name = n.attr["name"]
+        meta = {"dtype": n.dtype, "shape": list(n.shape)}
+        if name in fe.recipes:
+            entries[name] = dict(meta, source="checkpoint", runs=[list(r) for r in fe.recipes[name]])
+        elif name in constants or name in fe.traced.weights:
+            t = constants.get(name, fe.traced.weights.get(name))
+            own[name] = t.to(getattr(torch, n.dtype)) if str(t.dtype).removeprefix("torch.") != n.dtype else t
+            entries[name] = dict(meta, source="artifact")
+        else:
+            raise UserError(f"weight {name} is neither in the checkpoint nor computable from the config")
+    manifest = {"format": artifact.FORMAT, "tensors": entries}
+    if fe.checkpoint is not None:
+        ck = fe.checkpoint
+        manifest["checkpoint"] = {"dir": str(ck.dir), "files": ck.fingerprints(),
+                                  "keys": {k: v.file for k, v in sorted(ck.tensors.items())},
+                                  "tensors": bound_tensors(ck, fe.recipes)}
+    return manifest, own
+
+
+def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: CompileOptions, ps: Programs, lib,
+                   build_stats: dict, layout: dict) -> dict:
+    """The artifact directory (kernels.so, program.json, weights.json / .safetensors, report.json, ...), written
+    atomically; returns the report."""
+    progs = ps.programs
+    manifest, own = weights_manifest(fe, list(ps.graphs.values()), ps.constants)
+    manifest["allow_nonfinite"] = bool(options.allow_nonfinite)
+    report = {
+        "format": artifact.FORMAT,
+        "model_type": fe.model_type,
+        "target": options.target_dict,
+        "programs": {p.name: {"steps": len(p.steps), "kernels": len(p.kernels),
+                              "memory": {k: v for k, v in layout["programs"][p.name].items() if k != "offsets"}}
+                     for p in progs},
+        "routes": {k.name: k.route for p in progs for k in p.kernels.values()},
+        "tuned": {k.name: k.tuned for p in progs for k in p.kernels.values() if k.tuned},
+        "kernel_ops": {k.name: k.op for p in progs for k in p.kernels.values()},
+        "patterns": dict(ps.patterns["prefill"]),
+        "experts": dict(options.experts(), routes={p.name: sorted({k.op for k in p.kernels.values()
+                                                                   if k.op.startswith("moe_experts_mxfp4")})
+                                                   for p in progs}),
+        "unsupported": [],
+        "build": build_stats,
+        "kv_cache_layout": fe.cache_layout,
+        "kv_pages": ps.kv_pages,
+        "allow_nonfinite": bool(options.allow_nonfinite),
+        "decode_batch": ps.decode_batch,
+    }
+    pjs = {}
+    for p in progs:
+        mem = layout["programs"][p.name]
+        pjs[p.name] = program_json(p)
+        pjs[p.name]["memory"] = {"arena_bytes": layout["arena_bytes"], "zones": mem["zones"],
+                                 "offsets": {str(k): v for k, v in mem["offsets"].items()},
+                                 "state_slots": layout["state_slots"], "state_stride": layout["state_stride"]}
+    with writer as d:
+        lib.export_library(str(d / "kernels.so"))
+        artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": options.target_dict,
+                                                 "programs": pjs, "kv_pages": report["kv_pages"],
+                                                 "max_seq": options.max_seq if fe.decode is not None else None})
+        artifact.write_json(d / "weights.json", manifest)
+        artifact.save_tensors(d / "weights.safetensors", own)
+        (d / "final.ir").write_text(print_graph(ps.graphs["prefill"]))
+        if fe.checkpoint is not None:  # text in, text out: the checkpoint's tokenizer (runtime/text.py)
+            from dayzero.runtime.text import TOKENIZER_DIR, carry_tokenizer
+
+            report["tokenizer"] = carry_tokenizer(fe.checkpoint.dir, d / TOKENIZER_DIR)
+        artifact.write_json(d / "report.json", report)
+        if fe.multimodal is not None:
+            artifact.write_json(d / "multimodal.json", fe.multimodal)
+    return report
+
+
+def dump_ir(model: Any, out_dir: str | Path, options: CompileOptions) -> list[Path]:
+    """``dayzero dump-ir``: the compiler up to lowering, every program's graph after every step in
+    <out_dir>/<program>/NNN_<step>.ir, verified after each; returns the files written."""
+    fe = trace(model, options)
+    build_programs(fe, options, verify=True, dump_dir=out_dir)
+    return sorted(Path(out_dir).glob("*/*.ir"))
