@@ -11,7 +11,8 @@ from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.reference_dequant import dequant_reference
-from dayzero.passes.pipeline import PassContext, run_pipeline
+from dayzero.passes.pipeline import PassContext
+from dayzero.tools.compiler import run_pipeline
 
 CASES = {  # name -> (format, stored fp32 shape, block, transposed)
     "mxfp4": ("mxfp4", (3, 8, 64), 32, False),
