@@ -64,6 +64,7 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled)
         assert (rt.prefill(ids) - expected).abs().max().item() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(SLOW))
 def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     from dayzero.tools.driver import optimize, trace_model
@@ -72,6 +73,7 @@ def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     assert ctx.patterns.get("moe") == ARCHS[arch]
 
 
+@pytest.mark.slow
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
     from dayzero.tools.driver import optimize, trace_model
 

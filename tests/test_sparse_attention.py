@@ -42,6 +42,7 @@ def programs(request, tmp_path_factory):
     return request.param, {"prefill": (pre, ctx), "decode": (dec, dctx)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_pattern_fires(programs, which):
     arch, progs = programs

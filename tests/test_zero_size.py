@@ -211,6 +211,7 @@ def _onnx_shifted(path):
     return path
 
 
+@pytest.mark.slow
 def test_dimension_empty_at_run(tmp_path):
     from dayzero.frontend.onnx_import import reference_outputs
 
