@@ -25,6 +25,7 @@ def _dayzero(*args, timeout=600):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_unsupported_ops_listed_at_once(tmp_path):
     out = tmp_path / "out"
     r = _dayzero("compile", "dayzero.tools.examples:unsupported", "-o", str(out))
@@ -63,6 +64,7 @@ def test_compile_run_report_json(compiled_factory, tmp_path):
     assert rep["unsupported"] == [] and rep["routes"]
 
 
+@pytest.mark.slow
 def test_dump_ir_writes_every_pass(tmp_path):
     from dayzero.passes.pipeline import PIPELINE
     from dayzero.passes.ir.text import parse_graph
