@@ -37,6 +37,7 @@ def test_unsupported_ops_listed_at_once(tmp_path):
     assert not list(tmp_path.iterdir())  # no temp dir left behind either
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (["compile", "/nonexistent/dir", "-o", "X"], "neither a checkpoint"),
     (["run", "/nonexistent", "--input-ids", "1"], "not a dayzero artifact"),

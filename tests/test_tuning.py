@@ -113,6 +113,7 @@ def test_separately_built_kernel_with_other_names_hits_the_same_record(tuned, ta
     assert tuning.lookup(db, matmul(n=64), target) is None  # another shape is another workload
 
 
+@pytest.mark.slow
 def test_workload_hash_is_stable_across_processes():
     code = "from tests.test_tuning import matmul; from dayzero.codegen import tuning; " \
            "print(tuning.workload_hash(matmul()))"
@@ -249,6 +250,7 @@ def test_leftover_temp_file_of_a_killed_writer_is_ignored(tuned, target, tmp_pat
         assert len(list(db.records())) == 1 and tuning.lookup(db, matmul(), target) is not None
 
 
+@pytest.mark.slow
 def test_concurrent_writers_leave_a_valid_record(tuned, target, tmp_path):
     db, path = copy_db(tuned, tmp_path, target)
     base = json.loads(path.read_text())
