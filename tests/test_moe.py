@@ -137,6 +137,7 @@ def routings(draw):
     return ids
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ids=routings(), layout=st.sampled_from(["nk", "kn"]), bias=st.booleans(),
        act_name=st.sampled_from(["silu_glu", "gpt_oss"]))
