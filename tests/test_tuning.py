@@ -191,6 +191,7 @@ def _softmax(n=64, m=256):
     return te.create_prim_func([x, topi.nn.softmax(x)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llvm", "cuda"])
 def test_metaschedule_design_spaces_pass_the_trace_allowlist(kind):
     """Every trace MetaSchedule's default design spaces and postprocessors make (matmul: tiling, caches, unroll,
