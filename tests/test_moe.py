@@ -241,6 +241,7 @@ def _host_decodes() -> list[str]:
     return sorted({"arith", dequant.lookup_mode(host_target_dict())})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode", _host_decodes())
 @pytest.mark.parametrize("bias", [(False, False), (True, False), (False, True), (True, True)])
 def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):
