@@ -40,12 +40,20 @@ class _Once:
         return self.done[key]
 
 
+# the session fixtures below that compile (or write) tiny checkpoints: a test using one is end-to-end
+COMPILING_FIXTURES = frozenset({"compiled_factory", "tiny_compiled", "lowprec_tiny", "lowprec_compiled"})
+
+
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without a GPU; a test that uses a compiling fixture is marked ``slow`` (the end-to-end tier:
+    ``pytest -m "not slow"`` is the fast tier, plain ``pytest`` runs both)."""
     has_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+        if COMPILING_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

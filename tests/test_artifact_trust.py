@@ -47,6 +47,7 @@ def test_unknown_program_format_is_refused(dense):
         load(dense)
 
 
+@pytest.mark.slow
 def test_truncated_kernels_so_is_a_user_error_not_sigbus(dense, tmp_path):
     data = (dense / "kernels.so").read_bytes()
     (dense / "kernels.so").write_bytes(data[: len(data) // 3])
@@ -312,6 +313,7 @@ _KILL_BETWEEN_RENAMES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["renames", "exchange"])
 def test_a_kill_during_the_swap_leaves_a_loadable_artifact(dense, tmp_path, mode):
     src = tmp_path / "src"

@@ -39,6 +39,7 @@ def test_tune_then_warm_compile_reuses_records(tmp_path):
     assert (got - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_damaged_database_is_skipped(tmp_path):
     """A killed tuning run can leave a truncated record: the next compile warns and carries on."""
     import tvm

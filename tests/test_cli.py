@@ -25,6 +25,7 @@ def _dayzero(*args, timeout=600):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_unsupported_ops_listed_at_once(tmp_path):
     out = tmp_path / "out"
     r = _dayzero("compile", "dayzero.tools.examples:unsupported", "-o", str(out))
@@ -36,6 +37,7 @@ def test_unsupported_ops_listed_at_once(tmp_path):
     assert not list(tmp_path.iterdir())  # no temp dir left behind either
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (["compile", "/nonexistent/dir", "-o", "X"], "neither a checkpoint"),
     (["run", "/nonexistent", "--input-ids", "1"], "not a dayzero artifact"),
@@ -69,6 +71,7 @@ def _step_files() -> list[str]:
     return ["000_trace.ir"] + [f"{k:03d}_{n}.ir" for k, (n, _) in enumerate(GRAPH_STEPS, 1)]
 
 
+@pytest.mark.slow
 def test_dump_ir_writes_every_pass(tmp_path):
     from dayzero.passes.ir.text import parse_graph
 
@@ -140,7 +143,6 @@ def test_dump_ir_multimodal_programs(tmp_path):
         assert any(n.attr["name"].startswith("block_table") for n in g.inputs) == paged, prog
 
 
-@pytest.mark.slow
 def _free_port() -> int:
     import socket
 
@@ -149,6 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_demo_json_then_serve(tmp_path):
     """The demo: tiny DeepSeek-V4 with FP8 experts, a chat prompt through its template, text out, equal to
     upstream transformers (its own FP8 loader) in logits and greedy tokens; every pattern found on a kernel route.

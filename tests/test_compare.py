@@ -93,6 +93,7 @@ def tie_artifact(tmp_path_factory):
     return model, out
 
 
+@pytest.mark.slow
 def test_topk_tie_detected_end_to_end(tie_artifact):
     model, art = tie_artifact
     res = compare(model, art, seq_len=9, per_node=True)
@@ -103,6 +104,7 @@ def test_topk_tie_detected_end_to_end(tie_artifact):
         assert [n["op"] for n in res["nodes"] if n.get("tie")] == ["topk"]
 
 
+@pytest.mark.slow
 def test_a_wrong_trace_is_reported_as_such(tie_artifact, monkeypatch):
     from dayzero.passes.ir import interp
 

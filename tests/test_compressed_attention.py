@@ -41,6 +41,7 @@ def v4_programs(tmp_path_factory):
     return cfg, {"prefill": (pre, ctx), "decode": (dec, dctx)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_pattern_fires_on_every_compressed_layer(v4_programs, which):
     cfg, progs = v4_programs

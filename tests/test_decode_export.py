@@ -51,6 +51,7 @@ def _greedy_upstream(model, ids: torch.Tensor, new: int) -> list[list[int]]:
     return out[:, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v32"])
 def test_prefill_then_decode_matches_generate(tiny, model_type):
     from dayzero.frontend.decode_export import export_with_cache, reset_cache
@@ -93,6 +94,7 @@ def test_prefill_then_decode_matches_generate(tiny, model_type):
     torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_batch_of_two_same_length(tiny):
     from dayzero.frontend.decode_export import export_with_cache
 
@@ -102,6 +104,7 @@ def test_batch_of_two_same_length(tiny):
     assert _greedy_exported(ep, ids, 8) == _greedy_upstream(model, ids, 8)
 
 
+@pytest.mark.slow
 def test_decode_program_attends_over_whole_cache(tiny):
     """max_seq=1 gives the fixed-shape decode program: one query against all max_cache_len positions, masked."""
     from dayzero.frontend.decode_export import export_with_cache
@@ -149,6 +152,7 @@ def _v4_logits(step, ids, chunks):
     return torch.cat(got, 1)
 
 
+@pytest.mark.slow
 def test_deepseek_v4_fixed_size_cache_equals_forward(tiny):
     """DeepSeek-V4 on dayzero's fixed-size compressed cache (frontend/v4_cache.py), run eagerly: prefills that start
     and end mid-window (a later chunk resumes from the pending ring and the CSA overlap), then single tokens across
@@ -173,6 +177,7 @@ def test_deepseek_v4_fixed_size_cache_equals_forward(tiny):
     assert {n: tuple(b.shape) for n, b in step.named_buffers()} == shapes
 
 
+@pytest.mark.slow
 def test_deepseek_v4_single_query_needs_the_hca_validity_bias(tiny):
     """With one query upstream's HCA compressor returns no block bias: its running list holds only closed windows.
     The fixed-size entries also hold open and unwritten ones, so a pre-hook adds upstream's causal rule to the

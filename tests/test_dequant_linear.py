@@ -98,6 +98,7 @@ ONNX_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(ONNX_CASES))
 def test_onnx_4bit_matmul_fuses_and_matches_onnxruntime(tmp_path, case):
     path = ONNX_CASES[case](tmp_path / "q.onnx")

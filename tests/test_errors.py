@@ -66,6 +66,7 @@ def test_cli_run_bad_values_are_user_errors_naming_the_option(qwen, case):
         assert "--input-ids" not in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_run_bad_value_in_a_real_process_is_one_stderr_line(qwen):
     """The same through a real process: stderr holds exactly the error line (no traceback, no warning)."""
     import subprocess

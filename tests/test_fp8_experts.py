@@ -164,6 +164,7 @@ def test_moe_fp8_kernel_matches_reference(layout, gub, db):
         assert err <= 1e-5 * float(ref.abs().max()), (tokens, err)
 
 
+@pytest.mark.slow
 def test_moe_fp8_node_kernel_compiles_for_sm90():
     """The node's kernel (the parameters the dequant pass records) rebuilt by the schedule rule for CUDA."""
     import tvm

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from dayzero.codegen.artifact import MANIFEST
 
 from _artifact_edit import copy_artifact, rehash
@@ -191,12 +193,14 @@ def _fuzz(art, args, tmp_path, seed):
     return codes, what
 
 
+@pytest.mark.slow
 def test_fuzz_dense_artifact(compiled_factory, tmp_path):
     art, _, _ = compiled_factory("tiny_dense")
     codes, what = _fuzz(art, ["--input-ids", "1,2,3"], tmp_path, seed=20)
     assert sum(c == 2 for c in codes.values()) >= len(codes) * 3 // 4, {k: (c, what[k]) for k, c in codes.items()}
 
 
+@pytest.mark.slow
 def test_fuzz_paged_kv_artifact(tiny_compiled, tmp_path):
     _, art, _ = tiny_compiled("qwen3_moe")
     codes, what = _fuzz(art, ["--input-ids", "1,2,3", "--max-new-tokens", "3"], tmp_path, seed=7)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 MODEL = "qwen3_moe"
@@ -102,6 +103,7 @@ def _logits(art: Path, ids: torch.Tensor) -> torch.Tensor:
     return load(art).prefill(ids)
 
 
+@pytest.mark.slow
 def test_corrupted_headers_never_pass_silently(lowprec_tiny, tmp_path):
     from dayzero.frontend.hf import load_upstream
 

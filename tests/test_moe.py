@@ -64,6 +64,7 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled)
         assert (rt.prefill(ids) - expected).abs().max().item() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(SLOW))
 def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     from dayzero.tools.driver import optimize, trace_model
@@ -72,6 +73,7 @@ def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     assert ctx.patterns.get("moe.grouped_experts") == ARCHS[arch]
 
 
+@pytest.mark.slow
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
     from dayzero.tools.driver import optimize, trace_model
 
@@ -135,6 +137,7 @@ def routings(draw):
     return ids
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ids=routings(), layout=st.sampled_from(["nk", "kn"]), bias=st.booleans(),
        act_name=st.sampled_from(["silu_glu", "gpt_oss"]))
@@ -238,6 +241,7 @@ def _host_decodes() -> list[str]:
     return sorted({"arith", dequant.lookup_mode(host_target_dict())})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode", _host_decodes())
 @pytest.mark.parametrize("bias", [(False, False), (True, False), (False, True), (True, True)])
 def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):

@@ -160,6 +160,7 @@ def _dequantize_linear_model(path):
     return _save(graph, path, opset=21)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_matmul_nbits_becomes_an_explicit_dequant_subgraph_and_matches_onnxruntime(tmp_path, zero_points):
     path = _matmul_nbits_model(tmp_path / "nbits.onnx", zero_points)
@@ -174,6 +175,7 @@ def test_matmul_nbits_becomes_an_explicit_dequant_subgraph_and_matches_onnxrunti
     _check(path, tmp_path / "art", [[(1, 3, 64)], [(2, 16, 64)]])
 
 
+@pytest.mark.slow
 def test_blocked_dequantize_linear_int4_matches_onnxruntime(tmp_path):
     path = _dequantize_linear_model(tmp_path / "dq.onnx")
     g = trace_onnx(str(path), 16).traced.graph

@@ -302,6 +302,7 @@ def test_compiled_caches_are_pools_read_through_block_tables(tiny_compiled, mode
     assert rt.kv.tables[0][:3].tolist() == table[:3]
 
 
+@pytest.mark.slow
 def test_full_pool_fails_one_request_and_freed_blocks_serve_the_next(tmp_path):
     """A pool of 5 blocks (80 tokens) for 3 requests of 14 + 12 tokens (2 blocks each): each prefill takes one
     block; at position 16 two requests get their second block and the third finds the pool empty: it alone gets

@@ -44,6 +44,7 @@ def programs(request, tmp_path_factory):
     return request.param, {"prefill": (pre, ctx), "decode": (dec, dctx)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_pattern_fires(programs, which):
     arch, progs = programs
@@ -270,6 +271,7 @@ def test_indexer_kernel_equals_torch_topk(B, S, L, K, start, sorted_):
     _indexer_check(B, S, 8, 16, L, K, start, sorted_, seed=B + S + L + K)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), values=st.integers(0, 3), start=st.integers(0, 299))
 def test_indexer_ties_hypothesis(seed, values, start):

@@ -72,6 +72,7 @@ def check_matmul(mod, target, n=128):
 # -- tuning -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tuning_runs_real_trials_and_stores_one_record(tuned, target):
     db, res, calls = tuned
     assert res.trials_done == 8 and res.valid_trials > 0
@@ -83,6 +84,7 @@ def test_tuning_runs_real_trials_and_stores_one_record(tuned, target):
     assert isinstance(rec["trace"], list) and rec["default_s"] == res.default_s and rec["tuned_s"] == res.tuned_s
 
 
+@pytest.mark.slow
 def test_progress_reports_kernel_trials_and_best_time(tuned):
     _, res, calls = tuned
     assert [c[1] for c in calls] == [4, 8]  # one call per measured batch
@@ -90,12 +92,14 @@ def test_progress_reports_kernel_trials_and_best_time(tuned):
     assert calls[-1][2] is not None and calls[-1][2] > 0
 
 
+@pytest.mark.slow
 def test_tuned_schedule_beats_naive_default_and_is_correct(tuned, target):
     _, res, _ = tuned
     assert res.tuned and res.tuned_s < res.default_s  # default: a parallel loop around a naive k loop
     check_matmul(res.mod, target)
 
 
+@pytest.mark.slow
 def test_second_lookup_uses_the_record_without_tuning(tuned, target, monkeypatch):
     db, _, _ = tuned
     calls = []
@@ -105,6 +109,7 @@ def test_second_lookup_uses_the_record_without_tuning(tuned, target, monkeypatch
     check_matmul(mod, target)
 
 
+@pytest.mark.slow
 def test_separately_built_kernel_with_other_names_hits_the_same_record(tuned, target):
     db, res, _ = tuned
     again = matmul(names=("X", "W", "Y"), symbol="another_model_kernel")
@@ -113,6 +118,7 @@ def test_separately_built_kernel_with_other_names_hits_the_same_record(tuned, ta
     assert tuning.lookup(db, matmul(n=64), target) is None  # another shape is another workload
 
 
+@pytest.mark.slow
 def test_workload_hash_is_stable_across_processes():
     code = "from tests.test_tuning import matmul; from dayzero.codegen import tuning; " \
            "print(tuning.workload_hash(matmul()))"
@@ -121,6 +127,7 @@ def test_workload_hash_is_stable_across_processes():
     assert out.stdout.strip() == tuning.workload_hash(matmul())
 
 
+@pytest.mark.slow
 def test_record_from_another_target_is_not_used(tuned, target, tmp_path):
     db, res, _ = tuned
     other = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512" if target.attrs.get("mcpu") != "skylake-avx512"
@@ -146,6 +153,7 @@ def copy_db(tuned, tmp_path, target):
     return db, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "not-a-record", "empty"])
 def test_corrupt_record_is_skipped_with_a_warning(tuned, target, tmp_path, damage):
     db, path = copy_db(tuned, tmp_path, target)
@@ -158,6 +166,7 @@ def test_corrupt_record_is_skipped_with_a_warning(tuned, target, tmp_path, damag
         assert list(db.records()) == []
 
 
+@pytest.mark.slow
 def test_trace_that_no_longer_applies_is_skipped_with_a_warning(tuned, target, tmp_path):
     db, path = copy_db(tuned, tmp_path, target)
     rec = json.loads(path.read_text())
@@ -167,6 +176,7 @@ def test_trace_that_no_longer_applies_is_skipped_with_a_warning(tuned, target, t
         assert tuning.lookup(db, matmul(), target) is None
 
 
+@pytest.mark.slow
 def test_real_records_pass_the_trace_allowlist(tuned):
     _, res, _ = tuned
     trace = json.loads(res.record_path.read_text())["trace"]
@@ -181,6 +191,7 @@ def _softmax(n=64, m=256):
     return te.create_prim_func([x, topi.nn.softmax(x)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llvm", "cuda"])
 def test_metaschedule_design_spaces_pass_the_trace_allowlist(kind):
     """Every trace MetaSchedule's default design spaces and postprocessors make (matmul: tiling, caches, unroll,
@@ -223,6 +234,7 @@ _REFUSED = {  # name in the warning -> what is appended to the real trace
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_REFUSED))
 def test_record_with_a_disallowed_instruction_or_annotation_is_refused(tuned, target, tmp_path, name):
     db, path = copy_db(tuned, tmp_path, target)
@@ -241,6 +253,7 @@ def test_record_with_a_disallowed_instruction_or_annotation_is_refused(tuned, ta
     check_matmul(mod, target)
 
 
+@pytest.mark.slow
 def test_leftover_temp_file_of_a_killed_writer_is_ignored(tuned, target, tmp_path):
     db, path = copy_db(tuned, tmp_path, target)
     (path.parent / f".{path.stem}.abc123.tmp").write_text('{"format": "dayzero-tun')  # killed mid-write
@@ -249,6 +262,7 @@ def test_leftover_temp_file_of_a_killed_writer_is_ignored(tuned, target, tmp_pat
         assert len(list(db.records())) == 1 and tuning.lookup(db, matmul(), target) is not None
 
 
+@pytest.mark.slow
 def test_concurrent_writers_leave_a_valid_record(tuned, target, tmp_path):
     db, path = copy_db(tuned, tmp_path, target)
     base = json.loads(path.read_text())
@@ -288,6 +302,7 @@ def test_database_root_from_argument_env_var_or_home(monkeypatch, tmp_path, targ
 # -- budgets, failures, odd inputs --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_time_budget_stops_tuning_early(target, tmp_path):
     res = tuning.tune(matmul(n=64), target, trials=10_000, minutes=0.03, db=tuning.TuningDatabase(tmp_path),
                       strategy="replay-trace", trials_per_iter=4, timer=FAST_TIMER)
@@ -363,6 +378,7 @@ def test_default_schedule_for_cuda_builds_without_a_gpu():
     assert "__global__" in src
 
 
+@pytest.mark.slow
 def test_tuning_works_beside_unnamed_handlers_on_metaschedules_logger(target, tmp_path):
     """pytest >= 9 (and any application) may attach handlers without a name to MetaSchedule's non-propagating
     logger; MetaSchedule's create_loggers re-lists handlers by name and failed on them ('NoneType' object has no

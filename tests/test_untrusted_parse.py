@@ -188,6 +188,7 @@ def crafted(tiny_compiled, tmp_path):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape_of", [
     lambda f: f"__import__('os').system('touch {f}')",
     lambda f: f"seq + __import__('pathlib').Path('{f}').touch()",

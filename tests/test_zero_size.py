@@ -165,6 +165,7 @@ def _assert_equal(got, expected):
         torch.testing.assert_close(g, e, atol=TOL, rtol=TOL, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_partial_rotary_over_the_whole_head(tmp_path_factory):
     out, module = _compile(partial_rotary_whole_head, tmp_path_factory)
     assert _no_step_writes_an_empty_value(out)
@@ -177,6 +178,7 @@ def test_partial_rotary_over_the_whole_head(tmp_path_factory):
         _assert_equal([rt.prefill(ids)], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [empty_slice_mid_graph, cat_with_empty, empty_reductions, empty_output],
                          ids=lambda f: f.__name__)
 def test_factory_with_empty_tensors_equals_eager(factory, tmp_path_factory):
@@ -211,6 +213,7 @@ def _onnx_shifted(path):
     return path
 
 
+@pytest.mark.slow
 def test_dimension_empty_at_run(tmp_path):
     from dayzero.frontend.onnx_import import reference_outputs
 
