@@ -4,7 +4,6 @@ workspace and cache-metadata states, named by expert shape, compute dtype and sl
 
 import torch
 
-from dayzero.passes import dequant  # noqa: F401  (declares moe_experts_mxfp4)
 from dayzero.passes.expert_workspace import expert_workspace
 
 from .ir_spec import assert_ir, context, ir

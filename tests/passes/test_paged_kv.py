@@ -1,7 +1,6 @@
 """paged_kv: per-token KV caches become pools of fixed-size blocks addressed through a block table input
 (passes/paged_kv.py): the write and every reader take the table; a cache some other op reads stays contiguous."""
 
-from dayzero.passes import sparse_attention  # noqa: F401  (declares cache_attention, the reader)
 from dayzero.passes.paged_kv import paged_kv
 
 from .ir_spec import assert_ir, context, ir
@@ -28,7 +27,7 @@ def test_caches_become_block_pools_read_and_written_through_one_table():
     # 64 positions in blocks of 16: a table of 4 entries; 2 requests' worth of blocks + the scratch block = 9
     ctx = context(kv_pages={"block_size": 16, "max_batch": 2})
     assert_ir(paged_kv(ir(CONTIGUOUS), ctx), HEAD + """
-      %4 = input {name="block_table"} : int32[4]
+      %4 = input {kind="block_table", name="block_table"} : int32[4]
       %5 = state {name="cache_0_keys", zone="kv_pages"} : float32[1, 2, 144, 16]
       %6 = state {name="cache_0_values", zone="kv_pages"} : float32[1, 2, 144, 16]
       %7 = paged_state_index_put(%5, %3, %1, %4) {block_size=16, dim=2} : float32[1, 2, 144, 16]
