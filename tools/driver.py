@@ -68,7 +68,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
     still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``)."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
-        from dayzero.frontend.onnx_import import trace_onnx
+        from dayzero.frontend.onnx.importer import trace_onnx
 
         return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
