@@ -23,7 +23,7 @@ from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library
 from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
-from dayzero.codegen.schedule import tune_kernels
+from dayzero.codegen.tuner import tune_kernels
 from dayzero.frontend import hf
 from dayzero.frontend.checkpoint import (Checkpoint, bound_tensors, check_coverage, first_nonfinite,
                                          learn_recipes_low_precision)
