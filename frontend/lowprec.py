@@ -29,14 +29,17 @@ import ml_dtypes
 import numpy as np
 
 from .. import UserError
+from ..passes.ir.formats import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP4_MAX,
+    FP8_BLOCK_SIZE,
+    FP8_E4M3_MAX,
+    MXFP4_BLOCK,
+    MXFP4_BYTES_PER_BLOCK,
+)
 
-MXFP4_BLOCK = 32  # values per E8M0 scale
-MXFP4_BYTES_PER_BLOCK = 16
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-FP4_MAX = 6.0
-FP8_E4M3_MAX = 448.0
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)  # (rows, columns) of one weight_scale_inv block
 
 # The 16 E2M1 values and the 256 E8M0 scales, decoded by ml_dtypes (the format's definition, not our own table).
 FP4_E2M1_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)

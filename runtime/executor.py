@@ -23,12 +23,11 @@ from dayzero import InternalError, UserError
 from dayzero.codegen.artifact import recover_interrupted_swap
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
+from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES
 
 from . import request_checks, validate
 from .kv_pages import KVPages
 
-ALIGN = 64
-PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
 
 
 class _Program:

@@ -24,7 +24,8 @@ from dayzero import UserError
 
 SPEC_DIR = Path(__file__).resolve().parent
 
-COMPUTE_DTYPES = ("fp32", "bf16", "fp8_e4m3")  # expert workspace dtypes (passes/expert_workspace.py)
+# expert workspace dtypes (passes/expert_workspace.py): the name a target spec uses -> the IR dtype
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 HOST_COMPUTE_DTYPE = "fp32"
 
 KNOWN_DTYPES = {"fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "int8", "int4"}

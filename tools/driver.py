@@ -31,6 +31,7 @@ from dayzero.frontend.lowprec import bind_low_precision
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
+from dayzero.passes.memory_plan import PER_REQUEST_ZONES
 from dayzero.passes.pipeline import PassContext, run_pipeline
 from dayzero.targets.host import host_target_dict
 
@@ -229,9 +230,6 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
     for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
         t.graph = _rename_states(t.graph)
     return prefill, decode, cache_layout
-
-
-PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # states replicated per request slot (runtime/executor.py)
 
 
 def per_request_states(g: Graph) -> str:

@@ -36,6 +36,7 @@ from dayzero import InternalError, UserError
 from dayzero.codegen import lower, schedule
 from dayzero.codegen.kernels.dequant import decode, gemm, gemv
 from dayzero.codegen.kernels.dequant.scheduling import cuda_rules, mark_scheduled
+from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
 
 OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
 GEMV_MAX_T = 64
@@ -87,7 +88,7 @@ def _int4_wd(P, S, Z, p: dict):
 
 def _fp8_wd(W, S, N: int, K: int):
     """wd[n, k] = E4M3(W[n, k]) * scale_inv[n // 128, k // 128], W float8_e4m3fn read as its bytes."""
-    B = decode.FP8_BLOCK
+    B = FP8_BLOCK_SIZE
     sc = te.compute(tuple(S.shape), lambda a, b: S[a, b] * _f32(256.0), name="sc")
     return te.compute((N, K), lambda n, k: decode.e4m3_value_div256(tirx.reinterpret("uint8", W[n, k]))
                       * sc[n // B, k // B], name="wd")
@@ -101,7 +102,7 @@ def _weight_placeholders(p: dict):
         if p["zero_point"]:
             ph.append(te.placeholder(ss, "float32", name="zero_points"))
         return ph
-    B = decode.FP8_BLOCK
+    B = FP8_BLOCK_SIZE
     return [te.placeholder((N, K), "float8_e4m3fn", name="weight"),
             te.placeholder((-(-N // B), -(-K // B)), "float32", name="scale_inv")]
 

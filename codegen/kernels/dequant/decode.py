@@ -31,8 +31,7 @@ import tvm
 from tvm import te, tirx
 
 from dayzero import UserError
-
-FP8_BLOCK = 128
+from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
 
 _u16 = functools.partial(tirx.const, dtype="uint16")
 _u32 = functools.partial(tirx.const, dtype="uint32")
@@ -146,7 +145,7 @@ def weight_args(fmt: str, O: int, K: int, E: int | None):
         s = te.placeholder((*lead, O, K // 32), "uint8", name="scales")
     else:
         w = te.placeholder((*lead, O, K), "uint8", name="weight")
-        s = te.placeholder((*lead, -(-O // FP8_BLOCK), -(-K // FP8_BLOCK)), "float32", name="scale_inv")
+        s = te.placeholder((*lead, -(-O // FP8_BLOCK_SIZE), -(-K // FP8_BLOCK_SIZE)), "float32", name="scale_inv")
     e = tirx.Var("expert", "int32") if E else None
     return w, s, e
 
@@ -191,10 +190,10 @@ def mxfp4_decode(B, S, e, O: int, G: int, L: int, target: dict):
 def fp8_wd(W, S, e, O: int, K: int):
     """wd[o, k] = E4M3(W[o, k]) * scale_inv[o // 128, k // 128] (fp32)."""
     sc = te.compute(
-        (-(-O // FP8_BLOCK), -(-K // FP8_BLOCK)), lambda a, b: S[_at(e, a, b)] * f32(256.0), name="sc"
+        (-(-O // FP8_BLOCK_SIZE), -(-K // FP8_BLOCK_SIZE)), lambda a, b: S[_at(e, a, b)] * f32(256.0), name="sc"
     )
     return te.compute(
-        (O, K), lambda o, k: e4m3_value_div256(W[_at(e, o, k)]) * sc[o // FP8_BLOCK, k // FP8_BLOCK], name="wd"
+        (O, K), lambda o, k: e4m3_value_div256(W[_at(e, o, k)]) * sc[o // FP8_BLOCK_SIZE, k // FP8_BLOCK_SIZE], name="wd"
     )
 
 
