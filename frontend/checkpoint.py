@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dayzero import InternalError, UserError
-from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
+from dayzero.passes.ir.formats import E8M0_NAN, FP8_BLOCK_SIZE
 
 ID_BASE = 2 ** 40  # far above any value an initialiser writes, exact in float64
 
@@ -625,7 +625,7 @@ def _name_list(path: str, text: str) -> set[str]:
 
 
 def _check_e8m0(scales: torch.Tensor, name: str) -> None:
-    bad = scales.view(torch.uint8) == 0xFF
+    bad = scales.view(torch.uint8) == E8M0_NAN
     if bad.any():
         raise UserError(f"{name}_scales: {int(bad.sum())} NaN E8M0 scale code(s) 0xFF, first at index "
                         f"{[int(i) for i in bad.nonzero()[0]]}")

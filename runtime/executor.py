@@ -625,10 +625,7 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
     UserError before any request runs. Returns per request ``{"tokens": [...], "error": str | None}``."""
     request_checks.sampling(max_new_tokens, temperature, top_p, seed)
     stops = rt._stops(stop_ids)
-    if not isinstance(prompts, (list, tuple)):
-        raise UserError(f"prompts: expected a list of requests (token id lists), got {type(prompts).__name__}")
-    if len(prompts) > rt.max_batch:
-        raise UserError(f"{len(prompts)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
+    request_checks.batch(prompts, rt.max_batch, "prompts", "a list of requests (token id lists)")
     results = [{"tokens": [], "error": None} for _ in prompts]
     logits: dict[int, torch.Tensor] = {}
     gens = {}
