@@ -16,11 +16,10 @@ for the whole program.
 
 from __future__ import annotations
 
-from dayzero.passes.memory_plan import Buffer, ZonedPlan, align_up, plan_zones
+from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES, Buffer, ZonedPlan, align_up, plan_zones
 
 from .program import Program
 
-ALIGN = 64
 PERSISTENT = ("weights", "kv_cache", "cross_layer_state", "kv_pages")
 
 
@@ -78,15 +77,12 @@ def persistent_key(b) -> str | None:
     return None
 
 
-STATE_ZONES = ("kv_cache", "cross_layer_state")
-
-
 def _plan_persistent(bufs: list[Buffer]) -> ZonedPlan:
     """Persistent zones in ZONES order, except the per-request state zones, which go last so that their replicas
     (one per request slot) extend the arena upwards: a shared persistent zone that ZONES lists after them (the
     dequant workspace, one for all requests) is laid out before them instead."""
-    shared = plan_zones([b for b in bufs if b.zone not in STATE_ZONES], ALIGN)
-    state = plan_zones([b for b in bufs if b.zone in STATE_ZONES], ALIGN)
+    shared = plan_zones([b for b in bufs if b.zone not in PER_REQUEST_ZONES], ALIGN)
+    state = plan_zones([b for b in bufs if b.zone in PER_REQUEST_ZONES], ALIGN)
     base = shared.total_bytes
     zones = dict(shared.zones)
     zones.update({z: (base + b, n) for z, (b, n) in state.zones.items()})
@@ -112,7 +108,7 @@ def plan_programs(progs: list[Program], slots: int = 1) -> dict:
     pz = _plan_persistent([Buffer(k, sizes[k][0], 0, 0, sizes[k][1]) for k in keys]) if keys else None
     persistent = dict(pz.offsets) if pz else {}
     base = align_up(pz.total_bytes, ALIGN) if pz else 0
-    state = [pz.zones[z] for z in STATE_ZONES if pz and z in pz.zones]
+    state = [pz.zones[z] for z in PER_REQUEST_ZONES if pz and z in pz.zones]
     stride = 0
     if state:  # zones are contiguous in ZONES order: the state zones form one span, replicated per slot
         lo, hi = min(b for b, _ in state), max(b + n for b, n in state)
@@ -141,7 +137,7 @@ def plan_programs(progs: list[Program], slots: int = 1) -> dict:
             key = persistent_key(r)
             offsets[b.id] = persistent[key] if key is not None else local[r.id]
         zones = dict(pz.summary()) if pz else {}
-        for z in STATE_ZONES:
+        for z in PER_REQUEST_ZONES:
             if z in zones:
                 zones[z] *= max(slots, 1)
         # a zone can hold persistent buffers (a cross-layer state kept between steps) and this program's own

@@ -3,8 +3,11 @@
     hand-scheduled (written scheduled, or a rule for this op)  ->  tuned (a record in the tuning database)
     ->  default (parallel loops on CPU, dlight on GPU)  ->  generic (the unscheduled TE loops: correct, slow)
 
-A rule is ``fn(kernel, target) -> IRModule | None``; None means "not mine". The route a kernel took is recorded
-for ``dayzero report``.
+A rule returns a scheduled ``IRModule`` or None, meaning "not mine" (an op's hand-scheduled rule in the kernel
+table, ``codegen/kernels/table.py``, is ``fn(kernel, target)``). The route a kernel took is recorded
+for ``dayzero report``. ``SCHEDULE_RULES`` is that chain, in order; the default rule (dlight's rules, then
+parallel loops on CPU) is defined here, the tuned rule reads the database (``tuning.py``) that the tuner
+(``tuner.py``) fills.
 
 Tuning and symbolic shapes: MetaSchedule measures static shapes, so a kernel whose shape has symbols (``seq``) is
 tuned as a copy specialised at ``tuning_size`` (the symbol's bound, capped), and the recorded trace is replayed on
@@ -20,11 +23,11 @@ from typing import Callable
 import tvm
 
 from dayzero import InternalError
-from . import tuning
 from .kernels.table import KERNELS
 from .program import Kernel, make_prim_func
+from .tuning import TuningDatabase, apply_trace, as_target, kernel_name, normalize
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 Rule = Callable[[Kernel, tvm.target.Target], "tvm.IRModule | None"]
 
@@ -51,69 +54,134 @@ def is_hand_scheduled(k: Kernel) -> bool:
     return k.func.attrs is not None and "tirx.is_scheduled" in k.func.attrs
 
 
+def _dlight_rules(target: tvm.target.Target):
+    from tvm.s_tir import dlight as dl
+
+    if "gpu" in target.keys:
+        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    # not dl.cpu.GEMV: it vectorises across strided rows with a 256-step unroll, LLVM then spends 10-40 s on one
+    # small expert bmm, and the code is no faster than parallel loops
+    return [dl.cpu.Reduction()]
+
+
+def _cpu_parallel_fallback(mod: tvm.IRModule) -> tvm.IRModule:
+    """Parallelize the leading spatial loops of every block; vectorize a pure elementwise block's inner loop."""
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+    sch = tvm.s_tir.Schedule(mod)
+    try:
+        infos = normalize_prim_func(sch)
+    except Exception:  # noqa: BLE001 - an unusual function: leave it unscheduled (still correct on CPU)
+        infos = None
+    if not infos:
+        return mod
+    for info in infos:
+        kinds = info.dom_kind()
+        n_s = len(kinds) - len(kinds.lstrip("S"))
+        if n_s == 0:
+            continue
+        try:
+            loops = sch.get_loops(info.block_rv)[:n_s]
+            fused = sch.fuse(*loops) if n_s > 1 else loops[0]
+            extent = sch.get(fused).extent
+            if kinds == "S" * len(kinds) and isinstance(extent, tvm.tirx.IntImm) and extent.value % 16 == 0:
+                outer, inner = sch.split(fused, [None, 16])
+                sch.parallel(outer)
+                sch.vectorize(inner)
+            else:
+                sch.parallel(fused)
+        except Exception as err:  # noqa: BLE001 - best effort; the block stays serial
+            logger.debug("cpu fallback left block %s serial: %s", info.name, err)
+    return sch.mod
+
+
+def default_schedule(prim_func, target) -> tvm.IRModule:
+    """The rule-based default: dlight ``dl.gpu`` rules for GPU targets, ``dl.cpu`` for CPU; on CPU, a function no
+    rule takes gets its outermost spatial loops parallelized (and elementwise inner loops vectorized)."""
+    from tvm.s_tir import dlight as dl
+
+    t = as_target(target)
+    mod = normalize(prim_func)
+    try:
+        with t:
+            out = dl.ApplyDefaultSchedule(*_dlight_rules(t))(mod)
+    except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
+        logger.debug("dlight rules failed on %s: %s", kernel_name(prim_func), err)
+        out = normalize(prim_func)
+    func = out["main"]
+    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+        return out
+    if "gpu" in t.keys:  # dl.gpu.Fallback applies to everything it can; what is left will not build
+        return out
+    return _cpu_parallel_fallback(out)
+
+
+# ---- the rules: (kernel, target, database or None, symbol bounds) -> scheduled module, or None: not mine ----------
+
+def _written_scheduled(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
+    """A kernel written scheduled (a compute of the kernel table marked it ``tirx.is_scheduled``)."""
+    return tvm.IRModule({"main": k.func}) if is_hand_scheduled(k) else None
+
+
+def _hand_rule(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
+    """The kernel table's schedule rule for the kernel's op, when it takes this kernel."""
+    entry = KERNELS.get(k.op)
+    rule = entry.schedule if entry is not None else None
+    return rule(k, target) if rule is not None else None
+
+
 def _tuned(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
+    """The trace of the tuning database's record for the kernel, when the tuned schedule won and replays."""
+    if db is None:
+        return None
     rec = db.get(tuning_workload(k, symbols), target)
     if rec is None or not rec.tuned_wins:
         return None
     try:
-        mod = tuning.apply_trace(k.func, rec.trace)
+        mod = apply_trace(k.func, rec.trace)
     except Exception as e:  # noqa: BLE001 - a trace that does not replay on the symbolic kernel
-        log.debug("tuned trace of %s does not replay on the symbolic kernel: %s", k.name, e)
+        logger.debug("tuned trace of %s does not replay on the symbolic kernel: %s", k.name, e)
         return None
     k.tuned = {"default_s": rec.default_s, "tuned_s": rec.tuned_s, "trials": rec.trials}
     return mod
 
 
-def schedule_kernel(k: Kernel, target: tvm.target.Target, db: "tuning.TuningDatabase | None",
+def _default(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
+    """``default_schedule``; None when a rule breaks on an unusual kernel."""
+    try:
+        return default_schedule(k.func, target)
+    except Exception as e:  # noqa: BLE001 - a rule that breaks on an unusual kernel: keep the plain loops
+        logger.debug("default schedule failed for %s: %s", k.name, e)
+        return None
+
+
+def _generic(k: Kernel, target, db, symbols) -> tvm.IRModule:
+    """The unscheduled TE loops: correct, slow; always applies."""
+    return normalize(k.func)
+
+
+# (route recorded on the kernel, rule), first that returns a module wins
+SCHEDULE_RULES = (
+    ("hand-scheduled", _written_scheduled),
+    ("hand-scheduled", _hand_rule),
+    ("tuned", _tuned),
+    ("default", _default),
+    ("generic", _generic),
+)
+
+
+def schedule_kernel(k: Kernel, target: tvm.target.Target, db: TuningDatabase | None,
                     symbols: dict[str, tuple[int, int]] | None = None) -> tvm.IRModule:
+    """The first of ``SCHEDULE_RULES`` that takes the kernel; its route goes into ``k.route``. A kernel of the
+    kernel table on a target its ``supports`` refuses is a dayzero bug (the pass that created it asks
+    targets/capabilities.py first)."""
     entry = KERNELS.get(k.op)
     if entry is not None and k.node is not None and not entry.supports(target.kind.name, k.node):
         raise InternalError(f"the {k.op} kernel does not take {k.name} on target kind {target.kind.name} (the "
                             f"pass that created it asks targets/capabilities.py first)")
-    if is_hand_scheduled(k):  # written scheduled (a compute of codegen/kernels/table.py)
-        k.route = "hand-scheduled"
-        return tvm.IRModule({"main": k.func})
-    rule = entry.schedule if entry is not None else None
-    if rule is not None:
-        mod = rule(k, target)
+    for route, rule in SCHEDULE_RULES:
+        mod = rule(k, target, db, symbols or {})
         if mod is not None:
-            k.route = "hand-scheduled"
+            k.route = route
             return mod
-    if db is not None:
-        mod = _tuned(k, target, db, symbols or {})
-        if mod is not None:
-            k.route = "tuned"
-            return mod
-    try:
-        mod = tuning.default_schedule(k.func, target)
-        k.route = "default"
-        return mod
-    except Exception as e:  # noqa: BLE001 - a rule that breaks on an unusual kernel: keep the plain loops
-        log.debug("default schedule failed for %s: %s", k.name, e)
-        k.route = "generic"
-        return tuning.normalize(k.func)
-
-
-def tune_kernels(kernels: list[Kernel], target: tvm.target.Target, db: "tuning.TuningDatabase",
-                 symbols: dict[str, tuple[int, int]], trials: int, minutes: float | None,
-                 progress=None) -> dict:
-    """Tune every tunable kernel that has no record yet, heaviest ops first, within the time budget.
-
-    ``progress(kernel, trials_done, best_s)`` is called as trials complete. Returns {kernel: TuneResult note}."""
-    import time
-
-    deadline = time.monotonic() + minutes * 60 if minutes else None
-    order = sorted((k for k in kernels if not is_hand_scheduled(k) and k.op in TUNABLE_OPS),
-                   key=lambda k: TUNABLE_OPS.index(k.op))
-    done = {}
-    for k in order:
-        work = tuning_workload(k, symbols)
-        if db.get(work, target) is not None:
-            continue
-        left = None if deadline is None else (deadline - time.monotonic()) / 60
-        if left is not None and left <= 0:
-            break
-        cb = (lambda name, n, best, kname=k.name: progress(kname, n, best)) if progress else None
-        res = tuning.tune(work, target, trials=trials, minutes=left, db=db, progress=cb)
-        done[k.name] = {"trials": res.trials_done, "default_s": res.default_s, "tuned_s": res.tuned_s}
-    return done
+    raise InternalError(f"no schedule rule took kernel {k.name} (the generic rule takes every kernel)")

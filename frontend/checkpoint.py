@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dayzero import InternalError, UserError
+from dayzero.passes.ir.formats import E8M0_NAN, FP8_BLOCK_SIZE
 
 ID_BASE = 2 ** 40  # far above any value an initialiser writes, exact in float64
 
@@ -523,7 +524,7 @@ class LowPrecParam:
     in_major: bool  # parameter = transpose(-1, -2) of the dequantised [.., out, in]
     data_runs: tuple
     scale_runs: tuple
-    row_block: int = 128  # fp8: rows of the parameter sharing one scale row (a power of two dividing 128)
+    row_block: int = FP8_BLOCK_SIZE  # fp8: rows of the parameter sharing one scale row (a power of two dividing 128)
 
     @property
     def data_name(self) -> str:
@@ -551,7 +552,7 @@ def fp8_scale_shape(stored, row_block: int) -> tuple[int, ...]:
     """Shape of an FP8 parameter's bound scales: one fp32 per (row_block rows, 128 columns) block of each [R, C]
     slice, [.., ceil(R/row_block), ceil(C/128)] (row_block 128: exactly the published weight_scale_inv)."""
     *lead, r, c = (int(d) for d in stored)
-    return (*lead, -(-r // row_block), -(-c // 128))
+    return (*lead, -(-r // row_block), -(-c // FP8_BLOCK_SIZE))
 
 
 def quant_method(ckpt: Checkpoint) -> str | None:
@@ -624,7 +625,7 @@ def _name_list(path: str, text: str) -> set[str]:
 
 
 def _check_e8m0(scales: torch.Tensor, name: str) -> None:
-    bad = scales.view(torch.uint8) == 0xFF
+    bad = scales.view(torch.uint8) == E8M0_NAN
     if bad.any():
         raise UserError(f"{name}_scales: {int(bad.sum())} NaN E8M0 scale code(s) 0xFF, first at index "
                         f"{[int(i) for i in bad.nonzero()[0]]}")
@@ -701,7 +702,7 @@ def _fp8_param(param: str, runs, groups, R: int, C: int) -> LowPrecParam:
     tiny model's 32-row experts stacked into [E, 2I, H] give g = 32 (each scale row copied once per 32-row
     block: 4 bytes per 32 x 128 weights). The runs are split at [R, C]-slice boundaries of the parameter and of
     each checkpoint tensor first, so stacked [E, ..] keys with their own [E, ., .] scales are handled alike."""
-    nb = -(-C // 128)
+    nb = -(-C // FP8_BLOCK_SIZE)
     segs = []  # (dst row, key, src row, rows) within one slice on both sides
     for d0, k, s0, n in runs:
         dr, sr, left, rk = d0 // C, s0 // C, n // C, groups[k].stored[-2]
@@ -720,7 +721,7 @@ def _fp8_param(param: str, runs, groups, R: int, C: int) -> LowPrecParam:
         rk = groups[k].stored[-2]
         for j in range(0, n, g):
             src_row = sr + j  # scale row of key k: [.., ceil(rk/128), nb] flattened
-            s_idx = (src_row // rk) * -(-rk // 128) + (src_row % rk) // 128
+            s_idx = (src_row // rk) * -(-rk // FP8_BLOCK_SIZE) + (src_row % rk) // FP8_BLOCK_SIZE
             d_idx = (dr + j) // R * nr + (dr + j) % R // g
             run = (d_idx * nb, groups[k].scale_key, s_idx * nb, nb)
             if scale_runs and scale_runs[-1][1] == run[1] and \

@@ -29,14 +29,17 @@ import ml_dtypes
 import numpy as np
 
 from .. import UserError
+from ..passes.ir.formats import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP4_MAX,
+    FP8_BLOCK_SIZE,
+    FP8_E4M3_MAX,
+    MXFP4_BLOCK,
+    MXFP4_BYTES_PER_BLOCK,
+)
 
-MXFP4_BLOCK = 32  # values per E8M0 scale
-MXFP4_BYTES_PER_BLOCK = 16
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-FP4_MAX = 6.0
-FP8_E4M3_MAX = 448.0
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)  # (rows, columns) of one weight_scale_inv block
 
 # The 16 E2M1 values and the 256 E8M0 scales, decoded by ml_dtypes (the format's definition, not our own table).
 FP4_E2M1_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
@@ -191,8 +194,11 @@ def dequant_fp8_block(weight, scale_inv, block=FP8_BLOCK, name: str = "weight"):
 def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
     """fp32 [..., R, C] -> (weight float8_e4m3fn [..., R, C], weight_scale_inv fp32 [..., ceil(R/br), ceil(C/bc)]).
 
-    DeepSeek-V3's rule: per block scale_inv = amax / 448, weight = RNE_E4M3(w / scale_inv); an all-zero block
-    gets scale_inv 1. numpy in -> ml_dtypes.float8_e4m3fn array; torch in -> torch.float8_e4m3fn tensor.
+    Per block scale_inv = 2^ceil(log2(amax / 448)) (a power of two, as DeepSeek-V3.2's UE8M0 scales; the same
+    "round up" rule as ``quantize_mxfp4``, so no value saturates), weight = RNE_E4M3(w / scale_inv); an all-zero
+    block gets scale_inv 1. Dequantised values are fixed points, also when re-blocked over a sub-range of rows
+    (make-tiny rounds fused gate/up experts, then stores gate and up apart). numpy in ->
+    ml_dtypes.float8_e4m3fn array; torch in -> torch.float8_e4m3fn tensor.
     """
     a = _np(w).astype(np.float32)
     if a.ndim < 2:
@@ -206,7 +212,9 @@ def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
     pad[..., :r, :c] = a
     t = pad.reshape(*a.shape[:-2], nr, br, nc, bc)
     amax = np.abs(t).max(axis=(-3, -1))
-    scale_inv = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(amax.astype(np.float64) / FP8_E4M3_MAX))
+    scale_inv = np.where(amax > 0, np.exp2(e), 1.0).astype(np.float32)
     full = np.repeat(np.repeat(scale_inv, br, axis=-2), bc, axis=-1)[..., :r, :c]
     q = np.clip(a / full, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     return _like(w, q), _like(w, scale_inv)

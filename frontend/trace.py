@@ -3,7 +3,7 @@
 MODEL is a checkpoint directory (config.json + safetensors), ``module.path:factory`` (a callable returning
 ``(nn.Module, example_inputs)``), an ``(nn.Module, example_inputs)`` pair from Python, or a ``model.onnx`` path.
 A checkpoint whose model has a static KV cache is traced twice (prefill, decode: ``_trace_with_cache``); a
-multimodal one goes through frontend/vision.py, an ONNX file through frontend/onnx_import.py.
+multimodal one goes through frontend/vision.py, an ONNX file through frontend/onnx/.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
     still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``)."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
-        from dayzero.frontend.onnx_import import trace_onnx
+        from dayzero.frontend.onnx.importer import trace_onnx
 
         return trace_onnx(model, max_seq)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():

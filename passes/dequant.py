@@ -44,7 +44,7 @@ Constants are checked by value: the E2M1 table and the exponent bias 127 (folded
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
 detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
-full-precision temporary); a typed op no consumer fused lowers on its own (``codegen/lower.py``). Counts:
+full-precision temporary); a typed op no consumer fused lowers on its own (``codegen/lower/dequant.py``). Counts:
 ``dequant.experts`` (fused expert blocks, two weights each) and ``dequant.linear``.
 
 Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are constants) and after ``moe``.

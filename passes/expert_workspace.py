@@ -35,13 +35,12 @@ from dayzero.passes.ir.dayzero_ops import (WORKSPACE_STORAGE, workspace_meta_len
                                           workspace_slot_elems)
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 from dayzero.targets import capabilities
+from dayzero.targets.spec import COMPUTE_DTYPES
 
 OP_IN = "moe_experts_mxfp4"
 OP = "moe_experts_mxfp4_ws"
 ZONE = "dequant_workspace"
 ROUTES = ("auto", "fused", "workspace")
-# compute dtype names as targets/spec.py spells them -> IR dtypes
-COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 
 
 def compute_dtype_of(name: str) -> str:

@@ -44,6 +44,8 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 from dayzero import InternalError, UserError
 
+ALIGN = 64  # bytes: every buffer offset and zone base is a multiple (DESIGN.md: 64-byte aligned at least)
+
 # The order zones are laid out in, low addresses first (the long-lived ones first).
 ZONES = (
     "weights",
@@ -55,6 +57,8 @@ ZONES = (
     "activations",
     "io",
 )
+# the zones of state a program keeps per request: replicated once per request slot (codegen/memory.py)
+PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +120,7 @@ def _check_inputs(buffers: Sequence[Buffer], alignment: int) -> None:
             raise UserError(f"memory plan: buffer {b.id!r} ends (step {b.end}) before it starts (step {b.start})")
 
 
-def peak_live_bytes(buffers: Iterable[Buffer], alignment: int = 64) -> int:
+def peak_live_bytes(buffers: Iterable[Buffer], alignment: int = ALIGN) -> int:
     """max over steps of the sum of aligned sizes live at that step (a sweep over start/end events)."""
     events = []
     for b in buffers:
@@ -196,7 +200,7 @@ def arena_bytes(buffers: Sequence[Buffer], offsets: dict, alignment: int) -> int
     return max((offsets[b.id] + align_up(b.size, alignment) for b in buffers), default=0)
 
 
-def verify(buffers: Sequence[Buffer], plan: Plan, alignment: int = 64) -> None:
+def verify(buffers: Sequence[Buffer], plan: Plan, alignment: int = ALIGN) -> None:
     """Raise InternalError unless ``plan`` is a valid placement of ``buffers`` (independent of the placers)."""
     problems = []
     for b in buffers:
@@ -228,7 +232,7 @@ def verify(buffers: Sequence[Buffer], plan: Plan, alignment: int = 64) -> None:
         raise InternalError("memory plan verifier: " + "; ".join(problems[:5]))
 
 
-def plan(buffers: Sequence[Buffer], alignment: int = 64) -> Plan:
+def plan(buffers: Sequence[Buffer], alignment: int = ALIGN) -> Plan:
     """Run every algorithm, keep the smallest arena (ties: the first in ALGORITHMS), verify it, return it."""
     buffers = list(buffers)
     _check_inputs(buffers, alignment)
@@ -241,7 +245,7 @@ def plan(buffers: Sequence[Buffer], alignment: int = 64) -> Plan:
     return result
 
 
-def plan_zones(buffers: Sequence[Buffer], alignment: int = 64) -> ZonedPlan:
+def plan_zones(buffers: Sequence[Buffer], alignment: int = ALIGN) -> ZonedPlan:
     """Plan each zone on its own and lay the zones out in ZONES order, each base ``alignment``-aligned."""
     buffers = list(buffers)
     unknown = sorted({b.zone for b in buffers} - set(ZONES))

@@ -24,12 +24,11 @@ from dayzero.codegen.artifact import recover_interrupted_swap
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
+from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES
 
 from . import request_checks, validate
 from .kv_pages import KVPages
 
-ALIGN = 64
-PER_REQUEST_ZONES = ("kv_cache", "cross_layer_state")  # replicated per request slot (codegen/memory.py)
 
 
 class _Program:
@@ -627,10 +626,7 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
     UserError before any request runs. Returns per request ``{"tokens": [...], "error": str | None}``."""
     request_checks.sampling(max_new_tokens, temperature, top_p, seed)
     stops = rt._stops(stop_ids)
-    if not isinstance(prompts, (list, tuple)):
-        raise UserError(f"prompts: expected a list of requests (token id lists), got {type(prompts).__name__}")
-    if len(prompts) > rt.max_batch:
-        raise UserError(f"{len(prompts)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
+    request_checks.batch(prompts, rt.max_batch, "prompts", "a list of requests (token id lists)")
     results = [{"tokens": [], "error": None} for _ in prompts]
     logits: dict[int, torch.Tensor] = {}
     gens = {}

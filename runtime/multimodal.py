@@ -230,10 +230,7 @@ class Multimodal:
         rt = self.rt
         request_checks.sampling(max_new_tokens, temperature, top_p, seed)
         stops = rt._stops(stop_ids)
-        if not isinstance(requests, (list, tuple)):
-            raise UserError(f"requests: expected a list, got {type(requests).__name__}")
-        if len(requests) > rt.max_batch:
-            raise UserError(f"{len(requests)} requests but the artifact serves {rt.max_batch} at once (--max-batch)")
+        request_checks.batch(requests, rt.max_batch, "requests", "a list")
         results = [{"tokens": [], "error": None} for _ in requests]
         logits, gens = {}, {}
         for k, req in enumerate(requests):

@@ -7,6 +7,7 @@ checked here before anything runs, and a bad one is a ``UserError`` naming the p
     sampling(...)                   temperature finite >= 0, 0 < top_p <= 1, max_new_tokens int >= 0,
                                     seed int in [0, 2**63)
     slot(value, slots)              an int in [0, slots)
+    batch(requests, max_batch, ...) a list or tuple of at most max_batch requests
 
 ``name`` is what the message calls the value: the Python parameter (``input_ids``) or, from the CLI, the option
 (``--input-ids``); ``cli=True`` names the sampling options the same way (``--top-p``).
@@ -104,3 +105,11 @@ def slot(value, slots: int) -> int:
         raise UserError(f"slot {_show(value)} is not a request slot: the artifact serves {slots} request(s) at "
                         f"once, slots 0..{slots - 1} (--max-batch)")
     return int(value)
+
+
+def batch(requests, max_batch: int, name: str, expected: str) -> None:
+    """A batch of requests: a list or tuple (``expected`` says of what) of at most ``max_batch`` requests."""
+    if not isinstance(requests, (list, tuple)):
+        raise UserError(f"{name}: expected {expected}, got {type(requests).__name__}")
+    if len(requests) > max_batch:
+        raise UserError(f"{len(requests)} requests but the artifact serves {max_batch} at once (--max-batch)")

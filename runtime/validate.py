@@ -34,12 +34,10 @@ from pathlib import Path
 
 from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_digest
-from dayzero.codegen.memory import ALIGN
-from dayzero.codegen.memory import STATE_ZONES as PER_REQUEST_ZONES  # replicated per request slot
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE, INPUT_KINDS
 from dayzero.passes.ir.ops import DTYPE_BYTES
 from dayzero.passes.ir.shape_expr import dim_at
-from dayzero.passes.memory_plan import ZONES
+from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES, ZONES
 
 
 

@@ -17,14 +17,15 @@ the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from dayzero import UserError
+from dayzero.json_file import read_json_file
 
 SPEC_DIR = Path(__file__).resolve().parent
 
-COMPUTE_DTYPES = ("fp32", "bf16", "fp8_e4m3")  # expert workspace dtypes (passes/expert_workspace.py)
+# expert workspace dtypes (passes/expert_workspace.py): the name a target spec uses -> the IR dtype
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 HOST_COMPUTE_DTYPE = "fp32"
 
 KNOWN_DTYPES = {"fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "int8", "int4"}
@@ -115,10 +116,4 @@ def load_target_spec(name_or_path: str | Path) -> TargetSpec:
         path = SPEC_DIR / f"{text}.json"
         if not path.is_file():
             raise UserError(f"unknown target '{text}': known targets are {', '.join(available_targets())}, or give a path")
-    if not path.is_file():
-        raise UserError(f"target spec file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"target spec {path}: cannot read JSON ({e})") from None
-    return TargetSpec.from_dict(data, source=str(path))
+    return TargetSpec.from_dict(read_json_file(path, "target spec"), source=str(path))

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 from dayzero.codegen.kernels import dequant_linear as kl
 from dayzero.frontend import lowprec
-from dayzero.frontend.onnx_import import reference_outputs, trace_onnx
+from dayzero.frontend.onnx.importer import trace_onnx
 from dayzero.passes.ir import interp
 from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
@@ -35,6 +35,7 @@ from dayzero.runtime.executor import load
 from dayzero.targets.capabilities import int4_storage
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 from dayzero.tools.driver import compile_model
+from dayzero.tools.onnx_reference import reference_outputs
 
 TOL = 1e-4
 HOST = host_target_dict()

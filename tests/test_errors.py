@@ -210,6 +210,11 @@ def test_validate_rules():
     assert request_checks.slot(np.int64(1), 2) == 1
     with pytest.raises(UserError, match="slot 2"):
         request_checks.slot(2, 2)
+    request_checks.batch([[1], [2]], 2, "prompts", "a list of requests")
+    with pytest.raises(UserError, match="^prompts: expected a list of requests, got str$"):
+        request_checks.batch("abc", 2, "prompts", "a list of requests")
+    with pytest.raises(UserError, match=r"^3 requests but the artifact serves 2 at once \(--max-batch\)$"):
+        request_checks.batch([[1]] * 3, 2, "requests", "a list")
 
 
 @pytest.mark.slow

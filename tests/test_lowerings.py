@@ -174,7 +174,7 @@ def test_topk_ties_values_agree_and_set_is_valid():
 def test_slice_scatter_open_end_on_a_symbolic_axis_under_the_default_schedule(end):
     """Regression (tiny DeepSeek-V4's CSA compressor): an open slice end arrives as INT64_MAX; once the default
     schedule fused the loops, TVM's simplifier multiplied it and wrapped, and the kernel copied nothing."""
-    from dayzero.codegen import tuning
+    from dayzero.codegen import schedule
     from dayzero.passes.ir.text import make_symbol
     from dayzero.targets.host import host_target_dict
 
@@ -184,7 +184,7 @@ def test_slice_scatter_open_end_on_a_symbolic_axis_under_the_default_schedule(en
            Node.make("input", (), {"name": "s"}, [TensorType("float32", (1, 2 * s - 1, 8, 4))])]
     node = Node.make("slice_scatter", ins, attrs, [TensorType("float32", (1, 2 * s, 8, 4))])
     target = tvm.target.Target(host_target_dict())
-    mod = tuning.default_schedule(program.make_prim_func(node, "k"), target)
+    mod = schedule.default_schedule(program.make_prim_func(node, "k"), target)
     lib = tvm.compile(tvm.IRModule({"k": mod["main"].with_attr("global_symbol", "k")}), target=target)
     n = 2
     x, src = torch.randn(1, 2 * n, 8, 4), torch.randn(1, 2 * n - 1, 8, 4)

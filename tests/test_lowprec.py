@@ -141,7 +141,18 @@ def test_quantize_fp8_block_round_trip():
     q, s = lowprec.quantize_fp8_block(w)
     assert q.dtype == ml_dtypes.float8_e4m3fn and s.shape == (2, 2, 3) and s.dtype == np.float32
     d = lowprec.dequant_fp8_block(q, s)
-    np.testing.assert_allclose(d, w, rtol=2.0**-4, atol=1e-6)
+    # round to nearest E4M3: half an ulp (2^-4 relative) for normals, half the smallest subnormal (2^-10) x scale
+    full = np.repeat(np.repeat(s, 128, axis=-2), 128, axis=-1)[..., :200, :300]
+    assert (np.abs(d - w) <= np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * full)).all()
+    # the one FP8 rule (make-tiny's too): power-of-two block scales, each block's amax in [224, 448] codes
+    assert np.array_equal(np.exp2(np.round(np.log2(s))), s)
+    qf = np.abs(np.asarray(q, np.float32))
+    amax = [qf[e, r:r + 128, c:c + 128].max() for e in range(2) for r in (0, 128) for c in (0, 128, 256)]
+    assert all(224 <= a <= 448 for a in amax)
+    # dequantised values are fixed points, also re-blocked over a sub-range of rows (make-tiny's gate / up split)
+    for part in (d, d[:, :100]):
+        q2, s2 = lowprec.quantize_fp8_block(part)
+        np.testing.assert_array_equal(lowprec.dequant_fp8_block(q2, s2), part)
     tq, ts = lowprec.quantize_fp8_block(torch.from_numpy(w))
     assert tq.dtype == torch.float8_e4m3fn
     np.testing.assert_array_equal(tq.view(torch.uint8).numpy(), q.view(np.uint8))

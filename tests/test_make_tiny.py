@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dayzero import UserError  # noqa: E402
+from dayzero.frontend import lowprec  # noqa: E402
 from dayzero.tools import make_tiny as mt  # noqa: E402
 
 FIVE = ["deepseek_v4", "deepseek_v32", "gpt_oss", "qwen3_moe", "qwen3_vl_moe"]
@@ -107,6 +108,7 @@ def test_mxfp4_experts(model_type, tmp_path):
             assert f.get_tensor(p + "down_proj_scales").dtype == torch.uint8
             assert f.get_tensor(p + "down_proj_bias").dtype == torch.float32
             assert p + "gate_up_proj" not in keys
+            stored = (f.get_tensor(p + "gate_up_proj_blocks"), f.get_tensor(p + "gate_up_proj_scales"))
         else:
             p = "model.layers.0.mlp.experts.3.gate_proj."
             assert f.get_tensor(p + "weight_blocks").shape == (32, 2, 16)
@@ -114,6 +116,10 @@ def test_mxfp4_experts(model_type, tmp_path):
             assert p + "weight" not in keys
     cfg = mt.shrink_config(model_type)
     ref = _logits(mt.build_model(cfg, experts="mxfp4"), cfg)
+    if model_type == "gpt_oss":  # the one MXFP4 rounding rule: lowprec's, applied to the fp32 weights
+        w = mt.build_model(cfg).model.layers[0].mlp.experts.gate_up_proj.detach().transpose(1, 2)  # [E, out, in]
+        want = lowprec.dequant_mxfp4(*lowprec.quantize_mxfp4(w.contiguous()))
+        assert torch.equal(lowprec.dequant_mxfp4(*stored), want)  # values (the bytes may differ: 12 = 3*4 = 6*2)
     if model_type == "gpt_oss":  # transformers' own loader dequantises the published layout
         from transformers import Mxfp4Config
 
@@ -137,6 +143,10 @@ def test_fp8_experts_deepseek_v32(tmp_path):
         assert f.get_tensor(p + "weight").dtype == torch.float8_e4m3fn
         assert f.get_tensor(p + "weight_scale_inv").shape == (1, 1)
         assert f.get_tensor("model.layers.1.mlp.shared_experts.down_proj.weight").dtype == torch.float32
+        # lowprec's rule (power-of-two scale_inv): requantising the stored values reproduces them
+        q, sinv = f.get_tensor(p + "weight"), f.get_tensor(p + "weight_scale_inv")
+        q2, sinv2 = lowprec.quantize_fp8_block(lowprec.dequant_fp8_block(q, sinv))
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sinv2, sinv)
     cfg = mt.shrink_config("deepseek_v32")
     ref = _logits(mt.build_model(cfg, experts="fp8"), cfg)
     plain = mt.dequantize_checkpoint(path, tmp_path / "plain")
@@ -147,24 +157,19 @@ def test_fp8_experts_deepseek_v32(tmp_path):
     assert torch.allclose(ref, got, atol=1e-5)
 
 
-def test_quantisers_roundtrip():
+def test_stored_values_are_fixed_points_of_lowprec_quantisers():
+    """make-tiny rounds the experts in memory with lowprec's quantisers, then writes the encoding of the rounded
+    values: that is exact only if dequantised values quantise back to themselves."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 5, 64)).astype(np.float32)
-    blocks, scales = mt.mxfp4_quantize(w)
-    assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
-    d = mt.mxfp4_dequantize(blocks, scales)
+    d = lowprec.dequant_mxfp4(*lowprec.quantize_mxfp4(w))
     assert np.abs(d - w).max() < 0.5 * np.abs(w).max()
-    b2, s2 = mt.mxfp4_quantize(d)  # idempotent
-    assert np.array_equal(b2, blocks) and np.array_equal(s2, scales)
-    # low nibble first: element 0 of the block lives in the low 4 bits
-    one = np.zeros((1, 32), np.float32)
-    one[0, 0], one[0, 1] = 1.0, -6.0
-    b, s = mt.mxfp4_quantize(one)
-    assert b[0, 0, 0] & 0xF != 0 and mt.mxfp4_dequantize(b, s)[0, 1] == -6.0
-    q, sinv = mt.fp8_block_quantize(rng.standard_normal((130, 70)).astype(np.float32))
+    assert np.array_equal(lowprec.dequant_mxfp4(*lowprec.quantize_mxfp4(d)), d)
+    q, sinv = lowprec.quantize_fp8_block(rng.standard_normal((130, 70)).astype(np.float32))
     assert sinv.shape == (2, 1)
-    d = mt.fp8_block_dequantize(q, sinv)
-    assert np.array_equal(mt.fp8_block_dequantize(*mt.fp8_block_quantize(d)), d)
+    d = lowprec.dequant_fp8_block(q, sinv)
+    q2, sinv2 = lowprec.quantize_fp8_block(d)
+    assert np.array_equal(q2.view(np.uint8), q.view(np.uint8)) and np.array_equal(sinv2, sinv)
 
 
 def test_deterministic_bytes(tmp_path):

@@ -14,10 +14,11 @@ import torch
 from onnx import TensorProto, helper
 
 from dayzero import UnsupportedOpsError
-from dayzero.frontend.onnx_import import reference_outputs, trace_onnx
+from dayzero.frontend.onnx.importer import trace_onnx
 from dayzero.passes.ir.verify import verify
 from dayzero.runtime.executor import load
 from dayzero.tools.driver import compile_model
+from dayzero.tools.onnx_reference import reference_outputs
 
 TOL = 1e-4
 
@@ -280,6 +281,6 @@ def test_test_data_sets_next_to_the_model_are_the_reference(tmp_path):
     d.mkdir()
     (d / "input_0.pb").write_bytes(onnx.numpy_helper.from_array(ins["A"], "A").SerializeToString())
     (d / "output_0.pb").write_bytes(onnx.numpy_helper.from_array(ref[0], "Y").SerializeToString())
-    from dayzero.frontend.onnx_import import test_data_inputs
+    from dayzero.tools.onnx_reference import test_data_inputs
     assert np.array_equal(test_data_inputs(path)["A"], ins["A"])
     assert np.array_equal(reference_outputs(path, {})[0], ref[0])

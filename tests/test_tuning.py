@@ -1,4 +1,4 @@
-"""codegen/tuning.py: in-process MetaSchedule tuning and the persistent tuning database.
+"""codegen/tuner.py and codegen/tuning.py: in-process MetaSchedule tuning and the persistent tuning database.
 
 One real tuning run (a 128^3 fp32 matmul, 8 trials, replay-trace) is shared by the module; the other tests read,
 corrupt, copy and rewrite its record. Total run time is dominated by MetaSchedule's one-time
@@ -20,13 +20,13 @@ import tvm
 from tvm import te
 
 from dayzero import UserError
-from dayzero.codegen import tuning
+from dayzero.codegen import tuner, tuning
 from dayzero.codegen.program import Kernel
-from dayzero.codegen.schedule import schedule_kernel
+from dayzero.codegen.schedule import default_schedule, schedule_kernel
 from dayzero.codegen.trace_check import TraceRefused, check_trace
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 
-FAST_TIMER = tuning.TimerConfig(repeat=1, min_repeat_ms=5)
+FAST_TIMER = tuner.TimerConfig(repeat=1, min_repeat_ms=5)
 
 
 def matmul(n=128, names=("A", "B", "C"), symbol=None):
@@ -49,7 +49,7 @@ def tuned(tmp_path_factory, target):
     """(db, result, progress calls) of one real tuning run."""
     db = tuning.TuningDatabase(tmp_path_factory.mktemp("tuning-db"))
     calls = []
-    res = tuning.tune(matmul(symbol="mm128"), target, trials=8, minutes=None, db=db,
+    res = tuner.tune(matmul(symbol="mm128"), target, trials=8, minutes=None, db=db,
                       progress=lambda *a: calls.append(a), strategy="replay-trace", trials_per_iter=4,
                       timer=FAST_TIMER)
     return db, res, calls
@@ -103,7 +103,7 @@ def test_tuned_schedule_beats_naive_default_and_is_correct(tuned, target):
 def test_second_lookup_uses_the_record_without_tuning(tuned, target, monkeypatch):
     db, _, _ = tuned
     calls = []
-    monkeypatch.setattr(tuning.ms, "tune_tir", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(tuner.ms, "tune_tir", lambda *a, **k: calls.append(a))
     mod = tuning.lookup(db, matmul(), target)
     assert mod is not None and calls == []
     check_matmul(mod, target)
@@ -202,14 +202,14 @@ def test_metaschedule_design_spaces_pass_the_trace_allowlist(kind):
     kinds = set()
     for func in (matmul(64), _softmax()):
         mod = tuning.normalize(func)
-        ctx = tuning.ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", task_name="t",
+        ctx = tuner.ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", task_name="t",
                                     rand_state=0)
         for sch in ctx.generate_design_space():
             sch.enter_postproc()
             for pp in ctx.space_generator.postprocs:
                 if not pp.apply(sch):
                     break
-            trace = tuning._trace_to_json(sch.trace)
+            trace = tuning.trace_to_json(sch.trace)
             check_trace(trace)
             kinds |= {i[0] for i in trace[0]}
     assert {"SamplePerfectTile", "Split", "Annotate", "Fuse"} <= kinds
@@ -304,7 +304,7 @@ def test_database_root_from_argument_env_var_or_home(monkeypatch, tmp_path, targ
 
 @pytest.mark.slow
 def test_time_budget_stops_tuning_early(target, tmp_path):
-    res = tuning.tune(matmul(n=64), target, trials=10_000, minutes=0.03, db=tuning.TuningDatabase(tmp_path),
+    res = tuner.tune(matmul(n=64), target, trials=10_000, minutes=0.03, db=tuning.TuningDatabase(tmp_path),
                       strategy="replay-trace", trials_per_iter=4, timer=FAST_TIMER)
     assert 0 < res.trials_done < 200
     assert res.record_path.is_file()
@@ -316,10 +316,10 @@ def test_failed_builds_and_runs_are_error_results_not_crashes(target, monkeypatc
     def broken_build(mod, tgt):
         raise RuntimeError("LLVM says no")
 
-    store = tuning._ArtifactStore()
+    store = tuner._ArtifactStore()
     mod = tuning.normalize(matmul(n=16))
-    builder = tuning._InProcessBuilder(store, None)
-    monkeypatch.setattr(tuning, "_build", broken_build)
+    builder = tuner._InProcessBuilder(store, None)
+    monkeypatch.setattr(tuner, "_build", broken_build)
     (bad,) = builder.build([BuilderInput(mod, target)])
     assert bad.artifact_path is None and "LLVM says no" in bad.error_msg
     monkeypatch.undo()
@@ -328,7 +328,7 @@ def test_failed_builds_and_runs_are_error_results_not_crashes(target, monkeypatc
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.runner import RunnerInput
 
-    runner = tuning._InProcessRunner(store, FAST_TIMER)
+    runner = tuner._InProcessRunner(store, FAST_TIMER)
     args_info = ArgInfo.from_prim_func(mod["main"])
     (fut,) = runner.run([RunnerInput("dayzero-inproc/404", "cpu", args_info)])
     assert fut.result().run_secs is None and "no built module" in fut.result().error_msg
@@ -340,7 +340,7 @@ def test_symbolic_shapes_keep_the_default_untuned(target, tmp_path):
     n = te.var("n")
     a = te.placeholder((n, 64), "float32", name="A")
     b = te.compute((n, 64), lambda i, j: a[i, j] * 2.0, name="B")
-    res = tuning.tune(te.create_prim_func([a, b]), target, trials=4, minutes=None,
+    res = tuner.tune(te.create_prim_func([a, b]), target, trials=4, minutes=None,
                       db=tuning.TuningDatabase(tmp_path))
     assert res.trials_done == 0 and res.tuned_s is None and "symbolic" in res.note
     assert list(tmp_path.iterdir()) == []
@@ -348,22 +348,22 @@ def test_symbolic_shapes_keep_the_default_untuned(target, tmp_path):
 
 def test_bad_budgets_are_user_errors(target, tmp_path):
     with pytest.raises(UserError):
-        tuning.tune(matmul(), target, trials=0, minutes=None, db=tuning.TuningDatabase(tmp_path))
+        tuner.tune(matmul(), target, trials=0, minutes=None, db=tuning.TuningDatabase(tmp_path))
     with pytest.raises(UserError):
-        tuning.tune(matmul(), target, trials=4, minutes=0, db=tuning.TuningDatabase(tmp_path))
+        tuner.tune(matmul(), target, trials=4, minutes=0, db=tuning.TuningDatabase(tmp_path))
 
 
 # -- the rule-based default ---------------------------------------------------------------------------------------
 
 
 def test_default_schedule_of_matmul_is_correct(target):
-    check_matmul(tuning.default_schedule(matmul(), target), target)
+    check_matmul(default_schedule(matmul(), target), target)
 
 
 def test_default_schedule_parallelizes_and_vectorizes_elementwise(target):
     a = te.placeholder((64, 256), "float32", name="A")
     b = te.compute((64, 256), lambda i, j: a[i, j] * 2.0 + 1.0, name="B")
-    mod = tuning.default_schedule(te.create_prim_func([a, b]), target)
+    mod = default_schedule(te.create_prim_func([a, b]), target)
     text = mod.script()
     assert "T.parallel" in text and "T.vectorized" in text
     x = np.random.default_rng(0).standard_normal((64, 256)).astype("float32")
@@ -372,7 +372,7 @@ def test_default_schedule_parallelizes_and_vectorizes_elementwise(target):
 
 def test_default_schedule_for_cuda_builds_without_a_gpu():
     cuda = tvm.target.Target(cuda_target_dict())
-    mod = tuning.default_schedule(matmul(n=64), cuda)
+    mod = default_schedule(matmul(n=64), cuda)
     assert mod["main"].attrs["tirx.is_scheduled"]
     src = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source()
     assert "__global__" in src
@@ -389,7 +389,7 @@ def test_tuning_works_beside_unnamed_handlers_on_metaschedules_logger(target, tm
     foreign = logging.Handler()
     log.addHandler(foreign)
     try:
-        res = tuning.tune(matmul(n=32), target, trials=2, minutes=None, db=tuning.TuningDatabase(tmp_path),
+        res = tuner.tune(matmul(n=32), target, trials=2, minutes=None, db=tuning.TuningDatabase(tmp_path),
                           strategy="replay-trace", trials_per_iter=2, timer=FAST_TIMER)
         assert res.trials_done > 0 and res.record_path.is_file()
         assert foreign in log.handlers

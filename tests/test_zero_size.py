@@ -215,7 +215,7 @@ def _onnx_shifted(path):
 
 @pytest.mark.slow
 def test_dimension_empty_at_run(tmp_path):
-    from dayzero.frontend.onnx_import import reference_outputs
+    from dayzero.tools.onnx_reference import reference_outputs
 
     model = _onnx_shifted(tmp_path / "shifted.onnx")
     compile_model(str(model), tmp_path / "art", max_seq=64, verify=True)

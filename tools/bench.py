@@ -29,14 +29,19 @@ def machine_info() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
-def _median_time(fn, repeat: int) -> float:
+def _times(fn, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` calls of fn, after one warm-up call."""
     fn()
     ts = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
+
+
+def _median_time(fn, repeat: int) -> float:
+    return statistics.median(_times(fn, repeat))
 
 
 def bench_e2e(repeat: int = 20) -> dict:
@@ -111,21 +116,12 @@ def bench_decode_batch(repeat: int = 20, model_type: str = "qwen3_moe", prompt_l
             rt.prefill(torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(s)), slot=s)
         return list(range(b))
 
-    def times(fn) -> list[float]:
-        fn()
-        out = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-
     results, step1 = [], None
     for b in BATCH_SIZES:
         slots = start(b)
-        batched = times(lambda: rt.decode_batch([7] * b, slots))
+        batched = _times(lambda: rt.decode_batch([7] * b, slots), repeat)
         slots = start(b)
-        sequential = times(lambda: [rt.decode(7, slot=s) for s in slots])
+        sequential = _times(lambda: [rt.decode(7, slot=s) for s in slots], repeat)
         step1 = step1 or (statistics.median(batched), min(batched))
         results.append({"case": f"decode_step_B{b}", "unit": "s", "dayzero": statistics.median(batched),
                         "baselines": {"sequential_decode": statistics.median(sequential)}, "bound": None,

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 
+from ..frontend import lowprec
 from .bench_dequant import best_time, best_torch_time
 
 H, I, K_TOP, E_POOL = 2048, 768, 8, 32
 ACT = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
-BLOCK = (128, 128)
+BLOCK = lowprec.FP8_BLOCK
 
 
 def _fp8_pool(gen, shape):

@@ -51,12 +51,12 @@ def run_default(func, target, trials: int, per_iter: int, strategy: str) -> dict
 
 
 def run_inproc(func, target, trials: int, per_iter: int, strategy: str) -> dict:
-    from dayzero.codegen import tuning
+    from dayzero.codegen import tuner, tuning
 
     with tempfile.TemporaryDirectory() as root:
         db = tuning.TuningDatabase(root)
         t0 = time.perf_counter()
-        res = tuning.tune(func, target, trials=trials, minutes=None, db=db, trials_per_iter=per_iter,
+        res = tuner.tune(func, target, trials=trials, minutes=None, db=db, trials_per_iter=per_iter,
                           strategy=strategy)
         wall = time.perf_counter() - t0
     return {"wall_s": wall, "measured": res.trials_done, "valid": res.valid_trials,

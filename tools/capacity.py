@@ -65,6 +65,7 @@ import re
 from pathlib import Path
 
 from dayzero import InternalError, UserError
+from dayzero.json_file import read_json_file
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "mxfp4_fp8")
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -106,12 +107,7 @@ def load_config(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise UserError(f"config file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{p}: cannot read JSON ({e})") from None
+    data = read_json_file(p, "config")
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a JSON object")
     return data

@@ -1,7 +1,7 @@
 """``dayzero compare MODEL OUT``: the compiled artifact against the upstream model, and where they part.
 
     fixed-seed input ──► upstream, eager (checkpoint: transformers; module:factory: the module;
-                                          *.onnx: onnx_import.reference_outputs)
+                                          *.onnx: onnx_reference.reference_outputs)
                      ──► reference interpreter on the re-traced IR, upstream's own weights   (the trace check)
                      ──► compiled program, observed after every step ─┐ in lockstep with the interpreter,
                                                                       └ step k <-> k-th compute node
@@ -171,11 +171,8 @@ def upstream(model, max_seq: int):
     from dayzero.tools.driver import trace_model
 
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
-        try:
-            from dayzero.frontend.onnx_import import reference_outputs
-        except ImportError:
-            raise UserError("comparing an ONNX model needs dayzero.frontend.onnx_import.reference_outputs, which "
-                            "this installation does not have") from None
+        from dayzero.tools.onnx_reference import reference_outputs
+
         fe = trace_model(model, max_seq)
         names = [n.attr["name"] for n in fe.traced.graph.inputs]
 

@@ -29,9 +29,9 @@ import torch
 from dayzero import InternalError, UserError
 from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library
-from dayzero.codegen.memory import STATE_ZONES, plan_programs
+from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
-from dayzero.codegen.schedule import tune_kernels
+from dayzero.codegen.tuner import tune_kernels
 from dayzero.frontend.checkpoint import bound_tensors, first_nonfinite
 from dayzero.frontend.trace import DEFAULT_MAX_SEQ, Frontend, batched_decode_input, trace_model
 from dayzero.passes import expert_workspace as ew
@@ -44,6 +44,7 @@ from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
+from dayzero.passes.memory_plan import PER_REQUEST_ZONES
 from dayzero.passes.moe import moe
 from dayzero.passes.paged_kv import paged_kv
 from dayzero.passes.pipeline import PassContext
@@ -268,7 +269,7 @@ def run_pipeline(g: Graph, ctx: PassContext, verify: bool = False) -> Graph:
 def per_request_states(g: Graph) -> str:
     """Why ``g`` cannot serve several requests in one run: the states it keeps per request slot ("" if none)."""
     names = sorted(n.attr["name"] for n in g.nodes()
-                   if n.op == "state" and n.attr.get("zone", "kv_cache") in STATE_ZONES)
+                   if n.op == "state" and n.attr.get("zone", "kv_cache") in PER_REQUEST_ZONES)
     return f"states kept per request slot, not paged: {', '.join(names[:4])}" if names else ""
 
 

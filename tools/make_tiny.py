@@ -41,6 +41,7 @@ import click
 import numpy as np
 
 from dayzero import InternalError, UserError
+from dayzero.frontend import lowprec
 from dayzero.tools.tiny_tokenizer import write_tokenizer
 
 EXPERT_FORMATS = ("fp32", "bf16", "mxfp4", "fp8")
@@ -82,74 +83,10 @@ Low-precision routed-expert keys written by make-tiny (everything else stays fp3
 """
 
 
-# ============================================================================================================
-# Low-precision quantisers (MXFP4, FP8 block). Self-contained on purpose; to be deduplicated with
-# frontend/lowprec.py later.
-# ============================================================================================================
-
-FP8_E4M3_MAX = 448.0
-FP8_BLOCK = 128
-
-
-def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """W [..., K] float (K % 32 == 0) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
-
-    Scale per 32 values: E8M0 exponent s with amax / 2^s in [4, 8) (values beyond 6 saturate); codes are E2M1
-    rounded to nearest even via ml_dtypes. Idempotent: quantising dequantised values gives the same bytes."""
-    import ml_dtypes
-
-    w = np.asarray(w, dtype=np.float32)
-    if w.shape[-1] % 32:
-        raise InternalError(f"mxfp4 needs the last dim to be a multiple of 32, got {w.shape}")
-    g = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
-    amax = np.abs(g).max(axis=-1)
-    with np.errstate(divide="ignore"):
-        exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127)
-    exp = np.clip(exp, -127, 127).astype(np.int32)
-    scaled = g / np.exp2(exp)[..., None].astype(np.float32)
-    scaled = np.clip(scaled, -6.0, 6.0)
-    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
-    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    scales = (exp + 127).astype(np.uint8)  # E8M0 bit pattern
-    return blocks, scales
-
-
-def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """(blocks uint8 [..., G, 16], scales uint8 [..., G]) -> float32 [..., G*32]; low nibble first."""
-    from dayzero.frontend.lowprec import dequant_mxfp4
-
-    return np.asarray(dequant_mxfp4(blocks, scales), dtype=np.float32)
-
-
-def fp8_block_quantize(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """W [..., M, N] float -> (float8_e4m3fn [..., M, N], scale_inv fp32 [..., ceil(M/b), ceil(N/b)]).
-
-    scale_inv = amax / 448 per block rounded to a power of two (so that requantising is exact)."""
-    import ml_dtypes
-
-    w = np.asarray(w, dtype=np.float32)
-    *lead, m, n = w.shape
-    mb, nb = -(-m // block), -(-n // block)
-    pad = np.zeros((*lead, mb * block, nb * block), np.float32)
-    pad[..., :m, :n] = w
-    g = pad.reshape(*lead, mb, block, nb, block)
-    amax = np.abs(g).max(axis=(-3, -1))
-    with np.errstate(divide="ignore"):
-        sinv = np.where(amax > 0, np.exp2(np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / FP8_E4M3_MAX))), 1.0)
-    sinv = sinv.astype(np.float32)
-    full = np.repeat(np.repeat(sinv, block, axis=-2), block, axis=-1)[..., :m, :n]
-    q = np.clip(w / full, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q, sinv
-
-
-def fp8_block_dequantize(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-    from dayzero.frontend.lowprec import dequant_fp8_block
-
-    return np.asarray(dequant_fp8_block(q, scale_inv, (block, block)), dtype=np.float32)
-
-
 def _roundtrip(fmt: str, w_out_in: np.ndarray) -> np.ndarray:
-    """Values of W [..., out, in] after storage in FMT (what a loader reads back)."""
+    """Values of W [..., out, in] after storage in FMT (what a loader reads back), by lowprec's quantisers (the
+    codebase's one MXFP4 and one FP8 rounding rule); the values are fixed points of them, so the stored encoding
+    written from them later is exact."""
     import ml_dtypes
 
     if fmt == "fp32":
@@ -157,9 +94,9 @@ def _roundtrip(fmt: str, w_out_in: np.ndarray) -> np.ndarray:
     if fmt == "bf16":
         return w_out_in.astype(ml_dtypes.bfloat16).astype(np.float32)
     if fmt == "mxfp4":
-        return mxfp4_dequantize(*mxfp4_quantize(w_out_in))
+        return np.asarray(lowprec.dequant_mxfp4(*lowprec.quantize_mxfp4(w_out_in)), dtype=np.float32)
     if fmt == "fp8":
-        return fp8_block_dequantize(*fp8_block_quantize(w_out_in))
+        return np.asarray(lowprec.dequant_fp8_block(*lowprec.quantize_fp8_block(w_out_in)), dtype=np.float32)
     raise InternalError(fmt)
 
 
@@ -623,14 +560,14 @@ def _rewrite_experts(ckpt: Path, model, fmt: str):
             if fmt == "bf16":
                 new[k] = v.astype(ml_dtypes.bfloat16)
             elif fmt == "mxfp4":
-                blocks, scales = mxfp4_quantize(w)
-                if not np.array_equal(mxfp4_dequantize(blocks, scales), w):
+                blocks, scales = lowprec.quantize_mxfp4(w, name=k)
+                if not np.array_equal(lowprec.dequant_mxfp4(blocks, scales, name=k), w):
                     raise InternalError(f"mxfp4 encoding of {k} is not exact")
                 new[k + "_blocks"] = blocks  # NAME_blocks (fused, gpt-oss) / ....weight_blocks (per expert)
                 new[k + "_scales"] = scales
             elif fmt == "fp8":
-                q, sinv = fp8_block_quantize(v)
-                if not np.array_equal(fp8_block_dequantize(q, sinv), v):
+                q, sinv = lowprec.quantize_fp8_block(v, name=k)
+                if not np.array_equal(lowprec.dequant_fp8_block(q, sinv, name=k), v):
                     raise InternalError(f"fp8 encoding of {k} is not exact")
                 new[k] = q
                 new[k[: -len("weight")] + "weight_scale_inv" if k.endswith(".weight") else k + "_scale_inv"] = sinv
@@ -667,12 +604,12 @@ def dequantize_checkpoint(src, dst) -> Path:
                 continue
             if k.endswith("_blocks"):
                 base = k[: -len("_blocks")]
-                w = mxfp4_dequantize(v.numpy(), t[base + "_scales"].numpy())
+                w = lowprec.dequant_mxfp4(v.numpy(), t[base + "_scales"].numpy(), name=base)
                 out[base] = np.ascontiguousarray(np.swapaxes(w, -1, -2) if base in flip else w)
             elif v.dtype == torch.float8_e4m3fn:
                 sk = k + "_scale_inv" if not k.endswith(".weight") else k[: -len("weight")] + "weight_scale_inv"
                 q = v.view(torch.uint8).numpy().view(_ml().float8_e4m3fn)
-                out[k] = fp8_block_dequantize(q, t[sk].numpy())
+                out[k] = lowprec.dequant_fp8_block(q, t[sk].numpy(), name=k)
             else:
                 out[k] = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
         _save_np(out, f)
@@ -735,7 +672,7 @@ def _quant_config(fmt: str, model, cfg) -> dict | None:
         return {"modules_to_not_convert": _not_converted(model, names), "quant_method": "mxfp4"}
     if fmt == "fp8":
         return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                "weight_block_size": list(lowprec.FP8_BLOCK),
                 "modules_to_not_convert": _not_converted(model, names)}
     return None
 
@@ -900,6 +837,5 @@ def make_tiny_cmd(model_type, out_dir, layers, experts, seed, as_json):
                f"to {path}")
 
 
-__all__ = ["make_tiny", "make_tiny_cmd", "shrink_config", "build_model", "check_inputs", "mxfp4_quantize",
-           "mxfp4_dequantize", "auto_class", "dequantize_checkpoint", "fp8_block_quantize", "fp8_block_dequantize", "list_moe_model_types",
-           "EXPERT_KEYS_DOC"]
+__all__ = ["make_tiny", "make_tiny_cmd", "shrink_config", "build_model", "check_inputs", "auto_class",
+           "dequantize_checkpoint", "list_moe_model_types", "EXPERT_KEYS_DOC"]

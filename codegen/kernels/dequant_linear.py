@@ -10,15 +10,15 @@ separate add) with W decoded from its storage as it is read, never materialised 
                 c = (packed[r, c' // 2] >> 4 (c' % 2)) & 15  [^ 8 when signed]     (r, c') = (n, k) | (k, n)
                 W[n, k] = ((float(c) - offset) - zp[s(r, c')]) * scales[s(r, c')]
             in exactly the order of the ONNX chain (every step exact in fp32 but the last, so bit-exact with it).
-    mxfp4   blocks uint8 [N, K/32, 16] + E8M0 scales uint8 [N, K/32]  (``codegen/kernels/dequant.py``'s kernels)
+    mxfp4   blocks uint8 [N, K/32, 16] + E8M0 scales uint8 [N, K/32]  (``codegen/kernels/dequant/``'s kernels)
     fp8     weight float8_e4m3fn [N, K] + scale_inv fp32 [ceil(N/128), ceil(K/128)]
 
 Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, N]. A node whose T is a static
 int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
 each packed byte read once from memory); a symbolic T gets the prefill GEMM (an [OT, K] weight tile decoded
-once into an L2-resident buffer and reused for every token tile (``dequant._token_tile``: 24 on AVX2, 64 on
-AVX-512); one compiled kernel for every T). The CPU schedules are ``dequant.py``'s (``_fp8_gemv_cpu`` /
-``_gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``dequant.mxfp4_gemv`` / ``mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
+once into an L2-resident buffer and reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on
+AVX-512); one compiled kernel for every T). The CPU schedules are ``dequant/``'s (``gemv.fp8_gemv_cpu`` /
+``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` / ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
 
 In the kernel table (``codegen/kernels/table.py``): ``prim_func`` gives the unscheduled kernel carrying its
 parameters, and ``schedule_rule`` rebuilds it scheduled for the real target (as ``moe.py`` does). What the int4
@@ -34,7 +34,9 @@ import tvm
 from tvm import te, tirx
 
 from dayzero import InternalError, UserError
-from dayzero.codegen.kernels import dequant as dq
+from dayzero.codegen.kernels.dequant import decode, gemm, gemv
+from dayzero.codegen.kernels.dequant.scheduling import cuda_rules, mark_scheduled
+from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
 from dayzero.passes.ir.reference_dequant import int4_storage
 from dayzero.targets.capabilities import dequant_linear_int4_problem
 
@@ -70,9 +72,9 @@ def _int4_wd(P, S, Z, p: dict):
 
 def _fp8_wd(W, S, N: int, K: int):
     """wd[n, k] = E4M3(W[n, k]) * scale_inv[n // 128, k // 128], W float8_e4m3fn read as its bytes."""
-    B = dq.FP8_BLOCK
+    B = FP8_BLOCK_SIZE
     sc = te.compute(tuple(S.shape), lambda a, b: S[a, b] * _f32(256.0), name="sc")
-    return te.compute((N, K), lambda n, k: dq.e4m3_value_div256(tirx.reinterpret("uint8", W[n, k]))
+    return te.compute((N, K), lambda n, k: decode.e4m3_value_div256(tirx.reinterpret("uint8", W[n, k]))
                       * sc[n // B, k // B], name="wd")
 
 
@@ -84,7 +86,7 @@ def _weight_placeholders(p: dict):
         if p["zero_point"]:
             ph.append(te.placeholder(ss, "float32", name="zero_points"))
         return ph
-    B = dq.FP8_BLOCK
+    B = FP8_BLOCK_SIZE
     return [te.placeholder((N, K), "float8_e4m3fn", name="weight"),
             te.placeholder((-(-N // B), -(-K // B)), "float32", name="scale_inv")]
 
@@ -94,8 +96,8 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     N, K, T = p["N"], p["K"], p["T"]
     if p["fmt"] == "mxfp4":
         if T is not None:
-            return dq.mxfp4_gemv(T, N, K, target=target)
-        return dq.mxfp4_gemm(N, K, target=target)
+            return gemv.mxfp4_gemv(T, N, K, target=target)
+        return gemm.mxfp4_gemm(N, K, target=target)
     problem = dequant_linear_int4_problem(p) if p["fmt"] == "int4" else None
     if problem:
         raise InternalError(f"dequant_linear_int4 cannot take {p}: {problem} (the pass checks first)")
@@ -110,7 +112,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
         y = te.compute((T, N), lambda t, o: te.sum(xpad[t, k_] * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
     else:
         Tv = te.var("T")
-        tt = dq._token_tile(target)
+        tt = gemm.token_tile(target)
         Tp = (Tv + (tt - 1)) // tt * tt
         x = te.placeholder((Tv, K), "float32", name="x")
         xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
@@ -122,13 +124,13 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)
-    if dq._is_cuda(target):
-        return dq._cuda_rules(sch, target)
+    if decode.is_cuda(target):
+        return cuda_rules(sch, target)
     if T is not None:
-        dq._fp8_gemv_cpu(sch, K)
+        gemv.fp8_gemv_cpu(sch, K)
     else:
-        dq._gemm_cpu(sch, N, K, "fp8", target)
-    return dq._done(sch)
+        gemm.gemm_cpu(sch, N, K, "fp8", target)
+    return mark_scheduled(sch)
 
 
 _CACHE: dict = {}
@@ -139,7 +141,7 @@ def build(p: dict, target: dict):
     key = (json.dumps(p, sort_keys=True), tuple(sorted((k, str(v)) for k, v in target.items())))
     if key not in _CACHE:
         lib = tvm.compile(tvm.IRModule({"main": kernel(p, target)}), target=target)
-        _CACHE[key] = lib if dq._is_cuda(target) else lib["main"]
+        _CACHE[key] = lib if decode.is_cuda(target) else lib["main"]
     return _CACHE[key]
 
 

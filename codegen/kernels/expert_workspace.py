@@ -73,7 +73,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
-from dayzero.codegen.kernels import dequant
+from dayzero.codegen.kernels.dequant import decode as dequant_decode
 from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent_biases,
                                          expert_gemm_tiles, no_prefetch, optional, parallel_chunks, sort_by_expert)
 from dayzero.passes.ir.dayzero_ops import WORKSPACE_META_HEAD as META_HEAD
@@ -131,8 +131,8 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
 
     def wv(WS, slot, idx, SC, e, n, kk):  # a workspace element as fp32 (fp8: times its block scale)
         if fp8:
-            return dequant.e4m3_value_div256(WS[slot, idx]) * \
-                (dequant.e8m0_value(SC[e, n, kk // 32]) * T.float32(256.0))
+            return dequant_decode.e4m3_value_div256(WS[slot, idx]) * \
+                (dequant_decode.e8m0_value(SC[e, n, kk // 32]) * T.float32(256.0))
         return T.Cast(f32, WS[slot, idx])
 
     def row_bias(B, e, n0):  # bias(n) of ``expert_gemm_tiles``: row n0 + n of the bias, fp32
@@ -148,8 +148,8 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
             for g in range(K // 32):
                 for j in T.vectorized(32):
                     WS[slot, base + (n0 + n) * K + g * 32 + j] = stored(
-                        dequant.e2m1_value(T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4)
-                                           & 15) * dequant.e8m0_value(SC[e, n0 + n, g]),
+                        dequant_decode.e2m1_value(T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4)
+                                           & 15) * dequant_decode.e8m0_value(SC[e, n0 + n, g]),
                         T.shift_right(T.Cast("int32", B[e, n0 + n, g, j // 2]), (j % 2) * 4) & 15)
 
     @T.macro(hygienic=True)

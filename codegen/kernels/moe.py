@@ -11,7 +11,7 @@ Arguments (the ``moe_experts`` node's inputs, then its output; see ``passes/moe.
 
 Low-precision variants take each W as stored and decode it in registers where the GEMMs read it (no copy):
 ``moe_experts_mxfp4`` (blocks uint8 [E, out, in/32, 16] + E8M0 scales [E, out, in/32], layout nk; 16 codes per
-contiguous byte load, looked up as the dequant kernels do: ``dequant.e2m1_x2_lookup``) and
+contiguous byte load, looked up as the dequant kernels do: ``dequant_decode.e2m1_x2_lookup``) and
 ``moe_experts_fp8`` (float8_e4m3fn W in either layout + fp32 block scales [E, ceil(d1/br), ceil(d2/bc)]); see
 ``moe_experts_func``. Same phases, tiles and chunks: the 1/2-token tiles are the decode GEMV, the MB tiles the
 prefill GEMM.
@@ -56,7 +56,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
-from dayzero.codegen.kernels import dequant
+from dayzero.codegen.kernels.dequant import decode as dequant_decode
 from dayzero.targets import capabilities
 from dayzero.targets.capabilities import MOE_L, MOE_MB, MOE_NB
 
@@ -208,15 +208,15 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     order of the code bytes (chunk ko = 2g + h, lane l: input 32g + 2l + h, the low (h = 0) or high nibble of byte
     l of block g), so a chunk's 16 codes are one contiguous 16-byte load; x is permuted into that order once per
     call (XP) and the activation phase writes A in it. A chunk's codes become 2 E2M1 by ``decode``
-    (``dequant.lookup_mode``: one ``pshufb`` on AVX2, one ``vpermps`` on AVX-512, integer bit arithmetic
-    otherwise; ``dequant.e2m1_x2_lookup``; None: ``arith`` for CUDA, the host CPU's mode for llvm), times
+    (``dequant_decode.lookup_mode``: one ``pshufb`` on AVX2, one ``vpermps`` on AVX-512, integer bit arithmetic
+    otherwise; ``dequant_decode.e2m1_x2_lookup``; None: ``arith`` for CUDA, the host CPU's mode for llvm), times
     2^(scale - 128) (exact: a small integer times a power of two).
 
     ``wfmt="fp8"``: each expert matrix is float8_e4m3fn in its parameter layout (Wgu [E, GU, H] nk / [E, H, GU]
     kn, Wd likewise) plus fp32 scales over its last two axes in blocks of ``gate_up_block`` / ``down_block``
     (rows, cols): Sgu [E, ceil(d1/br), ceil(d2/bc)], W[e, i1, i2] = E4M3(Wq[e, i1, i2]) * S[e, i1 // br, i2 // bc]
     (``frontend/checkpoint._fp8_param`` binds DeepSeek's 128x128 weight_scale_inv so; br < 128 where a tiny
-    model's experts are shorter than a scale block). Decoded in registers as ``dequant.e4m3_value_div256`` times
+    model's experts are shorter than a scale block). Decoded in registers as ``dequant_decode.e4m3_value_div256`` times
     256 * S (exact: a power of two), so the jobs read 1 byte per weight plus 4 bytes per block."""
     mx, f8 = wfmt == "mxfp4", wfmt == "fp8"
     if mx and (layout != "nk" or H % 32 or I % 32):
@@ -229,7 +229,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     if mx and decode is None:
         from dayzero.targets.host import host_target_dict
 
-        decode = "arith" if cuda else dequant.lookup_mode(host_target_dict())
+        decode = "arith" if cuda else dequant_decode.lookup_mode(host_target_dict())
     if cuda and decode not in (None, "arith"):
         raise InternalError(f"moe_experts mxfp4 on CUDA decodes with integer arithmetic, not {decode!r}")
 
@@ -248,11 +248,11 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
 
     def mx_at(B, S, LUT, e, n, ko, l):  # MXFP4 weight [e, n, k_of(ko, l)] from blocks/scales
         code = T.bitwise_and(T.shift_right(B[e, n, ko // 2, l], T.Cast("uint8", (ko % 2) * 4)), T.uint8(15))
-        return dequant.e2m1_x2_lookup(decode, LUT[l], code) * (dequant.e8m0_value(S[e, n, ko // 2]) *
+        return dequant_decode.e2m1_x2_lookup(decode, LUT[l], code) * (dequant_decode.e8m0_value(S[e, n, ko // 2]) *
                                                                 T.float32(0.5))
 
     def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
-        return dequant.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
+        return dequant_decode.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
             (S[e, i1 // blk[0], i2 // blk[1]] * T.float32(256))
 
     def w_at(W, S, LUT, blk, e, n, ko, l):  # weight [e, n, k_of(ko, l)] of one expert matrix, fp32
@@ -338,7 +338,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         LUT = T.alloc_buffer((16,), "int8" if decode == "pshufb" else f32)  # MXFP4: the decode's table
         if mx:
             for c in range(16):
-                LUT[c] = dequant.e2m1_x2_table(decode, c)
+                LUT[c] = dequant_decode.e2m1_x2_table(decode, c)
             for t in par(n_tok):
                 for ho in range(H // L):
                     for l in vec(L):

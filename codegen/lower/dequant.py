@@ -14,7 +14,7 @@ from typing import Callable
 import tvm
 from tvm import te
 
-from dayzero.codegen.kernels.dequant import e2m1_value, e8m0_value
+from dayzero.codegen.kernels.dequant.decode import e2m1_value, e8m0_value
 from .common import cast, lowering_table
 
 LOWERINGS: dict[str, Callable] = {}

@@ -147,13 +147,7 @@ class _Parser:
                 return consts[v]
             raise UserError(f"IR text: unknown value {v!r}")
         if v == "[":
-            out = []
-            while not self.peek("]"):
-                out.append(self.value())
-                if self.peek(","):
-                    self.next()
-            self.next("]")
-            return tuple(out)
+            return tuple(self.items("]", self.value))
         raise UserError(f"IR text: unexpected {v!r}")
 
     def dim(self):
@@ -172,33 +166,41 @@ class _Parser:
     def ttype(self) -> TensorType:
         dtype = self.next("name")
         self.next("[")
-        dims = []
-        while not self.peek("]"):
-            dims.append(self.dim())
+        return TensorType(dtype, tuple(self.items("]", self.dim)))
+
+    def items(self, close: str, read) -> list:
+        """``read()`` items separated by commas (a trailing one allowed) up to CLOSE, which is consumed."""
+        out = []
+        while not self.peek(close):
+            out.append(read())
             if self.peek(","):
                 self.next()
+        self.next(close)
+        return out
+
+    def symbol_decl(self) -> tuple[str, int, int]:
+        """``s in [lo, hi]``, declaring symbol s."""
+        s = self.next("name")
+        self.next("in")
+        self.next("[")
+        lo = int(self.next("num"))
+        self.next(",")
+        hi = int(self.next("num"))
         self.next("]")
-        return TensorType(dtype, tuple(dims))
+        self.symbols[s] = make_symbol(s)
+        return s, lo, hi
+
+    def attr(self) -> tuple[str, object]:
+        a = self.next("name")
+        self.next("=")
+        return a, self.value()
 
     def graph(self) -> Graph:
         self.next("graph")
         name = self.next("name")
         self.next("symbols")
         self.next("(")
-        symbols = []
-        while not self.peek(")"):
-            s = self.next("name")
-            self.next("in")
-            self.next("[")
-            lo = int(self.next("num"))
-            self.next(",")
-            hi = int(self.next("num"))
-            self.next("]")
-            symbols.append((s, lo, hi))
-            self.symbols[s] = make_symbol(s)
-            if self.peek(","):
-                self.next()
-        self.next(")")
+        symbols = self.items(")", self.symbol_decl)
         check_symbols(symbols)
         self.next("{")
         env: dict[str, Node] = {}
@@ -207,36 +209,24 @@ class _Parser:
             ref = self.next("ref")
             self.next("=")
             op = self.next("name")
+            def defined_ref():
+                r = self.next("ref")
+                if r not in env:
+                    raise UserError(f"IR text: {r} used before it is defined")
+                return env[r]
+
             ins = []
             if self.peek("("):
                 self.next()
-                while not self.peek(")"):
-                    r = self.next("ref")
-                    if r not in env:
-                        raise UserError(f"IR text: {r} used before it is defined")
-                    ins.append(env[r])
-                    if self.peek(","):
-                        self.next()
-                self.next(")")
+                ins = self.items(")", defined_ref)
             attrs = {}
             if self.peek("{"):
                 self.next()
-                while not self.peek("}"):
-                    a = self.next("name")
-                    self.next("=")
-                    attrs[a] = self.value()
-                    if self.peek(","):
-                        self.next()
-                self.next("}")
+                attrs = dict(self.items("}", self.attr))
             self.next(":")
             if self.peek("("):
                 self.next()
-                types = []
-                while not self.peek(")"):
-                    types.append(self.ttype())
-                    if self.peek(","):
-                        self.next()
-                self.next(")")
+                types = self.items(")", self.ttype)
             else:
                 types = [self.ttype()]
             span = Span()
