@@ -20,7 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from dayzero import UserError
-from dayzero.json_file import read_json_file
+from dayzero.targets.json_file import read_json_file
 
 SPEC_DIR = Path(__file__).resolve().parent
 

@@ -3,7 +3,7 @@
 import pytest
 
 from dayzero import UserError
-from dayzero.json_file import read_json_file
+from dayzero.targets.json_file import read_json_file
 from dayzero.targets.spec import load_target_spec
 from dayzero.tools.capacity import load_config
 

@@ -65,7 +65,7 @@ import re
 from pathlib import Path
 
 from dayzero import InternalError, UserError
-from dayzero.json_file import read_json_file
+from dayzero.targets.json_file import read_json_file
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "mxfp4_fp8")
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
