@@ -281,6 +281,7 @@ def test_per_token_mla_kernel_reads_each_querys_own_request(dense):
     torch.testing.assert_close(o, torch.cat(want, dim=2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_token_indexer_kernel_equals_torch_topk_per_request():
     """Small-integer scores (exact in any order): query s's top-k over its own request's keys."""
     from dayzero.codegen.kernels import indexer

@@ -160,7 +160,7 @@ def test_kernel_int32_ids_and_a_single_token():
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout,bias", [("nk", False), ("nk", True), ("kn", True)])
+@pytest.mark.parametrize("layout,bias", [pytest.param("nk", False, marks=pytest.mark.slow), ("nk", True), pytest.param("kn", True, marks=pytest.mark.slow)])
 def test_kernel_compiles_for_cuda_sm90(layout, bias):
     f = K.moe_experts_func(E, H, 2 * I, I, 2, layout=layout, act=SILU_GLU(I), gate_up_bias=bias, down_bias=bias,
                            target_kind="cuda")
@@ -168,6 +168,7 @@ def test_kernel_compiles_for_cuda_sm90(layout, bias):
     assert "__global__" in lib.mod.imports[0].inspect_source()
 
 
+@pytest.mark.slow
 def test_schedule_rule_rebuilds_the_node_kernel_for_cuda():
     from dayzero.codegen import schedule
     from dayzero.codegen.program import Kernel

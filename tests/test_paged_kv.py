@@ -193,7 +193,7 @@ def test_paged_compressed_attention_reads_the_window_through_the_table(csa, S, s
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("S,start", [(1, 37), (1, 2), (19, 10)])
+@pytest.mark.parametrize("S,start", [(1, 37), (1, 2), pytest.param(19, 10, marks=pytest.mark.slow)])
 def test_paged_indexer_kernel_equals_torch_topk(S, start):
     """Small-integer scores (exact in any order): the kernel returns torch.topk's indices over the logical keys,
     while the pool's other rows (other requests' blocks, the scratch block) hold NaN."""

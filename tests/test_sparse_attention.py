@@ -192,7 +192,7 @@ def _mla_case(S, start, K, B=1, H=4, L=64, R=32, nope=16, Dr=8, Dv=16, seed=0):
 @pytest.mark.parametrize("S,start,K,B,H", [
     (1, 40, 4, 1, 4),   # decode, some selected rows in the future (masked)
     (1, 1, 8, 1, 4),    # k larger than the valid length
-    (1, 63, 4, 2, 4),   # last row, batch 2 (each batch row its own cache and indices)
+    pytest.param(1, 63, 4, 2, 4, marks=pytest.mark.slow),  # last row, batch 2 (each batch row its own cache and indices)
     (30, 2, 4, 1, 4),   # prefill: per-query indices
     (1, 50, 8, 1, 32),  # 32 heads: 8 tasks of 4 heads, each selected row read once per group
     (9, 20, 4, 2, 32),  # prefill with head groups, batch 2
@@ -264,8 +264,8 @@ def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3):
     (2, 1, 4096, 4, 3000, True),  # partial_sort (heap select) path, batch 2, 4 chunks of key rows
     (1, 1, 5000, 300, 4999, True),  # large k: introsort of the selected rows with its depth-limited recursion
     (1, 1, 300, 40, 299, False),  # sorted=False: nth_element order
-    (1, 37, 64, 4, 0, True),      # prefill from 0: 5 query blocks, the last partial
-    (2, 9, 128, 16, 50, False),   # prefill after a cached prefix, batch 2
+    pytest.param(1, 37, 64, 4, 0, True, marks=pytest.mark.slow),  # prefill from 0: 5 query blocks, the last partial
+    pytest.param(2, 9, 128, 16, 50, False, marks=pytest.mark.slow),  # prefill after a cached prefix, batch 2
 ])
 def test_indexer_kernel_equals_torch_topk(B, S, L, K, start, sorted_):
     _indexer_check(B, S, 8, 16, L, K, start, sorted_, seed=B + S + L + K)
