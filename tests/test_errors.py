@@ -79,6 +79,22 @@ def test_cli_run_bad_value_in_a_real_process_is_one_stderr_line(qwen):
     assert r.stderr.strip().splitlines() == ["error: --temperature must be a finite number >= 0 (0: greedy), got nan"]
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["run", "art", "--temperature", "abc"], "'--temperature': 'abc' is not a valid float"),
+    (["run", "art", "--bogus"], "No such option '--bogus'"),
+    (["run"], "Missing argument 'ARTIFACT'"),
+    (["compile", "ckpt", "-o", "out", "--max-seq", "x"], "'--max-seq': 'x' is not a valid integer"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+])
+def test_cli_usage_errors_are_one_line(tmp_path, args, needle):
+    """What click itself refuses (a value of the wrong type, an unknown option or command, a missing argument) is
+    bad input like any other: one line naming it, exit 2, no usage block."""
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
+
+
 def test_cli_run_good_values_still_run(qwen):
     art, rt = qwen
     r = CliRunner().invoke(main, ["run", str(art), "--input-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",

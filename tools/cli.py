@@ -34,6 +34,28 @@ def _emit(obj, as_json: bool, human=None) -> None:
 class DayzeroGroup(click.Group):
     """Turns errors into one line and an exit code (2 user, 3 internal) unless --debug."""
 
+    def main(self, *args, **kwargs):
+        """A usage error (an unknown option, a value of the wrong type, a missing argument) is bad input too: one
+        line naming it and exit 2, instead of click's usage block."""
+        if kwargs.pop("standalone_mode", True) is False:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:  # a bare ``dayzero``: the help it asked for
+            click.echo(e.ctx.get_help() if e.ctx is not None else str(e))
+            sys.exit(0)
+        except click.UsageError as e:
+            where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            click.echo(f"error: {e.format_message()}{where}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def invoke(self, ctx):
         debug = ctx.params.get("debug", False)
         try:
