@@ -306,10 +306,11 @@ def demo_cmd(out, prompt, images, as_json, then_serve, host, port):
         click.echo(f"max |logits - upstream eager| = {r['max_abs_diff']:.3g}")
         click.echo(f"generated {r['tokens']} ({'same as' if r['tokens_match_upstream'] else 'DIFFERENT from'} "
                    f"upstream generate())")
+        width = max((len(p) for p in r.get("patterns", {})), default=0)
         for pattern, p in r.get("patterns", {}).items():
             routes = "; ".join(f"{op}: " + ", ".join(f"{route} x{n}" for route, n in rs.items())
                                for op, rs in p["kernels"].items()) or "-"
-            click.echo(f"  pattern {pattern:<24} x{p['found']:<3} {routes}")
+            click.echo(f"  pattern {pattern:<{width}} x{p['found']:<3} {routes}")
         click.echo("ok" if r["ok"] else "MISMATCH")
     _emit(res, as_json, human)
     if not res["ok"]:
