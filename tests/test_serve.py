@@ -479,8 +479,13 @@ def test_chat_with_an_image_equals_offline_generate(tiny_compiled):
         uri, img = _png_data_uri()
         tok = s.offline.tokenizer
         image_id = s.offline.multimodal.image_token_id
-        ids = tok("<|user|>what is ", add_special_tokens=False)["input_ids"] + [image_id] + \
-            tok(" this<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+        # the prompt as the model's own chat template renders it (transformers' apply_chat_template), the image
+        # part at its place: one image token, which the runtime expands
+        text = tok.apply_chat_template([{"role": "user", "content": [
+            {"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": " this"}]}],
+            tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids.count(image_id) == 1
         ref = s.generate(ids, 12, images=[img])
         r = s.client().chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
             {"role": "user", "content": [{"type": "text", "text": "what is "},
