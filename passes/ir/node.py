@@ -20,6 +20,7 @@ never in it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
@@ -87,6 +88,12 @@ def norm_dim(d: Any) -> Dim:
     e = sympy.sympify(d, strict=True)  # strict: sympy objects and numbers only, no parsing of str(d)
     if e.is_Integer:
         return int(e)
+    return _simplified(e)
+
+
+@functools.lru_cache(maxsize=65536)
+def _simplified(e: sympy.Expr) -> Dim:
+    """``sympy.simplify`` (slow: ms per call) once per distinct expression; a graph repeats few of them."""
     return sympy.simplify(e)
 
 
