@@ -123,12 +123,14 @@ class _Translator:
         raise InternalError(f"not a dimension: {d!r}")
 
     def _simplify(self, e):
-        """torch's own Min/Max become sympy's, then decided over the symbols' declared ranges: with seq >= 4,
+        """torch's own FloorDiv/Min/Max become sympy's, then Min/Max are decided over the symbols' declared ranges: with seq >= 4,
         ``min(4, seq)`` is 4 (each symbol s >= lo is written lo - 1 + p, p a positive integer, and back)."""
         from torch.utils._sympy import functions as tf
 
         if not isinstance(e, sympy.Basic) or e.is_Integer:
             return int(e) if isinstance(e, sympy.Basic) and e.is_Integer else e
+        if e.has(tf.FloorDiv):  # as the text form reads ``a//b`` back (passes/ir/shape_expr.py): one spelling
+            e = e.replace(lambda x: isinstance(x, tf.FloorDiv), lambda x: sympy.floor(x.args[0] / x.args[1]))
         if e.has(tf.Min) or e.has(tf.Max):
             e = e.replace(lambda x: isinstance(x, tf.Min), lambda x: sympy.Min(*x.args))
             e = e.replace(lambda x: isinstance(x, tf.Max), lambda x: sympy.Max(*x.args))

@@ -43,6 +43,10 @@ def sym_to_tir(e, ctx: Ctx):
         if e.name not in ctx.vars:
             ctx.vars[e.name] = te.var(e.name, dtype=IDX)
         return ctx.vars[e.name]
+    if isinstance(e, sympy.floor):
+        # floor(a / b) as sympy writes it: Mul(a, Pow(b, -1)), or distributed (floor(seq/8 + 11/4))
+        num, den = sympy.together(e.args[0]).as_numer_denom()
+        return tvm.tirx.floordiv(sym_to_tir(num, ctx), sym_to_tir(den, ctx))
     args = [sym_to_tir(a, ctx) for a in e.args]
     if isinstance(e, sympy.Add):
         out = args[0]
@@ -54,10 +58,6 @@ def sym_to_tir(e, ctx: Ctx):
         for a in args[1:]:
             out = out * a
         return out
-    if isinstance(e, sympy.floor) and isinstance(e.args[0], sympy.Mul):
-        # floor(a / b) as sympy writes it: Mul(a, Pow(b, -1))
-        num, den = e.args[0].as_numer_denom()
-        return tvm.tirx.floordiv(sym_to_tir(num, ctx), sym_to_tir(den, ctx))
     if isinstance(e, sympy.Mod):
         return tvm.tirx.floormod(args[0], args[1])
     if type(e).__name__ == "Max":  # sympy's or torch's own (torch.utils._sympy.functions)
