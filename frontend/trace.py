@@ -23,6 +23,7 @@ from dayzero import UserError
 from dayzero.frontend import hf
 from dayzero.frontend.checkpoint import Checkpoint, check_coverage, learn_recipes_low_precision
 from dayzero.frontend.lowprec import bind_low_precision
+from dayzero.frontend.trace_cache import cache_root, cached
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph, rewrite
 
@@ -42,9 +43,10 @@ class Frontend:
 
 
 def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
-                prefill_chunk: int | None = None) -> Frontend:
+                prefill_chunk: int | None = None, trace_cache: str | None = None) -> Frontend:
     """``prefill_chunk``: the longest prefill call of a model with a KV cache (default ``max_seq``); its cache
-    still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``)."""
+    still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``).
+    ``trace_cache``: where a checkpoint's traces are kept (frontend/trace_cache.py; None: the default, "off")."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
         from dayzero.frontend.onnx.importer import trace_onnx
@@ -60,7 +62,10 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
         for p in lowp.values():
             recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
         check_coverage(ckpt, recipes, missing, hf.meta_model(ckpt)[0])  # before the (slow) trace
-        traced, decode, cache_layout = _trace_with_cache(ckpt, max_seq, prefill_chunk or max_seq)
+        chunk = prefill_chunk or max_seq
+        traced, decode, cache_layout = cached(cache_root(trace_cache), ckpt.config,
+                                              lambda: _trace_with_cache(ckpt, max_seq, chunk),
+                                              max_seq=max_seq, prefill_chunk=chunk)
         if traced is None:  # no static cache for this architecture: a stateless prefill only
             module, _ = hf.meta_model(ckpt)
             ep = export_seq_dynamic(hf.CausalLMPrefill(module), "input_ids", max_seq)

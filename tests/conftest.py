@@ -7,17 +7,22 @@ import torch
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_tuning_database(tmp_path_factory):
-    """Tests never read or write the user's tuning database (~/.cache/dayzero/tuning)."""
+def _private_caches(tmp_path_factory):
+    """Tests never read or write the user's tuning database or trace cache (~/.cache/dayzero/...): each session
+    has its own, shared by its tests and the CLI processes they start (the trace cache is what lets two tests
+    that compile the same config skip the second torch.export)."""
     import os
 
-    old = os.environ.get("DAYZERO_TUNING_DIR")
-    os.environ["DAYZERO_TUNING_DIR"] = str(tmp_path_factory.mktemp("tuning"))
+    env = {"DAYZERO_TUNING_DIR": "tuning", "DAYZERO_TRACE_CACHE": "traces"}
+    old = {k: os.environ.get(k) for k in env}
+    for k, sub in env.items():
+        os.environ[k] = str(tmp_path_factory.mktemp(sub))
     yield
-    if old is None:
-        os.environ.pop("DAYZERO_TUNING_DIR", None)
-    else:
-        os.environ["DAYZERO_TUNING_DIR"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 class _Once:

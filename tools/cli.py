@@ -116,6 +116,9 @@ def compile_options(fn):
         click.option("--tune-minutes", type=float, default=None, help="wall-clock budget for all tuning"),
         click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
                      help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)"),
+        click.option("--trace-cache", default=None, metavar="DIR|off",
+                     help="where traces are kept, so compiling the same config again skips torch.export "
+                          "(default $DAYZERO_TRACE_CACHE or ~/.cache/dayzero/traces; off: trace every time)"),
         click.option("--compute-dtype", default=None, metavar="fp32|bf16|fp8_e4m3|SPEC",
                      help="dtype MXFP4 experts are converted to and computed in (or a target spec, e.g. h200, "
                           "whose compute_dtype is taken); default: the target's (host: fp32)"),
@@ -135,7 +138,7 @@ def compile_options(fn):
         from dayzero.tools.compiler import CompileOptions
 
         names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
-                 "tune_minutes", "tuning_dir", "compute_dtype", "expert_route", "allow_nonfinite")
+                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite")
         opts = CompileOptions(**{k: kwargs.pop(k) for k in names}, image_grids=tuple(image_grids) or None,
                               expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
         return fn(*args, options=opts, **kwargs)

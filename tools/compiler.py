@@ -85,6 +85,7 @@ class CompileOptions:
     tune: int | None = None
     tune_minutes: float | None = None
     tuning_dir: str | None = None
+    trace_cache: str | None = None
     compute_dtype: str | None = None
     expert_route: str = "auto"
     expert_cache_bytes: int = 0
@@ -340,7 +341,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
 
 def trace(model: Any, options: CompileOptions) -> Frontend:
     """MODEL -> Frontend; refuses a checkpoint whose float weights hold NaN/Inf unless ``allow_nonfinite``."""
-    fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk)
+    fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk,
+                     trace_cache=options.trace_cache)
     if fe.checkpoint is not None and not options.allow_nonfinite:
         bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
         if bad is not None:

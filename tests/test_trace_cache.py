@@ -1,0 +1,154 @@
+"""The trace cache (frontend/trace_cache.py): a hit skips torch.export and compiles the same artifact; an entry
+that is damaged, inconsistent or for another key is refused with a warning and the model is traced again."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import sympy
+
+from dayzero.frontend import trace_cache
+from dayzero.frontend.torch_export import Traced
+from dayzero.passes.ir.node import Graph, Node, TensorType, structurally_equal
+from dayzero.passes.ir.text import parse_graph, print_graph
+from dayzero.passes.ir.shape_expr import make_symbol
+
+SEQ = make_symbol("seq")
+FLOOR = sympy.floor((SEQ + 22) / 8)  # DeepSeek-V4's compressor: (seq + 22) // 8 entries; sympy distributes it
+
+
+def _graph(dim) -> Graph:
+    x = Node.make("input", (), {"name": "input_ids"}, [TensorType("int64", (1, SEQ))])
+    y = Node.make("arange.start_step", (), {"start": 0, "end": dim, "step": 1, "dtype": None},
+                  [TensorType("int64", (dim,))])
+    return Graph("main", (x,), (x, y), (("seq", 1, 64),))
+
+
+LAYOUT = [{"layer": 0, "kind": "keys", "buffer": "cache_0_keys", "shape": (1, 2, 64, 8), "dtype": "float32",
+           "position_dim": 2, "layer_type": "full_attention", "sliding_window": None, "compress_rate": None}]
+
+
+class _Tracer:
+    """A stand-in for torch.export: counts its calls."""
+
+    def __init__(self, dim=FLOOR):
+        self.calls, self.dim = 0, dim
+
+    def __call__(self):
+        self.calls += 1
+        return Traced(_graph(self.dim)), Traced(_graph(1)), LAYOUT
+
+
+def _cached(root, tracer, config=None, **options):
+    return trace_cache.cached(root, config or {"model_type": "t"}, tracer, **({"max_seq": 64} | options))
+
+
+def test_floor_dimensions_read_back_from_text_and_lower_to_floordiv():
+    """torch's FloorDiv is written as floor(a/b), which sympy distributes (floor(seq/8 + 11/4)); the text form
+    reads it back as the same expression and the lowering turns any such floor into one integer floordiv."""
+    from tvm import sym
+
+    from dayzero.codegen.lower.common import Ctx, sym_to_tir
+
+    g = _graph(FLOOR)
+    assert structurally_equal(parse_graph(print_graph(g)), g)
+    an = sym.Analyzer()
+    for n in (1, 2, 9, 10, 63):
+        got = an.simplify(sym_to_tir(FLOOR, Ctx(bind={"seq": n})))
+        assert int(got) == math.floor((n + 22) / 8)
+
+
+def test_a_hit_skips_the_trace_and_gives_the_same_graphs(tmp_path):
+    tracer = _Tracer()
+    cold = _cached(tmp_path, tracer)
+    warm = _cached(tmp_path, tracer)
+    assert tracer.calls == 1
+    for a, b in zip(cold[:2], warm[:2]):
+        assert structurally_equal(a.graph, b.graph)
+    assert cold[2] == warm[2] == json.loads(json.dumps(LAYOUT))
+    # another config or option is another key
+    _cached(tmp_path, tracer, max_seq=32)
+    _cached(tmp_path, tracer, config={"model_type": "t", "hidden_size": 8})
+    assert tracer.calls == 3 and len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_off_and_unwritable_cache(tmp_path, monkeypatch):
+    tracer = _Tracer()
+    _cached(None, tracer)
+    _cached(None, tracer)
+    assert tracer.calls == 2
+    monkeypatch.setenv(trace_cache.ENV_DIR, "off")
+    assert trace_cache.cache_root() is None
+    assert trace_cache.cache_root(str(tmp_path)) == tmp_path
+    monkeypatch.setenv(trace_cache.ENV_DIR, str(tmp_path / "env"))
+    assert trace_cache.cache_root() == tmp_path / "env"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.warns(trace_cache.TraceCacheWarning, match="not written"):
+        _cached(blocker / "sub", tracer)  # a cache under a regular file cannot be created: the trace still returns
+
+
+def test_a_graph_without_an_exact_text_form_is_not_cached(tmp_path):
+    tracer = _Tracer(dim=sympy.Function("Unknown")(SEQ))  # prints, but does not read back
+    with pytest.warns(trace_cache.TraceCacheWarning):
+        _cached(tmp_path, tracer)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def _entry(tmp_path):
+    (path,) = tmp_path.glob("*.json")
+    return path, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("damage", [
+    "truncated", "not-json", "other-key", "layout-field", "layout-type", "ir-text", "graph-type"])
+def test_a_damaged_entry_is_refused_and_replaced(tmp_path, damage):
+    tracer = _Tracer()
+    _cached(tmp_path, tracer)
+    path, doc = _entry(tmp_path)
+    if damage == "truncated":
+        path.write_text(path.read_text()[:200])
+    elif damage == "not-json":
+        path.write_text("__import__('os').system('true')")
+    else:
+        if damage == "other-key":
+            doc["key"] = "0" * 64
+        elif damage == "layout-field":
+            doc["cache_layout"][0]["extra"] = 1
+        elif damage == "layout-type":
+            doc["cache_layout"][0]["shape"] = [1, -2, 64, 8]
+        elif damage == "ir-text":
+            doc["prefill"] = doc["prefill"].replace("int64[", "int64[`__import__('os')`, ", 1)
+        elif damage == "graph-type":
+            doc["decode"] = {"nodes": []}
+        path.write_text(json.dumps(doc))
+    with pytest.warns(trace_cache.TraceCacheWarning, match="ignored"):
+        again = _cached(tmp_path, tracer)
+    assert tracer.calls == 2
+    assert structurally_equal(again[0].graph, _graph(FLOOR))
+    _cached(tmp_path, tracer)  # the entry was rewritten: a hit again
+    assert tracer.calls == 2
+
+
+@pytest.mark.slow
+def test_a_cached_trace_compiles_the_same_artifact(tiny_compiled, tmp_path, monkeypatch):
+    """tiny DeepSeek-V4 (its compressor's dimensions are floor divisions): the session's compile left its traces in
+    the session cache; compiling again with torch.export unavailable gives byte-identical programs and kernels."""
+    import os
+
+    from dayzero.frontend import trace as trace_mod
+    from dayzero.tools.driver import compile_model
+    from conftest import SHARED_MAX_BATCH, SHARED_MAX_SEQ
+
+    ckpt, art, _ = tiny_compiled("deepseek_v4")
+    assert list(trace_cache.cache_root(os.environ[trace_cache.ENV_DIR]).glob("*.json"))
+
+    def no_export(*a, **k):
+        raise AssertionError("traced again although the cache holds this config")
+    monkeypatch.setattr(trace_mod, "_trace_with_cache", no_export)
+    again = tmp_path / "art"
+    compile_model(str(ckpt), again, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
+    for name in ("program.json", "weights.json", "kernels.so", "final.ir"):
+        assert (again / name).read_bytes() == (art / name).read_bytes(), name
