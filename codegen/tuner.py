@@ -298,6 +298,9 @@ def _unnamed_handlers_detached(name: str = "tvm.s_tir.meta_schedule"):
                 log.addHandler(h)
 
 
+EVOLUTION_MIN_TRIALS = 64  # a smaller budget is tuned by replay-trace (see ``tune``)
+
+
 def tune(
     prim_func,
     target,
@@ -306,7 +309,7 @@ def tune(
     db: TuningDatabase,
     progress: ProgressFn | None = None,
     *,
-    strategy: str = "evolutionary",
+    strategy: str | None = None,
     trials_per_iter: int = 16,
     seed: int | None = 0,
     timer: TimerConfig | None = None,
@@ -314,7 +317,10 @@ def tune(
     """Tune one kernel with MetaSchedule (in-process builder/runner) within ``trials`` and ``minutes``, store the
     record in ``db`` and return the faster of the tuned and the default schedule.
 
-    ``strategy``: MetaSchedule search strategy ("evolutionary", or the cheaper "replay-trace" for tiny budgets).
+    ``strategy``: MetaSchedule search strategy, "evolutionary" or "replay-trace"; default: evolutionary from
+    ``EVOLUTION_MIN_TRIALS`` trials up. Below that a budget buys less than one generation: evolutionary search
+    samples and mutates a population of 512 candidates before its first measurement (tens of seconds per kernel
+    on this host) and then measures a handful, while replay-trace samples only the candidates it measures.
     Shapes must be static (specialize symbolic dims first); otherwise the default schedule comes back untuned.
     """
     if trials < 1:
@@ -328,6 +334,7 @@ def tune(
     if _has_symbolic_shape(mod["main"]):
         return TuneResult(default_mod, None, None, 0, note="symbolic shape: specialize before tuning")
     timer = timer or TimerConfig()
+    strategy = strategy or ("evolutionary" if trials >= EVOLUTION_MIN_TRIALS else "replay-trace")
     default_s = measure(default_mod, t)
 
     deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
