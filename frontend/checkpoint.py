@@ -400,19 +400,26 @@ def expected_layout(config_dir) -> dict[str, tuple[int, ...]] | None:
     meta model built from the config; tied weights left out, as save_pretrained does). A diagnosis aid only:
     None when transformers cannot say (another model class, a conversion without a reverse)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
 
     from .hf import _quiet
 
     try:
         with _quiet(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_dir)))
-        sd = model.state_dict()
-        for k in getattr(model, "all_tied_weights_keys", None) or {}:
-            sd.pop(k, None)
-        return {k: tuple(int(d) for d in v.shape) for k, v in revert_weight_conversion(model, sd).items()}
+        return {k: tuple(int(d) for d in v.shape) for k, v in saved_layout(model).items()}
     except Exception:  # noqa: BLE001 - best effort: the caller falls back to transformers' own message
         return None
+
+
+def saved_layout(model) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> tensor (meta tensors for a meta MODEL: shape and dtype only) as ``save_pretrained`` would
+    write MODEL: its state dict without tied weights, through transformers' own reverse weight conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = model.state_dict()
+    for k in getattr(model, "all_tied_weights_keys", None) or {}:
+        sd.pop(k, None)
+    return revert_weight_conversion(model, sd)
 
 
 def _load_failure(ckpt, config_dir, err: Exception) -> str:
