@@ -137,3 +137,38 @@ def test_bad_arguments_are_one_line(args, needle, tmp_path):
     with pytest.raises(UserError, match="no published configuration"):
         mf.full_config("mixtral")
     assert not (tmp_path / "out").exists()
+
+
+WIDER = dict(hidden_size=128, intermediate_size=128, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
+             vocab_size=1024, eos_token_id=1000, pad_token_id=999)
+
+
+def test_full_size_recipes_are_learned_on_a_narrow_twin(tmp_path, monkeypatch):
+    """A checkpoint too large for the element-id stand-in gets the recipes transformers' loader gives directly."""
+    from dayzero.frontend import checkpoint as ck
+
+    path = mf.make_full("gpt_oss", tmp_path / "oss", layers=2, overrides=WIDER)
+    direct = learn_recipes_low_precision(Checkpoint(path), hf.load_for_recipes)
+    monkeypatch.setattr(ck, "LEARN_ELEMENTS", 0)
+    calls = []
+    real = ck._learn_narrow
+    monkeypatch.setattr(ck, "_learn_narrow", lambda *a: calls.append(a) or real(*a))
+    twin = learn_recipes_low_precision(Checkpoint(path), hf.load_for_recipes)
+    assert len(calls) == 1
+    assert twin == direct and len(twin[1]) == 4  # dense recipes, MXFP4 params, missing names
+    assert ck.narrow_config(json.loads((path / "config.json").read_text()))["hidden_size"] == 64
+
+
+def test_buffers_the_checkpoint_lacks_match_the_upstream_model(tmp_path):
+    """Rotary inverse frequencies come from their own modules' initialisation, not from a whole CPU model."""
+    from transformers import AutoModelForCausalLM
+
+    from dayzero.frontend.trace import _buffers_from_config
+
+    for model_type in ("gpt_oss", "qwen3_moe"):
+        path = _make(model_type, tmp_path / model_type)
+        ckpt = Checkpoint(path)
+        ref = dict(AutoModelForCausalLM.from_config(hf._config(ckpt)).named_buffers())
+        names = {n for n in ref if "inv_freq" in n}
+        got = _buffers_from_config(ckpt, names)
+        assert names and all(torch.equal(got[n], ref[n]) for n in names)
