@@ -194,3 +194,19 @@ def test_the_nonfinite_scan_does_not_keep_the_checkpoint_resident(tmp_path):
     assert r.returncode == 0, r.stderr
     grown_mb = int(r.stdout.split()[-1]) / 1024
     assert grown_mb < 400, grown_mb  # the scan itself: ~255 MB (chunk copies, torch kernels loading)
+
+
+def test_whole_models_plan_their_published_sizes_in_bounded_slices():
+    """The complete gpt-oss-20b plans the size of its published safetensors (13.8 GB: MXFP4 experts, the rest
+    bf16); every source is drawn in slices of at most CHUNK_ELEMENTS values, DeepSeek-V4's hash-routing table
+    [vocab, 6] included (each of its rows draws one value per expert)."""
+    sources, _ = mf.plan_sources(mf.full_config("gpt_oss"), "mxfp4")
+    assert 13.6e9 < sum(t.nbytes for s in sources for t in s.stored()) < 13.9e9
+    v4, _ = mf.plan_sources(mf.full_config("deepseek_v4", layers=1), "mxfp4")
+    table = next(s for s in v4 if s.kind == "expert_ids")
+    assert table.shape == (129280, 6)
+    for s in (*sources, *v4):
+        per_row = s.n_experts if s.kind == "expert_ids" else int(torch.tensor(s.shape[1:]).prod())
+        assert all((b - a) * per_row <= max(mf.CHUNK_ELEMENTS, per_row) for a, b in mf._chunks(s)), s.key
+    with pytest.raises(UserError, match="deepseek_v3 with 2 layer.* no routed experts"):
+        mf.plan_sources(mf.full_config("deepseek_v3", layers=2), "fp8")

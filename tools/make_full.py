@@ -203,7 +203,8 @@ def plan_sources(cfg, experts: str) -> tuple[list[Source], dict]:
     in_major = {n: im for n, _, im in modules}
     kinds = _expert_keys(layout.keys(), [n for n, _, _ in modules])
     if not kinds:
-        raise UserError(f"{cfg.model_type}: no routed-expert weights among the saved keys")
+        raise UserError(f"{cfg.model_type} with {cfg.num_hidden_layers} layer(s) has no routed experts (its first "
+                        f"layers are dense): pass more --layers")
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     buffers = {id(b) for b in model.buffers()}
     n_exp = next((getattr(cfg, k) for k in _EXPERT_COUNT_KEYS if isinstance(getattr(cfg, k, None), int)), 0)
@@ -250,7 +251,8 @@ def _rng(seed: int, key: str) -> np.random.Generator:
 
 def _chunks(src: Source):
     """(start, stop) along dim 0 of the saved shape: one expert of a fused tensor, else bands of rows."""
-    n0, row = src.shape[0], math.prod(src.shape[1:])
+    n0 = src.shape[0]
+    row = src.n_experts if src.kind == "expert_ids" else math.prod(src.shape[1:])  # values drawn per row
     step = max(1, CHUNK_ELEMENTS // max(row, 1))
     if src.kind == "expert" and len(src.shape) == 3:
         step = 1  # blocks never cross experts
