@@ -253,23 +253,30 @@ SCAN_CHUNK = 1 << 24  # elements per read while scanning for non-finite values
 def first_nonfinite(ckpt: Checkpoint, keys) -> str | None:
     """A one-line description of the first float tensor among ``keys`` holding NaN or Inf, else None.
 
-    Streamed: each tensor is read through safetensors' memory map in slices of its leading dimension (about
-    ``SCAN_CHUNK`` elements each), never the checkpoint, nor a large tensor, in memory at once."""
+    Streamed: each tensor is read in slices of its leading dimension (about ``SCAN_CHUNK`` elements each) with
+    plain reads, not a memory map, whose pages would stay in this process's resident set until the file closes
+    (a whole file's worth at full size): never the checkpoint, nor a large tensor, in memory at once."""
     by_file: dict[str, list[TensorInfo]] = {}
     for k in sorted(keys):
         info = ckpt.tensors[k]
         if info.dtype in _FLOAT_DTYPES and _numel(info.shape):
             by_file.setdefault(info.file, []).append(info)
     for f in sorted(by_file):
-        with safe_open(f, framework="pt") as h:
+        with open(f, "rb") as h:
+            data = 8 + struct.unpack("<Q", h.read(8))[0]  # the data section follows the header
             for info in by_file[f]:
-                sl = h.get_slice(info.key)
-                if not info.shape:
-                    chunks = [(0, h.get_tensor(info.key).reshape(-1))]
-                else:
-                    row = _numel(info.shape[1:])
-                    step = max(1, SCAN_CHUNK // max(row, 1))
-                    chunks = ((r, sl[r:r + step]) for r in range(0, info.shape[0], step))
+                row = _numel(info.shape[1:])
+                step = max(1, SCAN_CHUNK // max(row, 1))
+                dtype = getattr(torch, info.dtype)
+                size = dtype.itemsize
+
+                def rows(r0, n, info=info, row=row, dtype=dtype, size=size):
+                    h.seek(data + info.offsets[0] + r0 * row * size)
+                    flat = torch.frombuffer(bytearray(h.read(n * row * size)), dtype=dtype)
+                    return flat.reshape(n, *info.shape[1:]) if info.shape else flat
+
+                n0 = info.shape[0] if info.shape else 1
+                chunks = ((r, rows(r, min(step, n0 - r))) for r in range(0, n0, step))
                 for r0, part in chunks:
                     bad = ~torch.isfinite(part.float())
                     if bad.any():
@@ -294,7 +301,16 @@ def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None) -> t
     Modules transformers keeps in float32 whatever the load dtype (``_keep_in_fp32_modules``: MoE routers,
     DeepSeek-V4's hyper-connections) receive the ids cast to float32, which cannot hold ``ID_BASE + i`` exactly:
     those tensors are learned again from a second stand-in whose ids start at 2**20 (exact in float32 while the
-    checkpoint has under 15M elements), else matched by name and shape."""
+    checkpoint has under 15M elements), else matched by name and shape.
+
+    A checkpoint of more than ``LEARN_ELEMENTS`` elements (a full-size model: its stand-in would be 8 bytes per
+    element) is learned on its narrow twin instead (``_learn_narrow``)."""
+    if sum(_numel(i.shape) for i in ckpt.tensors.values()) > LEARN_ELEMENTS:
+        return _learn_narrow(ckpt, load_model, shapes)
+    return _learn_direct(ckpt, load_model, shapes)
+
+
+def _learn_direct(ckpt, load_model, shapes: dict | None) -> tuple[dict[str, list[Run]], set[str]]:
     recipes, missing, lowp = _learn(ckpt, load_model, ID_BASE, None, shapes)
     if lowp:
         total = sum(_numel(i.shape) for i in ckpt.tensors.values())
@@ -314,6 +330,88 @@ def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None) -> t
 
 
 FP32_ID_BASE = 2 ** 20
+LEARN_ELEMENTS = 50_000_000  # largest element-id stand-in learned directly (400 MB of float64)
+
+# The narrow twin of a configuration: these width fields shrunk (everything else, layer and expert counts, layer
+# types, head dims, kept); token ids moved inside the narrow vocabulary.
+_NARROW = {"hidden_size": 64, "vocab_size": 256, "q_lora_rank": 48, "kv_lora_rank": 32, "o_lora_rank": 16,
+           "o_groups": 2}
+_NARROW_HEADS = ("num_attention_heads", "index_n_heads")
+
+
+def narrow_config(config: dict) -> dict:
+    """CONFIG (a config.json dict) with its widths shrunk: the same checkpoint keys, small tensors."""
+    out = dict(config)
+    heads = config.get("num_attention_heads")
+    for k, v in config.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            continue
+        if k in _NARROW:
+            out[k] = min(v, _NARROW[k])
+        elif "intermediate_size" in k:
+            out[k] = min(v, 64)
+        elif k in _NARROW_HEADS:
+            out[k] = min(v, 4)
+        elif k == "num_key_value_heads" and isinstance(heads, int):
+            out[k] = v if v == 1 else (min(heads, 4) if v == heads else min(v, 2))
+        elif (k.endswith("token_id") or k.endswith("token_index")) and v >= _NARROW["vocab_size"]:
+            out[k] = _NARROW["vocab_size"] - 1
+    for k, v in config.items():
+        if k.endswith("token_ids") and isinstance(v, list):
+            out[k] = [min(x, _NARROW["vocab_size"] - 1) if isinstance(x, int) else x for x in v]
+    return out
+
+
+def _meta_layout(config: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(checkpoint key -> shape as saved, state-dict name -> shape) of the causal LM CONFIG describes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .hf import _quiet
+
+    d = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    with _quiet(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **d))
+    saved = {k: tuple(int(x) for x in v.shape) for k, v in saved_layout(model).items()}
+    return saved, {k: tuple(int(x) for x in v.shape) for k, v in model.state_dict().items()}
+
+
+def _learn_narrow(ckpt, load_model, shapes: dict | None):
+    """Recipes of a full-size checkpoint from its narrow twin: the same keys at narrow widths (``narrow_config``)
+    are learned by ``learn_recipes``; every parameter must be whole checkpoint tensors laid end to end there (a
+    rename, a stack of experts, a concatenation), and then is so at full size with each key's full length.
+    Anything else (a parameter taking part of a key, a transpose) is a UserError naming the parameter."""
+    model_type = ckpt.config.get("model_type")
+    try:
+        narrow = narrow_config(ckpt.config)
+        twin_layout, _ = _meta_layout(narrow)
+        _, full_shapes = _meta_layout(ckpt.config)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types on configs it cannot build
+        raise UserError(f"{ckpt.dir}: {model_type} is too large to learn its weight layout directly and has no "
+                        f"narrow twin: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if set(twin_layout) != set(ckpt.tensors):
+        diff = sorted(set(twin_layout) ^ set(ckpt.tensors))
+        raise UserError(f"{ckpt.dir}: the checkpoint's tensors are not those transformers saves for its config "
+                        f"(differ: {_names(diff)})")
+    twin = types.SimpleNamespace(dir=ckpt.dir, config=narrow, tensors={
+        k: TensorInfo(k, "", ckpt.tensors[k].dtype, twin_layout[k]) for k in sorted(twin_layout)})
+    narrow_recipes, missing = _learn_direct(twin, load_model, None)
+    recipes = {}
+    for name, runs in narrow_recipes.items():
+        full, at, end = [], 0, 0
+        for d0, key, s0, n in runs:
+            if d0 != end or s0 != 0 or n != _numel(twin_layout[key]):
+                raise UserError(f"{ckpt.dir}: parameter {name} takes part of checkpoint tensor {key}; its layout "
+                                f"cannot be learned at full size")
+            end += n
+            full.append((at, key, 0, _numel(ckpt.tensors[key].shape)))
+            at += full[-1][3]
+        if at != _numel(full_shapes.get(name, ())):
+            raise UserError(f"{ckpt.dir}: parameter {name} {list(full_shapes.get(name, ()))} is not the checkpoint "
+                            f"tensors {', '.join(k for _, k, _, _ in full)} end to end")
+        recipes[name] = full
+    if shapes is not None:
+        shapes.update(full_shapes)
+    return recipes, missing
 
 
 def _numel(shape) -> int:
@@ -400,19 +498,26 @@ def expected_layout(config_dir) -> dict[str, tuple[int, ...]] | None:
     meta model built from the config; tied weights left out, as save_pretrained does). A diagnosis aid only:
     None when transformers cannot say (another model class, a conversion without a reverse)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
 
     from .hf import _quiet
 
     try:
         with _quiet(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_dir)))
-        sd = model.state_dict()
-        for k in getattr(model, "all_tied_weights_keys", None) or {}:
-            sd.pop(k, None)
-        return {k: tuple(int(d) for d in v.shape) for k, v in revert_weight_conversion(model, sd).items()}
+        return {k: tuple(int(d) for d in v.shape) for k, v in saved_layout(model).items()}
     except Exception:  # noqa: BLE001 - best effort: the caller falls back to transformers' own message
         return None
+
+
+def saved_layout(model) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> tensor (meta tensors for a meta MODEL: shape and dtype only) as ``save_pretrained`` would
+    write MODEL: its state dict without tied weights, through transformers' own reverse weight conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = model.state_dict()
+    for k in getattr(model, "all_tied_weights_keys", None) or {}:
+        sd.pop(k, None)
+    return revert_weight_conversion(model, sd)
 
 
 def _load_failure(ckpt, config_dir, err: Exception) -> str:

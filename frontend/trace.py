@@ -191,23 +191,22 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
     each (``decode_export.CacheTensor``: layer, layer type, token-position dim, compression rate), which
     ``dayzero report`` turns into KV bytes per token per layer type. Architectures whose cache has no static form
     get (None, None, []): prefill only, see README."""
-    from transformers import AutoModelForCausalLM
-
     from dayzero.frontend.decode_export import CacheStep, describe
 
-    cfg = hf._config(ckpt)
-    with hf._quiet():
-        cpu = AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.EXPORT_EXPERTS).eval()
+    # on the meta device: no weight (or cache) is allocated, whatever the model's size; the tensors the
+    # checkpoint does not hold are computed by _buffers_from_config
+    model, _ = hf.meta_model(ckpt)
     try:
-        step = CacheStep(cpu, max_cache_len=max_seq)
+        step = CacheStep(model, max_cache_len=max_seq)
     except UserError:
         return None, None, []
-    ep = export_seq_dynamic(step, "input_ids", prefill_chunk, with_positions=True,
-                            bound_option="--prefill-chunk" if prefill_chunk < max_seq else "--max-seq")
+    with torch.device("meta"):
+        ep = export_seq_dynamic(step, "input_ids", prefill_chunk, with_positions=True,
+                                bound_option="--prefill-chunk" if prefill_chunk < max_seq else "--max-seq")
     cache_layout = [asdict(c) for c in describe(ep, step, prefill_chunk).cache]
     names = symbol_names_from(ep, {"input_ids": {1: "seq"}, "cache_position": {0: "seq"}})
     prefill = to_graph(ep, names, strip_prefix="model.")
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("meta"):
         ep1 = export_module(step, (torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), None)
     decode = to_graph(ep1, {}, strip_prefix="model.")
     for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
@@ -223,20 +222,35 @@ def _rename_states(g: Graph) -> Graph:
 
 def _buffers_from_config(ckpt: Checkpoint, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors the model reads that no checkpoint tensor fills: only non-persistent buffers (rotary inv_freq)
-    or what transformers lets a checkpoint omit get here (``check_coverage`` rejected the rest)."""
-    from transformers import AutoModelForCausalLM
+    or what transformers lets a checkpoint omit get here (``check_coverage`` rejected the rest).
 
-    cfg = hf._config(ckpt)
-    with hf._quiet():
-        m = AutoModelForCausalLM.from_config(cfg)
-    sd = dict(m.named_parameters())
-    sd.update(m.named_buffers())
-    unknown = sorted(names - set(sd))
+    Only their owning modules are materialised (on CPU, from the meta model) and initialised by the model's own
+    ``_init_weights``, as transformers' loader does for what a checkpoint lacks: a full-size model is never
+    built. A value that initialisation leaves unset (still NaN) is an error, never garbage."""
+    model, _ = hf.meta_model(ckpt)
+    known = dict(model.named_parameters())
+    known.update(model.named_buffers())
+    unknown = sorted(names - set(known))
     if unknown:
         raise UserError(f"{ckpt.dir}: the model reads {', '.join(unknown[:5])}, which neither the checkpoint "
                         "nor the model's own initialisation provides")
-    return {n: sd[n].detach().clone() for n in names}
-
+    with torch.no_grad(), hf._quiet():
+        for owner in sorted({n.rpartition(".")[0] for n in names}):
+            mod = model.get_submodule(owner)
+            mod.to_empty(device="cpu", recurse=False)
+            for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+            model._init_weights(mod)
+    out = {}
+    for n in sorted(names):
+        owner, _, leaf = n.rpartition(".")
+        t = getattr(model.get_submodule(owner), leaf)
+        if t.is_floating_point() and bool(torch.isnan(t).any()):
+            raise UserError(f"{ckpt.dir}: the model reads {n}, which the checkpoint lacks and the model's own "
+                            "initialisation does not compute")
+        out[n] = t.detach().clone()
+    return out
 
 
 def batched_decode_input(prefill: Graph, max_batch: int) -> tuple[Graph | None, str]:

@@ -395,11 +395,12 @@ def _register_optional():
     from dayzero.tools.bench_serve import serve_command
     from dayzero.tools.bench_tuning import tuning_command
     from dayzero.tools.compare import compare_cmd
+    from dayzero.tools.make_full import make_full_cmd
     from dayzero.tools.make_tiny import make_tiny_cmd
     from dayzero.tools.plan_cmd import plan
     from dayzero.tools.report import report_cmd
 
-    for cmd in (make_tiny_cmd, plan, report_cmd, compare_cmd):
+    for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, moe_command, tuning_command, attention_command, serve_command):
         bench_group.add_command(cmd)

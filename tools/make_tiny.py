@@ -414,8 +414,9 @@ def _is_moe(d: dict, subs) -> bool:
 
 def _experts_modules(model):
     """[(module_name, module, in_major)] for every fused routed-experts module (3-D down_proj parameter).
-    in_major: stored [E, in, out] (gpt-oss) rather than [E, out, in]; decided from down_proj, whose output
-    dim is the hidden size."""
+    in_major: stored [E, in, out] (gpt-oss) rather than [E, out, in]: the module's own ``is_transposed`` flag
+    (transformers' ``use_experts_implementation``), else decided from down_proj, whose output dim is the hidden
+    size (ambiguous when the experts' width equals it, as in the published gpt-oss: 2880 both)."""
     import torch
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -425,7 +426,8 @@ def _experts_modules(model):
         dp = getattr(mod, "down_proj", None)
         if not (isinstance(dp, torch.nn.Parameter) and dp.dim() == 3):
             continue
-        in_major = dp.shape[2] == hidden and dp.shape[1] != hidden
+        flag = getattr(mod, "is_transposed", None)
+        in_major = flag if isinstance(flag, bool) else (dp.shape[2] == hidden and dp.shape[1] != hidden)
         out.append((name, mod, in_major))
     return out
 
