@@ -174,6 +174,7 @@ def test_buffers_the_checkpoint_lacks_match_the_upstream_model(tmp_path):
         assert names and all(torch.equal(got[n], ref[n]) for n in names)
 
 
+@pytest.mark.slow  # writes and scans a 1 GB tensor
 def test_the_nonfinite_scan_does_not_keep_the_checkpoint_resident(tmp_path):
     """Scanning a 1 GB tensor for NaN/Inf raises the process's peak RSS by a few chunks, not the file's size
     (a memory map kept every page read resident until the file closed)."""
