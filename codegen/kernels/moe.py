@@ -50,6 +50,7 @@ per core set TVM_NUM_THREADS to the core count (``tools/bench_moe.py`` does) or 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import tvm
@@ -197,6 +198,7 @@ def combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec):
                         Y.dtype, T.Cast("float32", WR[t, j]) * D[pos[t * k + j], ho * L + l])
 
 
+@functools.lru_cache(maxsize=64)  # parsing the TVMScript takes seconds; a PrimFunc is immutable, shared safely
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
                      out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",
