@@ -27,15 +27,15 @@ entries by design; R = ``rate``). The HCA block bias is upstream's own in prefil
 
 Ordering: after sparse_attention (it shares its helpers; the sliding-only layers are already ``cache_attention``
 there) and after fold_constants (arange rows, the window, the scale and the fills are read from
-``ctx.constants``). Anything unrecognised stays dense and correct. The cache operands are the plain contiguous
-states (paged_kv leaves states read by this op alone).
+its folded ``constants``). Anything unrecognised stays dense and correct. The cache operands are the plain
+contiguous states (paged_kv leaves states read by this op alone).
 """
 
 from __future__ import annotations
 
 from dayzero.passes.ir.node import Node, TensorType, view_node
-from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Rule, V, filled, isin, many, need, pattern_pass,
-                                       strip_views, with_scalar)
+from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Rule, V, filled, isin, many, need, strip_views, with_scalar
+from dayzero.passes.pipeline import pattern_pass
 from dayzero.passes.sparse_attention import (LAST4, MASK_BIAS, SCALED_QK, _cache_operands, _int, arange_row,
                                              mask_terms, positions, positive_int, sink_attention)
 

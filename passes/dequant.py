@@ -38,8 +38,8 @@ Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not):
              FMT = int4:  (x, view [R, C/2] (P), view S2 (S), [view S2 (Z)])      the transposed chain)
                    mxfp4: (x, B [N, G, 16], S [N, G])      fp8: (x, Wq [N, K], S)
 
-Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants`` into
-``ctx.constants``), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
+Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants``
+into the ``constants`` the pass reads), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
 (``codegen/kernels/moe.py`` ``wfmt="mxfp4"`` / ``"fp8"``; ``codegen/kernels/dequant_linear.py``: decode GEMV for a static
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
@@ -58,8 +58,9 @@ import numpy as np
 
 from dayzero.passes.ir.node import Node, TensorType, view_node
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, cast, const, isin, last_dim, many, need,
-                                       pattern_pass, strip_views, with_scalar)
+                                       strip_views, with_scalar)
 from dayzero.passes.ir.reference_dequant import E2M1 as _E2M1, int4_storage
+from dayzero.passes.pipeline import pattern_pass
 from dayzero.targets import capabilities
 
 OP_MOE = "moe_experts_mxfp4"

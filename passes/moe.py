@@ -28,13 +28,14 @@ experts' O(T*k*H*I), its forms differ per model far more than the expert computa
 are the clean interface between the two. Shared experts stay dense (``linear``). The node's reference runs the
 routed experts with a per-expert loop over only the experts some token chose; its kernel
 (the kernel table's ``moe_experts``) sorts assignments by expert and runs a grouped GEMM over the routed experts only.
-Ordering: after fold_constants (constant scalars in the activation are read from ``ctx.constants``).
+Ordering: after fold_constants (constant scalars in the activation are read from the folded ``constants``).
 """
 
 from __future__ import annotations
 
 from dayzero.passes.ir.node import Node, TensorType
-from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Pat, Rule, V, isin, need, pattern_pass, strip_views
+from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Pat, Rule, V, isin, need, strip_views
+from dayzero.passes.pipeline import pattern_pass
 from dayzero.targets import capabilities
 
 OP = "moe_experts"

@@ -59,8 +59,8 @@ The indexer is the linear part of a DSA step (O(L) per query by design) and is r
 ``dayzero bench attention``. Both ops have one kernel per target with a
 decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
 ``codegen/kernels/attention.py``. Ordering: after fold_constants (the arange, the window, the scale and the
-fill values are read from ``ctx.constants``) and after inplace_state (the cache operands are then the in-place
-written states). Anything unrecognised stays dense and correct.
+fill values are read from its folded ``constants``) and after inplace_state (the cache operands are then the
+in-place written states). Anything unrecognised stays dense and correct.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ import torch
 
 from dayzero.passes.ir.node import Node, TensorType, view_node
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, cast, const, filled, isin, last_dim, need,
-                                       pattern_pass, scalar_is, strip_views)
+                                       scalar_is, strip_views)
+from dayzero.passes.pipeline import pattern_pass
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"

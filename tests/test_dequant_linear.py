@@ -29,7 +29,6 @@ from dayzero.passes.ir import interp
 from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
-from dayzero.passes.pipeline import PassContext
 from dayzero.tools.compiler import run_pipeline
 from dayzero.runtime.executor import load
 from dayzero.targets.capabilities import int4_storage
@@ -104,9 +103,8 @@ ONNX_CASES = {
 def test_onnx_4bit_matmul_fuses_and_matches_onnxruntime(tmp_path, case):
     path = ONNX_CASES[case](tmp_path / "q.onnx")
     fe = trace_onnx(str(path), 16)
-    ctx = PassContext()
-    g = run_pipeline(fe.traced.graph, ctx, verify=True)
-    assert ctx.patterns.get("dequant.linear") == 1
+    g, found = run_pipeline(fe.traced.graph, verify=True)
+    assert found.patterns.get("dequant.linear") == 1
     assert [n.op for n in g.nodes() if n.op.startswith("dequant_linear")] == ["dequant_linear_int4"]
     assert not {"bitwise_and.Tensor", "cat", "mul.Tensor", "linear", "matmul"} & {n.op for n in g.nodes()}
     report = compile_model(str(path), tmp_path / "art", max_seq=16, verify=True)
@@ -131,9 +129,8 @@ def _nbits_text(tmp_path) -> str:
 
 
 def _fires(text: str) -> bool:
-    ctx = PassContext()
-    g = run_pipeline(parse_graph(text), ctx, verify=True)
-    return bool(ctx.patterns.get("dequant.linear")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
+    g, found = run_pipeline(parse_graph(text), verify=True)
+    return bool(found.patterns.get("dequant.linear")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
 
 
 def test_chain_with_wrong_bit_layout_or_missing_scale_is_left_alone(tmp_path):
@@ -197,22 +194,21 @@ def test_fp8_and_mxfp4_chains_feeding_linear_fuse(fmt, via_matmul):
     N, K = (200, 300) if fmt == "fp8" else (48, 64)
     seq = make_symbol("seq")
     g = _linear_graph(fmt, N, K, seq, via_matmul)
-    ctx = PassContext()
-    fused = run_pipeline(g, ctx, verify=True)
-    assert ctx.patterns.get("dequant.linear") == 1
+    fused, found = run_pipeline(g, verify=True)
+    assert found.patterns.get("dequant.linear") == 1
     assert [n.op for n in fused.nodes() if n.op.startswith("dequant_linear")] == [f"dequant_linear_{fmt}"]
     data, scale = _stored(fmt, N, K)
-    ws = dict(ctx.constants, **{"w.data": data, "w.scale": scale})
+    ws = dict(found.constants, **{"w.data": data, "w.scale": scale})
     x = torch.randn(7, K)
     got = interp.run_graph(fused, {"x": x}, ws.__getitem__)[0]
-    want = interp.run_graph(fold(g, ctx), {"x": x}, ws.__getitem__)[0]
+    want = interp.run_graph(fold(g), {"x": x}, ws.__getitem__)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def fold(g, ctx):
+def fold(g):
     from dayzero.passes.fold_constants import fold_constants
 
-    return fold_constants(g, ctx.constants)
+    return fold_constants(g)[0]
 
 
 # ---- kernels vs torch ----------------------------------------------------------------------------------------

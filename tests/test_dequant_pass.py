@@ -37,8 +37,8 @@ from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fa
 def _chain(in_major=False, shape=(4, 32, 2)):
     E, O, G = shape
     g = lowprec._dequant_graph("mxfp4", in_major, ("uint8", (E, O, G, 16)), ("uint8", (E, O, G)))
-    consts: dict = {}
-    return fold_constants(g, consts), consts
+    g, found = fold_constants(g)
+    return g, found.constants
 
 
 def _eval(g: Graph, feeds: dict, consts: dict) -> torch.Tensor:

@@ -11,7 +11,6 @@ from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.reference_dequant import dequant_reference
-from dayzero.passes.pipeline import PassContext
 from dayzero.tools.compiler import run_pipeline
 
 CASES = {  # name -> (format, stored fp32 shape, block, transposed)
@@ -84,9 +83,8 @@ def test_typed_op_and_aten_chain_meet_in_the_same_fused_linear(fmt):
     fused = []
     for w in (typed, chain):
         y = Node.make("linear", (x, w), {"bias": False}, [TensorType("float32", (T, N))], Span("proj", "test"))
-        ctx = PassContext()
-        g = run_pipeline(Graph("main", (x,), (y,)), ctx, verify=True)
-        assert ctx.patterns.get("dequant.linear") == 1
+        g, found = run_pipeline(Graph("main", (x,), (y,)), verify=True)
+        assert found.patterns.get("dequant.linear") == 1
         (node,) = [n for n in g.nodes() if n.op.startswith("dequant_linear")]
         assert not [n for n in g.nodes() if n.op == dq.OP_DEQUANT]
         fused.append((node.op, node.attrs, [i.attr.get("name") for i in node.inputs]))

@@ -291,23 +291,3 @@ def rewrite(graph: Graph, rules: Iterable[Rule], constants: Mapping[str, Any] | 
     never fired are left out)."""
     rw = Rewriter(tuple(rules), constants if constants is not None else {})
     return rewrite_nodes(graph, rw), rw.counts
-
-
-def add_counts(patterns: dict[str, int], counts: Mapping[str, int]) -> None:
-    """Accumulate a rewrite's counts into a compile's pattern report (``PassContext.patterns``)."""
-    for k, v in counts.items():
-        patterns[k] = patterns.get(k, 0) + v
-
-
-def pattern_pass(name: str, rules: Iterable[Rule]) -> Callable:
-    """The pass ``name`` that is its rule set: ``(graph, ctx) -> graph``, rewriting with ``rules`` over
-    ``ctx.constants`` and adding each rule's matches to ``ctx.patterns``."""
-    rules = tuple(rules)
-
-    def run(g: Graph, ctx) -> Graph:
-        g, counts = rewrite(g, rules, ctx.constants)
-        add_counts(ctx.patterns, counts)
-        return g
-    run.__name__ = run.__qualname__ = name
-    run.__doc__ = f"{name}: rewrite with {', '.join(r.name for r in rules)}; counts each rule's matches."
-    return run

@@ -3,7 +3,7 @@
 
 from dayzero.passes.dequant import dequant
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 
 def _fp8_linear(block_rows: int) -> str:
@@ -29,8 +29,9 @@ def _fp8_linear(block_rows: int) -> str:
 
 
 def test_an_fp8_block_scaled_weight_under_a_linear_becomes_dequant_linear_fp8():
-    ctx = context()
-    assert_ir(dequant(ir(_fp8_linear(128)), ctx), """
+    after, found = dequant(ir(_fp8_linear(128)), {})
+    assert found.patterns == {"dequant.linear": 1}
+    assert_ir(after, """
     graph main symbols(seq in [1, 16]) {
       %0 = input {name="x"} : float32[1, seq, 128]
       %1 = weight {name="proj.weight"} : float8_e4m3fn[256, 128]
@@ -45,7 +46,9 @@ def test_an_fp8_block_scaled_weight_under_a_linear_becomes_dequant_linear_fp8():
 
 def test_scale_blocks_other_than_128_by_128_stay_generic():
     before = ir(_fp8_linear(64))
-    assert_ir(dequant(before, context()), before)
+    after, found = dequant(before, {})
+    assert_ir(after, before)
+    assert found.patterns == {}
 
 
 def test_a_weight_shorter_than_its_scale_blocks_reads_the_repeated_scales_sliced():
@@ -68,7 +71,7 @@ def test_a_weight_shorter_than_its_scale_blocks_reads_the_repeated_scales_sliced
       return %12
     }
     """)
-    assert_ir(dequant(before, context()), """
+    assert_ir(dequant(before, {})[0], """
     graph main symbols(seq in [1, 16]) {
       %0 = input {name="x"} : float32[seq, 128]
       %1 = weight {name="proj.weight"} : float8_e4m3fn[200, 128]
