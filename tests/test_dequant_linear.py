@@ -36,6 +36,8 @@ from dayzero.targets.host import cuda_target_dict, host_target_dict
 from dayzero.tools.driver import compile_model
 from dayzero.tools.onnx_reference import reference_outputs
 
+from _dequant_chain import dequant_graph
+
 TOL = 1e-4
 HOST = host_target_dict()
 
@@ -163,7 +165,7 @@ def _linear_graph(fmt: str, N: int, K: int, T, via_matmul: bool = False):
         data_t, scale_t = ("uint8", (N, K // 32, 16)), ("uint8", (N, K // 32))
     else:
         data_t, scale_t = ("float8_e4m3fn", (N, K)), ("float32", (-(-N // 128), -(-K // 128)))
-    sub = lowprec._dequant_graph(fmt, in_major, data_t, scale_t)
+    sub = dequant_graph(fmt, in_major, data_t, scale_t)
     bind = {"blocks": Node.make("weight", (), {"name": "w.data"}, [TensorType(*data_t)]),
             "weight": Node.make("weight", (), {"name": "w.data"}, [TensorType(*data_t)]),
             "scales": Node.make("weight", (), {"name": "w.scale"}, [TensorType(*scale_t)]),

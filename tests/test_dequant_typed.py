@@ -13,6 +13,8 @@ from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.reference_dequant import dequant_reference
 from dayzero.tools.compiler import run_pipeline
 
+from _dequant_chain import dequant_graph
+
 CASES = {  # name -> (format, stored fp32 shape, block, transposed)
     "mxfp4": ("mxfp4", (3, 8, 64), 32, False),
     "mxfp4_in_major": ("mxfp4", (3, 8, 64), 32, True),
@@ -74,7 +76,7 @@ def test_typed_op_and_aten_chain_meet_in_the_same_fused_linear(fmt):
         data_t, scale_t, block = ("uint8", (N, K // 32, 16)), ("uint8", (N, K // 32)), 32
     else:
         data_t, scale_t, block = ("float8_e4m3fn", (N, K)), ("float32", (-(-N // 128), -(-K // 128))), (128, 128)
-    sub = lowprec._dequant_graph(fmt, False, data_t, scale_t)
+    sub = dequant_graph(fmt, False, data_t, scale_t)
     typed = _typed(fmt, data_t, scale_t, block, False, (N, K))
     bind = {"blocks": typed.inputs[0], "weight": typed.inputs[0], "scales": typed.inputs[1],
             "scale_inv": typed.inputs[1]}
