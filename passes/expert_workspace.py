@@ -1,7 +1,8 @@
 """expert_workspace: MXFP4 routed experts take the convert -> compute -> reclaim -> reuse route.
 
-Runs after the pipeline, per program, when the compile options / target choose the workspace route for it
-(``route_for``; the docstring of the kernel table's ``moe_experts_mxfp4_ws`` kernel gives the measurements behind
+Runs per program after the pattern passes (dequant makes the moe_experts_mxfp4 it rewrites) and before the
+state-layout steps (its states are in their own zone, which paged_kv leaves as they are), when the compile
+options / target choose the workspace route for it (``route_for``; the docstring of the kernel table's ``moe_experts_mxfp4_ws`` kernel gives the measurements behind
 the choice)::
 
     moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])

@@ -4,8 +4,9 @@
                      checkpoint and its recipes); a checkpoint's non-finite weights are refused here
     programs         prefill, decode (a model whose KV cache dayzero owns), decode_batch (the prefill graph with
                      one token per request), vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
-                     canonicalize -> identify patterns -> lay out state -> specialise (``dayzero dump-ir`` writes
-                     the graph after every step as <program>/NNN_<step>.ir)
+                     canonicalize -> identify patterns (cache writes made in place first: the attention
+                     patterns read them) -> specialise -> lay out state (``dayzero dump-ir`` writes the graph
+                     after every step as <program>/NNN_<step>.ir)
     lower            codegen/program.py: graph -> Program (kernel nodes, steps, buffers)
     schedule         codegen/schedule.py + build.py, per kernel the first that applies: hand-scheduled -> tuned
                      (a tuning record; ``--tune`` makes missing ones) -> default; one compiled library
@@ -192,12 +193,12 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     # -- identify patterns that read the in-place cache ----------------------------------------------------------
     ("sparse_attention", lambda g, env: sparse_attention(g, env.constants)),  # after inplace_state
     ("compressed_attention", lambda g, env: compressed_attention(g, env.constants)),  # after sparse_attention
+    # -- specialise ----------------------------------------------------------------------------------------------
+    ("expert_workspace", _expert_workspace),  # MXFP4 experts on the workspace route (--expert-route)
     # -- lay out state: positions and pages ----------------------------------------------------------------------
     # decode_batch only: each token at its own position
     ("token_positions", lambda g, env: token_positions(g, env.token_positions)),
     ("paged_kv", lambda g, env: paged_kv(g, env.kv_pages, env.token_positions)),  # after the attention ops exist
-    # -- specialise ----------------------------------------------------------------------------------------------
-    ("expert_workspace", _expert_workspace),  # MXFP4 experts on the workspace route (--expert-route)
 )
 
 
@@ -326,7 +327,7 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     with _timed(times, "trace_s"):
         fe = trace(model, options)
-    with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> lay out state -> specialise -> lower
+    with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> specialise -> lay out state -> lower
         ps = build_programs(fe, options, verify=options.verify)
         check_shared_states(ps.programs)
     db = tuning.TuningDatabase(options.tuning_dir)  # schedule: hand-scheduled -> tuned -> default
