@@ -17,6 +17,11 @@ Captures: ``name=`` binds the node in the match ``m``; binding a name twice requ
 One view-stripping rule: ``V(p)`` matches ``p`` against ``strip_views(node)``, the node under every op that only
 re-labels the same elements (reshapes, (un)squeezes, aliases, clones, and expands that keep the shape).
 
+Recurring constructs: ``cast(p)`` (an optional dtype cast), ``const`` / ``scalar`` (folded constants by value),
+``with_scalar(op, p, v)`` (``op(p, v)`` in either ATen spelling: ``<op>.Tensor`` with a constant operand or
+``<op>.Scalar``), ``filled(v)`` (a full or a constant whose every element is ``v``), ``many(wrap, p)`` (``p`` under
+any number of layers of ``wrap``: a repeated sub-pattern).
+
 A rule is ``Rule(name, pattern, build)``; ``build(node, m)`` returns the replacement or ``None`` (or raises
 ``NoMatch``, through ``need(cond)``). ``rewrite(graph, rules, constants)`` applies the first rule that rewrites each
 node, bottom-up (``passes/ir/node.rewrite``), and returns the graph and ``{rule name: matches}``; rule names are
