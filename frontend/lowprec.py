@@ -224,65 +224,12 @@ def quantize_fp8_block(w, block=FP8_BLOCK, name: str = "weight"):
 # A checkpoint parameter stored in low precision enters the IR as its stored tensors (``weight`` nodes of the
 # stored dtype/shape, zone low_precision_weights) read by one typed ``dequant`` op: the format is known here, so
 # no pass has to recognise it. passes/dequant.py fuses it into the consumer's kernel (or lowers it alone).
-# ``_dequant_graph`` writes the same dequantisation as the plain ATen ops of transformers' convert_moe_packed_tensors
-# and DeepSeek's weight_dequant: what a graph arriving without this binding holds (tests build such graphs).
+# (A graph arriving without this binding holds the dequantisation as plain ATen ops: tests/_dequant_chain.py
+# exports such chains.)
 # FP8 parameters stacked from several checkpoint tensors (per-expert gate/up/down) get one scale per row_block rows
 # (checkpoint._fp8_param; 128 for published DeepSeek experts): block (row_block, 128).
 
 LOW_PRECISION_ZONE = "low_precision_weights"
-
-
-def _mxfp4_module(in_major: bool):
-    import torch
-
-    class MxDequant(torch.nn.Module):
-        def forward(self, blocks, scales):  # the steps of transformers' convert_moe_packed_tensors
-            # the E2M1 table from its definition (sign, 2 exponent bits, 1 mantissa bit): static, so
-            # fold_constants turns it into a constant the dequant pass can check by value
-            c = torch.arange(16, device=blocks.device)
-            e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
-            mag = torch.where(e == 0, m * 0.5, torch.exp2(e.to(torch.float32) - 1.0) * (1.0 + m * 0.5))
-            lut = torch.where(c >= 8, -mag, mag)
-            lo = (blocks & 0x0F).to(torch.int64)
-            hi = (blocks >> 4).to(torch.int64)
-            codes = torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
-            vals = lut[codes]
-            scale = torch.exp2(scales.to(torch.float32) - 127.0)
-            w = (vals * scale.unsqueeze(-1)).reshape(*blocks.shape[:-2], blocks.shape[-2] * 2 * blocks.shape[-1])
-            return w.transpose(-1, -2) if in_major else w
-    return MxDequant()
-
-
-def _fp8_module(row_block: int):
-    import torch
-
-    class Fp8Dequant(torch.nn.Module):
-        def forward(self, weight, scale_inv):  # DeepSeek-V3's weight_dequant: one scale per (row_block x 128)
-            r, c = weight.shape[-2:]
-            s = scale_inv.repeat_interleave(row_block, dim=-2) if row_block > 1 else scale_inv
-            s = s.repeat_interleave(128, dim=-1)[..., :r, :c]
-            return weight.to(torch.float32) * s
-    return Fp8Dequant()
-
-
-def _dequant_graph(fmt: str, in_major: bool, data_t, scale_t, row_block: int = 128):
-    """The dequant chain as an IR graph over inputs (data, scale) and the weight ``lut`` (MXFP4), cached by
-    shape. FP8: ``row_block`` rows share a scale row (see checkpoint.fp8_scale_shape)."""
-    key = (fmt, in_major, data_t, scale_t, row_block)
-    if key not in _GRAPHS:
-        import torch
-
-        from .torch_export import export_module, to_graph
-
-        (dd, ds), (sd, ss) = data_t, scale_t
-        mod = _mxfp4_module(in_major) if fmt == "mxfp4" else _fp8_module(row_block)
-        ex = (torch.zeros(ds, dtype=getattr(torch, dd), device="meta"),
-              torch.zeros(ss, dtype=getattr(torch, sd), device="meta"))
-        _GRAPHS[key] = to_graph(export_module(mod, ex, None)).graph
-    return _GRAPHS[key]
-
-
-_GRAPHS: dict = {}
 
 
 def bind_low_precision(traced, params: dict) -> int:

@@ -38,8 +38,8 @@ Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not):
              FMT = int4:  (x, view [R, C/2] (P), view S2 (S), [view S2 (Z)])      the transposed chain)
                    mxfp4: (x, B [N, G, 16], S [N, G])      fp8: (x, Wq [N, K], S)
 
-Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants`` into
-``ctx.constants``), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
+Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants``
+into the ``constants`` the pass reads), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
 (``codegen/kernels/moe.py`` ``wfmt="mxfp4"`` / ``"fp8"``; ``codegen/kernels/dequant_linear.py``: decode GEMV for a static
 T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read it, so weights stay resident as
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
@@ -56,10 +56,11 @@ import math
 
 import numpy as np
 
-from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, last_dim, need,
-                                       rewrite, scalar, strip_views)
+from dayzero.passes.ir.node import Node, TensorType, view_node
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, cast, const, isin, last_dim, many, need,
+                                       strip_views, with_scalar)
 from dayzero.passes.ir.reference_dequant import E2M1 as _E2M1, int4_storage
+from dayzero.passes.pipeline import pattern_pass
 from dayzero.targets import capabilities
 
 OP_MOE = "moe_experts_mxfp4"
@@ -79,19 +80,24 @@ def _is_last_swap(n: Node) -> bool:
     return False
 
 
+def _unit_axis(p: Pat) -> Pat:
+    """``p``'s value with one trailing unit axis added (an unsqueeze or a reshape)."""
+    return P({"view", "_unsafe_view", "reshape", "alias", "clone", "unsqueeze"}, p,
+             where=lambda n, m: tuple(n.shape) == (*n.inputs[0].shape, 1))
+
+
+# the 4-bit codes of uint8 ``packed``, low nibble first: and(P, 15), [and](shift(P, 4), [15]), each [cast], joined
+# along a new last axis (cat of unit axes, or stack)
+_SHIFT4 = with_scalar("bitwise_right_shift", P(name="packed", dtype="uint8"), 4)
+_LO = cast(with_scalar("bitwise_and", P(name="packed", dtype="uint8"), 15))
+_HI = cast(Alt(with_scalar("bitwise_and", _SHIFT4, 15), _SHIFT4))
+_NIBBLES = V(Alt(P("cat", _unit_axis(_LO), _unit_axis(_HI), where=lambda n, m: last_dim(n) and n.shape[-1] == 2),
+                 P("stack", _LO, _HI, where=last_dim)))
 _E2M1_TABLE = const(lambda t: tuple(t.shape) == (16,) and
                     np.array_equal(t.float().numpy().view(np.uint32), _E2M1.view(np.uint32)))
-_SHIFT4 = P({"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"}, P(name="blocks", dtype="uint8"),
-            attrs={"other": 4})
-_LO = cast(P("bitwise_and.Scalar", P(name="blocks", dtype="uint8"), attrs={"other": 15}))
-_HI = cast(Alt(P("bitwise_and.Scalar", _SHIFT4, attrs={"other": 15}), _SHIFT4))
-_CODES = V(Alt(P("cat", P("unsqueeze", _LO), P("unsqueeze", _HI), where=lambda n, m: last_dim(n) and
-                 n.shape[-1] == 2), P("stack", _LO, _HI, where=last_dim)))
-_EXP = P("_to_copy", P(name="scales", dtype="uint8"))
 # MXFP4: E2M1 table[codes of B] * exp2(float(S) - 127)
-_MXFP4 = V(P("mul.Tensor", P("index.Tensor", _E2M1_TABLE, _CODES, attrs={"indices": (True,)}),
-             V(P("exp2", Alt(P("sub.Tensor", _EXP, scalar(127.0), attrs=ALPHA1),
-                             P("sub.Scalar", _EXP, attrs={"other": 127, **ALPHA1})))),
+_MXFP4 = V(P("mul.Tensor", P("index.Tensor", _E2M1_TABLE, _NIBBLES, attrs={"indices": (True,)}),
+             V(P("exp2", with_scalar("sub", P("_to_copy", P(name="scales", dtype="uint8")), 127))),
              commute=True, dtype="float32", name="mul"))
 
 
@@ -110,32 +116,34 @@ def match_mxfp4(w: Node, constants) -> tuple[Node, Node, bool] | None:
         return m.data, m.scale, transposed != base.attr["transposed"]
     if not _MXFP4.match(base, m):
         return None
-    lead = tuple(m.blocks.shape[:-1])
-    if len(lead) < 2 or m.blocks.shape[-1] != 16 or tuple(m.scales.shape) != lead or \
+    lead = tuple(m.packed.shape[:-1])
+    if len(lead) < 2 or m.packed.shape[-1] != 16 or tuple(m.scales.shape) != lead or \
             tuple(m.mul.shape) != (*lead, 32) or tuple(base.shape) != (*lead[:-1], lead[-1] * 32):
         return None
-    return m.blocks, m.scales, transposed
+    return m.packed, m.scales, transposed
 
 
-# FP8: float(Wq) * S, S repeated over blocks: view(expand(unsqueeze(src, d + 1))) per axis, then sliced
-_FP8 = P("mul.Tensor", P("_to_copy", P(name="wq", dtype="float8_e4m3fn"), name="cast"), P(name="s"), commute=True,
-         dtype="float32")
-_EXPAND = P("expand", P("unsqueeze", P(name="src"), name="u"), name="e")
-_REPEAT = P({"view", "_unsafe_view", "reshape", "alias"}, Alt(P("clone", _EXPAND), _EXPAND))
-
-
-def _repeat(n: Node):
-    """view(expand(unsqueeze(src, d + 1), r at d + 1)) merging d and d + 1 -> (src, d, r): repeat_interleave."""
-    m = Match()
-    if not _REPEAT.match(n, m):
-        return None
-    src, e = m.src, m.e
-    d = m.u.attr["dim"] % (len(src.shape) + 1) - 1
+def _interleaved(n: Node, m: Match) -> bool:
+    """n = view(expand(unsqueeze(src, d + 1)), r at d + 1) merging axes d and d + 1: src repeat_interleave'd r
+    times along d; binds ``rep<d>`` = r (once per axis)."""
+    e = n.inputs[0].inputs[0] if n.inputs[0].op == "clone" else n.inputs[0]
+    src = e.inputs[0].inputs[0]
+    d = e.inputs[0].attr["dim"] % (len(src.shape) + 1) - 1
     r = e.shape[d + 1] if d >= 0 else None
-    if d < 0 or tuple(e.shape) != (*src.shape[:d + 1], r, *src.shape[d + 1:]) or \
-            tuple(n.shape) != (*src.shape[:d], src.shape[d] * r, *src.shape[d + 1:]):
-        return None
-    return src, d, r
+    return d >= 0 and tuple(e.shape) == (*src.shape[:d + 1], r, *src.shape[d + 1:]) and \
+        tuple(n.shape) == (*src.shape[:d], src.shape[d] * r, *src.shape[d + 1:]) and m.bind(f"rep{d}", r)
+
+
+def _repeat(p: Pat) -> Pat:
+    """view([clone](expand(unsqueeze(p)))) repeating ``p`` along one axis (``_interleaved``)."""
+    e = P("expand", P("unsqueeze", p))
+    return P({"view", "_unsafe_view", "reshape", "alias"}, Alt(P("clone", e), e), where=_interleaved)
+
+
+# FP8: float(Wq) * S, S repeated over blocks along at most two axes, then sliced
+_FP8 = P("mul.Tensor", P("_to_copy", P(name="wq", dtype="float8_e4m3fn"), name="cast"),
+         many(lambda p: P("slice.Tensor", p, attrs={"start": isin(0, None), "step": isin(1, None)}),
+              many(_repeat, P(name="s"), at_most=2)), commute=True, dtype="float32")
 
 
 def match_fp8_blocks(w: Node) -> tuple[Node, Node, int, int] | None:
@@ -148,54 +156,20 @@ def match_fp8_blocks(w: Node) -> tuple[Node, Node, int, int] | None:
     if len(w.shape) < 2 or not all(isinstance(d, int) for d in w.shape) or not _FP8.match(w, m) or \
             tuple(m.cast.shape) != tuple(w.shape):
         return None
-    nd, b, axes = len(w.shape), m.s, {}
     *lead, N, K = w.shape
-    while b.op == "slice.Tensor" and b.attr.get("start") in (0, None) and b.attr.get("step", 1) == 1:
-        b = b.inputs[0]
-    for _ in range(2):
-        r = _repeat(b)
-        if r is None or r[1] in axes:
-            break
-        b, d, f = r
-        axes[d] = f
-    br, bc = axes.get(nd - 2, 1), axes.get(nd - 1, 1)
-    if set(axes) - {nd - 2, nd - 1} or b.dtype != "float32" or tuple(b.shape) != (*lead, -(-N // br), -(-K // bc)):
+    br, bc = m.pop(f"rep{len(lead)}", 1), m.pop(f"rep{len(lead) + 1}", 1)
+    if any(k.startswith("rep") for k in m) or m.s.dtype != "float32" or \
+            tuple(m.s.shape) != (*lead, -(-N // br), -(-K // bc)):
         return None
-    return m.wq, b, br, bc
+    return m.wq, m.s, br, bc
 
 
-def match_fp8(w: Node) -> tuple[Node, Node] | None:
-    """W fp32 [N, K] -> (Wq float8_e4m3fn [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]), else None."""
-    m = match_fp8_blocks(w)
-    if m is None or len(w.shape) != 2 or m[2:] != (128, 128):
-        return None
-    return m[0], m[1]
-
-
-def _unit_view(p: Pat) -> Pat:
-    """A reshape adding one trailing unit axis to ``p``'s value."""
-    return P({"view", "_unsafe_view", "reshape", "alias", "clone", "unsqueeze"}, p,
-             where=lambda n, m: tuple(n.shape) == (*n.inputs[0].shape, 1))
-
-
-def _bits(op_t: str, ops_s, value: int, src: Pat, name: str | None = None) -> Pat:
-    """op(src, value): a .Tensor op with a constant [1] operand, or a .Scalar op with attr other."""
-    return Alt(P(op_t, src, scalar(value)), P(ops_s, src, attrs={"other": value}), name=name)
-
-
-_PACKED = P(name="packed", dtype="uint8")
-_INT4_CAT = P("cat", _unit_view(_bits("bitwise_and.Tensor", {"bitwise_and.Scalar"}, 15, _PACKED)),
-              _unit_view(_bits("bitwise_right_shift.Tensor", {"__rshift__.Scalar", "bitwise_right_shift.Tensor_Scalar"},
-                               4, _PACKED)),
-              where=lambda n, m: last_dim(n) and n.shape[-1] == 2 and
-              all(tuple(i.inputs[0].shape) == tuple(m.packed.shape) for i in n.inputs))
-_INT4_CODES = P("_to_copy", V(Alt(_bits("bitwise_xor.Tensor", {"bitwise_xor.Scalar"}, 8, V(_INT4_CAT), "xor"),
-                                  _INT4_CAT)), dtype="float32")
+# INT4: ((float(codes [^ 8]) [- c]) [- Z]) * S, S [R/bs, 1, C] or [R, C/bs, 1]
+_INT4_CODES = P("_to_copy", V(Alt(with_scalar("bitwise_xor", _NIBBLES, 8, name="xor"), _NIBBLES)), dtype="float32")
 _INT4_OFFSET = Alt(P("sub.Tensor", V(_INT4_CODES), const(lambda t: t.numel() == 1, name="offset"), attrs=ALPHA1),
                    _INT4_CODES)
 _INT4_ZP = Alt(P("sub.Tensor", V(_INT4_OFFSET), V(P("weight", dtype="float32", name="zp")), attrs=ALPHA1,
                  where=lambda n, m: tuple(n.inputs[1].shape) == tuple(m.sv.shape)), _INT4_OFFSET)
-# INT4: ((float(codes [^ 8]) [- c]) [- Z]) * S, S [R/bs, 1, C] or [R, C/bs, 1]
 _INT4 = V(P("mul.Tensor", P(name="sv", ndim=3, dtype="float32"), V(_INT4_ZP), ndim=3, commute=True, name="mul"))
 
 
@@ -222,18 +196,10 @@ def match_int4(w: Node, constants) -> dict | None:
             "signed": "xor" in m, "offset": offset}
 
 
-def _view(x: Node, shape, span) -> Node:
-    shape = tuple(shape)
-    if tuple(x.shape) == shape:
-        return x
-    return Node.make("view", (x,), {"size": shape}, [TensorType(x.dtype, shape)], span)
-
-
 def _fused_experts(n: Node, m: Match) -> Node | None:
     """moe_experts whose two expert matrices are MXFP4 chains (layout nk: untransposed, kn: transposed) ->
     moe_experts_mxfp4, or FP8 block chains (either layout: the chain's output is the parameter itself, so the
     scale blocks lie over its last two axes) -> moe_experts_fp8."""
-
     a = n.attr
     x, ids, w, wgu = n.inputs[:4]
     bgu = n.inputs[4] if a["gate_up_bias"] else None
@@ -250,8 +216,7 @@ def _fused_experts(n: Node, m: Match) -> Node | None:
         need(capabilities.moe_experts_fp8(H, int(wgu.shape[1] if a["layout"] == "nk" else wgu.shape[2]), inter))
         op, attrs = OP_MOE_FP8, {k: a[k] for k in ("layout", "act", "inter", "gate_up_bias", "down_bias")}
         attrs.update(gate_up_block=tuple(gu[2:]), down_block=tuple(d[2:]))
-    ins = [x, ids, w, gu[0], gu[1]] + ([bgu] if bgu is not None else []) + [d[0], d[1]] + \
-        ([bd] if bd is not None else [])
+    ins = [i for i in (x, ids, w, gu[0], gu[1], bgu, d[0], d[1], bd) if i is not None]
     return Node.make(op, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
 
 
@@ -270,22 +235,22 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
                  signed=q["signed"], offset=q["offset"], zero_point=q["zero_points"] is not None)
         if capabilities.dequant_linear_int4_problem(a) is None:
             (R, C), ss = int4_storage(a)
-            ins = [_view(q["packed"], (R, C // 2), n.span), _view(q["scales"], ss, n.span)]
+            ins = [view_node(q["packed"], (R, C // 2), n.span), view_node(q["scales"], ss, n.span)]
             if q["zero_points"] is not None:
-                ins.append(_view(q["zero_points"], ss, n.span))
+                ins.append(view_node(q["zero_points"], ss, n.span))
             op, attrs = "dequant_linear_int4", a
     base = w.inputs[0] if kn and _is_last_swap(w) else (None if kn else w)
     if op is None and base is not None:
-        f, mx = match_fp8(base), match_mxfp4(w, m.constants)
-        if f is not None:
-            op, ins = "dequant_linear_fp8", list(f)
+        f, mx = match_fp8_blocks(base), match_mxfp4(w, m.constants)
+        if f is not None and len(base.shape) == 2 and f[2:] == (128, 128):
+            op, ins = "dequant_linear_fp8", list(f[:2])
         elif mx is not None and mx[2] == kn and len(mx[0].shape) == 3:
             op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
     need(op is not None)
     lead = tuple(x.shape[:-1])
     T = math.prod(lead) if lead else 1
-    y = Node.make(op, [_view(x, (T, K), n.span), *ins], attrs, [TensorType("float32", (T, N))], n.span)
-    y = _view(y, (*lead, N), n.span)
+    y = Node.make(op, [view_node(x, (T, K), n.span), *ins], attrs, [TensorType("float32", (T, N))], n.span)
+    y = view_node(y, (*lead, N), n.span)
     if bias is not None:
         y = Node.make("add.Tensor", (y, bias), {"alpha": 1}, [TensorType("float32", n.shape)], n.span)
     return y
@@ -293,16 +258,10 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
 
 _FP32 = {"dtype": "float32"}
 _X = P(where=lambda n, m: len(n.shape) >= 1, **_FP32)
-RULES = (
+# fuse dequant chains into their consumers; counts ``dequant.experts`` (fused expert blocks, two chains each) and
+# ``dequant.linear``
+dequant = pattern_pass("dequant", (
     Rule("dequant.experts", P("moe_experts"), _fused_experts),
     Rule("dequant.linear", Alt(P("linear", _X, P(ndim=2), rest=True, **_FP32),
                                P({"matmul", "mm"}, _X, P(ndim=2), **_FP32)), _fused_linear),
-)
-
-
-def dequant(g: Graph, ctx) -> Graph:
-    """Fuse dequant chains into their consumers; counts ``dequant.experts`` (fused expert blocks, two chains each)
-    and ``dequant.linear`` in ``ctx.patterns``."""
-    g, counts = rewrite(g, RULES, ctx.constants)
-    add_counts(ctx.patterns, counts)
-    return g
+))

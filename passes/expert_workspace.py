@@ -1,7 +1,8 @@
 """expert_workspace: MXFP4 routed experts take the convert -> compute -> reclaim -> reuse route.
 
-Runs after the pipeline, per program, when the compile options / target choose the workspace route for it
-(``route_for``; the docstring of the kernel table's ``moe_experts_mxfp4_ws`` kernel gives the measurements behind
+Runs per program after the pattern passes (dequant makes the moe_experts_mxfp4 it rewrites) and before the
+state-layout steps (its states are in their own zone, which paged_kv leaves as they are), when the compile
+options / target choose the workspace route for it (``route_for``; the docstring of the kernel table's ``moe_experts_mxfp4_ws`` kernel gives the measurements behind
 the choice)::
 
     moe_experts_mxfp4(x, ids, w, B_gu, S_gu, [b_gu], B_d, S_d, [b_d])
@@ -34,6 +35,7 @@ from dayzero import UserError
 from dayzero.passes.ir.dayzero_ops import (WORKSPACE_STORAGE, workspace_meta_len, workspace_slot_bytes,
                                           workspace_slot_elems)
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
+from dayzero.passes.pipeline import Found, counted
 from dayzero.targets import capabilities
 from dayzero.targets.spec import COMPUTE_DTYPES
 
@@ -71,11 +73,13 @@ def route_for(*, compute_dtype: str, cache_bytes: int, route: str = "auto", targ
     return "fused"  # fp32, no cache: since the fused kernel decodes 16 codes per lookup it is faster everywhere
 
 
-def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_bytes: int = 0) -> Graph:
-    """Rewrite every moe_experts_mxfp4 node to the workspace route; layer constants go to ``ctx.constants``."""
+def expert_workspace(g: Graph, *, compute_dtype: str = "float32", cache_bytes: int = 0) -> tuple[Graph, Found]:
+    """Rewrite every moe_experts_mxfp4 node to the workspace route; ``Found`` holds the layer constants and counts
+    ``expert_workspace``."""
     nodes = [n for n in g.nodes() if n.op == OP_IN]
     if not nodes:
-        return g
+        return g, Found()
+    constants: dict[str, torch.Tensor] = {}
     count = seen = 0
 
     def fn(n: Node):
@@ -95,7 +99,7 @@ def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_byt
         slots = min(max(1, cache_bytes // workspace_slot_bytes(H, GU, I, compute_dtype)), keys) if cache else 1
         tag = f"{compute_dtype}.gu{GU}.h{H}.i{I}.s{slots}"
         lname = f"expert_workspace.layer{layer}"
-        ctx.constants[lname] = torch.tensor([layer], dtype=torch.int32)
+        constants[lname] = torch.tensor([layer], dtype=torch.int32)
         lnode = Node.make("weight", (), {"name": lname}, [TensorType("int32", (1,))], n.span)
         ws = Node.make("state", (), {"name": f"expert_workspace.{tag}", "zone": ZONE},
                        [TensorType(WORKSPACE_STORAGE[compute_dtype], (slots, workspace_slot_elems(H, GU, I)))], n.span)
@@ -105,7 +109,6 @@ def expert_workspace(g: Graph, ctx, *, compute_dtype: str = "float32", cache_byt
         return Node.make(OP, [*n.inputs, lnode, ws, meta], dict(a, compute_dtype=compute_dtype, cache=cache),
                          n.types, n.span)
 
-    out = rewrite(g, fn)
-    if count:
-        ctx.patterns["expert_workspace"] = ctx.patterns.get("expert_workspace", 0) + count
-    return out
+    out, found = rewrite(g, fn), counted("expert_workspace", count)
+    found.constants = constants
+    return out, found

@@ -17,13 +17,15 @@ import torch
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import Graph, Node, rewrite
+from dayzero.passes.pipeline import Found
 
 MAX_ELEMENTS = 1 << 16
 
 
-def fold_constants(g: Graph, constants: dict[str, torch.Tensor]) -> Graph:
-    """Returns the rewritten graph; the folded values are added to ``constants`` (name -> tensor)."""
+def fold_constants(g: Graph) -> tuple[Graph, Found]:
+    """Returns the rewritten graph and, in ``Found.constants``, the folded values (name -> tensor)."""
     values: dict[int, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
 
     def fn(n: Node):
         if n.op in ("input", "weight", "state") or len(n.types) != 1 or ops.get(n.op).inplace:
@@ -45,4 +47,4 @@ def fold_constants(g: Graph, constants: dict[str, torch.Tensor]) -> Graph:
         values[id(folded)] = v
         return folded
 
-    return rewrite(g, fn)
+    return rewrite(g, fn), Found(constants=constants)

@@ -14,9 +14,10 @@ Every other ``assign`` stays: a whole-tensor copy into the state at the end.
 from __future__ import annotations
 
 from dayzero.passes.ir.node import Graph, Node, users
+from dayzero.passes.pipeline import Found, counted
 
 
-def inplace_state(g: Graph) -> tuple[Graph, int]:
+def inplace_state(g: Graph) -> tuple[Graph, Found]:
     use = users(g)
     replaced: dict[int, Node] = {}
     count = 0
@@ -37,7 +38,7 @@ def inplace_state(g: Graph) -> tuple[Graph, int]:
         replaced[id(out)] = new
         count += 1
     if not count:
-        return g, 0
+        return g, Found()
 
     # rebuild: swap the index_put and the assign for the in-place write
     new_of: dict[int, Node] = {}
@@ -52,4 +53,4 @@ def inplace_state(g: Graph) -> tuple[Graph, int]:
         new_of[id(n)] = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
     g = g.replace(inputs=tuple(new_of[id(i)] for i in g.inputs),
                   outputs=tuple(new_of[id(o)] for o in g.outputs))
-    return g, count
+    return g, counted("inplace_kv_write", count)

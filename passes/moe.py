@@ -28,19 +28,19 @@ experts' O(T*k*H*I), its forms differ per model far more than the expert computa
 are the clean interface between the two. Shared experts stay dense (``linear``). The node's reference runs the
 routed experts with a per-expert loop over only the experts some token chose; its kernel
 (the kernel table's ``moe_experts``) sorts assignments by expert and runs a grouped GEMM over the routed experts only.
-Ordering: after fold_constants (constant scalars in the activation are read from ``ctx.constants``).
+Ordering: after fold_constants (constant scalars in the activation are read from the folded ``constants``).
 """
 
 from __future__ import annotations
 
-from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import Alt, Match, P, Pat, Rule, V, add_counts, isin, need, rewrite, strip_views
+from dayzero.passes.ir.node import Node, TensorType
+from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Pat, Rule, V, isin, need, strip_views
+from dayzero.passes.pipeline import pattern_pass
 from dayzero.targets import capabilities
 
 OP = "moe_experts"
 _UNARY = {"silu", "sigmoid", "gelu", "relu", "tanh", "exp", "neg"}
-_BINARY = {"mul.Tensor": "mul", "add.Tensor": "add", "sub.Tensor": "sub", "div.Tensor": "div"}
-_SCALAR = {"mul.Scalar": "mul", "add.Scalar": "add", "sub.Scalar": "sub", "div.Scalar": "div"}
+_BINARY = {f"{op}.{form}": op for op in ("mul", "add", "sub", "div") for form in ("Tensor", "Scalar")}
 
 
 # ---- the match -----------------------------------------------------------------------------------------------
@@ -54,69 +54,51 @@ def _expert_linear(w: str, b: str, x: str) -> Pat:
     """bmm(index(W, ids), x) (layout nk) or bmm(x, index(W, ids)) (kn) [+ index(b, ids)]; one layout per block."""
     mm = V(Alt(P("bmm", _gather(w, 3), V(P(name=x)), where=lambda n, m: m.bind("layout", "nk")),
                P("bmm", V(P(name=x)), _gather(w, 3), where=lambda n, m: m.bind("layout", "kn"))))
-    return Alt(V(P("add.Tensor", mm, _gather(b, 2), attrs={"alpha": isin(1, None)}, commute=True)), mm)
+    return Alt(V(P("add.Tensor", mm, _gather(b, 2), attrs=ALPHA1, commute=True)), mm)
 
 
 # y = sum(view(mul(down(A), view(w [T,k]) [S,1])), dim=1): the routed experts, matched from their sum
-_EXPERTS = P("sum.dim_IntList", V(P("mul.Tensor", _expert_linear("wd", "bd", "a"), P(name="wcol", shape=lambda s:
-                                                                                     s[1:] == (1,)),
-                                    commute=True, name="mul")),
-             attrs={"dim": isin((1,), (-2,)), "keepdim": isin(False, None), "dtype": None},
-             where=lambda n, m: len(n.inputs[0].shape) == 3)
+_WEIGHTED = P("mul.Tensor", _expert_linear("wd", "bd", "a"), P(name="wcol", shape=lambda s: s[1:] == (1,)),
+              commute=True, name="mul")
+_EXPERTS = P("sum.dim_IntList", V(_WEIGHTED), attrs={"dim": isin((1,), (-2,)), "keepdim": isin(False, None),
+                                                     "dtype": None}, where=lambda n, m: len(n.inputs[0].shape) == 3)
 # x repeated k times: expand [T,k,H] (unsqueeze(x, 1)), read through view [S,H] (captured without the views)
 _REPEATED_X = P({"expand", "expand_copy"}, P("unsqueeze", P(name="x"), attrs={"dim": 1}))
+# G [S, GU] (the gate/up GEMM, captured as ``g``) read by the activation: whole, or columns of it (split / slice)
+_GATE_UP = _expert_linear("wgu", "bgu", "xrep")
+_COLUMNS = Alt(P("getitem", P({"split_with_sizes", "split.Tensor"}, V(P(name="g")), attrs={"dim": isin(1, -1)})),
+               P("slice.Tensor", V(P(name="g")), attrs={"dim": isin(1, -1)}), Alt(_GATE_UP, name="g"))
 
 
-def _act_expr(n: Node, g: Node, constants, S):
+def _act_expr(n: Node, m: Match, S):
     """The elementwise expression from G [S, GU] to n, as a nested tuple (see the module docstring)."""
     n = strip_views(n)
-    if n.op == "getitem" and n.inputs[0].op in ("split_with_sizes", "split.Tensor"):
-        sp = n.inputs[0]
-        need(strip_views(sp.inputs[0]) is g and sp.attr.get("dim") in (1, -1))
-        start = sum(int(t.shape[1]) for t in sp.types[:n.attr["index"]])
-        return ("col", start, 1, int(n.shape[1]))
-    if n.op == "slice.Tensor":
-        need(strip_views(n.inputs[0]) is g and n.attr.get("dim") in (1, -1))
-        return ("col", int(n.attr.get("start") or 0), int(n.attr.get("step") or 1), int(n.shape[1]))
-    if n is g:
-        return ("col", 0, 1, int(g.shape[1]))
+    if _COLUMNS.match(n, m):
+        if n.op == "getitem":
+            return ("col", sum(int(t.shape[1]) for t in n.inputs[0].types[:n.attr["index"]]), 1, int(n.shape[1]))
+        a = n.attr if n.op == "slice.Tensor" else {}
+        return ("col", int(a.get("start") or 0), int(a.get("step") or 1), int(n.shape[1]))
     if len(n.types) == 1 and n.shape == ():
-        need(n.op == "weight" and n.attr["name"] in constants)
-        return ("const", float(constants[n.attr["name"]]))
+        need(m.value(n) is not None)
+        return ("const", float(m.value(n)))
     need(len(n.types) == 1 and n.dtype.startswith("float") and tuple(n.shape[:1]) == (S,))
     if n.op in _UNARY and len(n.inputs) == 1:
         need(n.op != "gelu" or n.attr.get("approximate", "none") == "none")
-        return (n.op, _act_expr(n.inputs[0], g, constants, S))
+        return (n.op, _act_expr(n.inputs[0], m, S))
     if n.op == "clamp" and len(n.inputs) == 1:
-        return ("clamp", _act_expr(n.inputs[0], g, constants, S), n.attr.get("min"), n.attr.get("max"))
-    need(n.attr.get("alpha", 1) == 1)
-    if n.op in _BINARY and len(n.inputs) == 2:
-        return (_BINARY[n.op], _act_expr(n.inputs[0], g, constants, S), _act_expr(n.inputs[1], g, constants, S))
-    need(n.op in _SCALAR and len(n.inputs) == 1)
-    return (_SCALAR[n.op], _act_expr(n.inputs[0], g, constants, S), ("const", float(n.attr["other"])))
-
-
-def _find_gate_up(a: Node) -> Node | None:
-    """The G [S, GU] the activation reads: the first bmm(-plus-bias) reached walking up from A."""
-    stack, seen = [a], set()
-    while stack:
-        n = strip_views(stack.pop())
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.op == "bmm" or (n.op == "add.Tensor" and any(strip_views(i).op == "bmm" for i in n.inputs)):
-            return n
-        stack.extend(n.inputs)
-    return None
+        return ("clamp", _act_expr(n.inputs[0], m, S), n.attr.get("min"), n.attr.get("max"))
+    scalar = n.op.endswith(".Scalar")
+    need(n.attr.get("alpha", 1) == 1 and n.op in _BINARY and len(n.inputs) == (1 if scalar else 2))
+    b = ("const", float(n.attr["other"])) if scalar else _act_expr(n.inputs[1], m, S)
+    return (_BINARY[n.op], _act_expr(n.inputs[0], m, S), b)
 
 
 def _grouped_experts(n: Node, m: Match) -> Node | None:
     T, k, H = n.inputs[0].shape
     S, a, topw = m.mul.shape[0], m.a, strip_views(m.wcol)
     need(m.wcol.shape[0] == S and tuple(topw.shape) == (T, k))
-    g = _find_gate_up(a)
-    need(g is not None and _expert_linear("wgu", "bgu", "xrep").match(g, m) and _REPEATED_X.match(m.xrep, m))
-    act = _act_expr(a, g, m.constants, S)
+    act = _act_expr(a, m, S)
+    need("g" in m and _GATE_UP.match(m.g, m) and _REPEATED_X.match(m.xrep, m))
     x, ids, wgu, wd, layout = m.x, m.ids, m.wgu, m.wd, m.layout
     bgu, bd = m.get("bgu"), m.get("bd")
     need(tuple(m.xrep.shape) == (T, k, H) and tuple(ids.shape) == (T, k) and tuple(x.shape) == (T, H))
@@ -125,17 +107,11 @@ def _grouped_experts(n: Node, m: Match) -> Node | None:
     gu = int(wgu.shape[1] if layout == "nk" else wgu.shape[2])
     need(all(isinstance(d, int) for d in (*wgu.shape, *wd.shape, H)) and
          capabilities.moe_experts(int(H), gu, inter, wgu.dtype, wd.dtype))
-    ins = [x, ids, topw, wgu] + ([bgu] if bgu is not None else []) + [wd] + ([bd] if bd is not None else [])
+    ins = [i for i in (x, ids, topw, wgu, bgu, wd, bd) if i is not None]
     attrs = {"layout": layout, "act": act, "inter": inter, "gate_up_bias": bgu is not None,
              "down_bias": bd is not None}
     return Node.make(OP, ins, attrs, [TensorType(n.dtype, n.shape)], n.span)
 
 
-RULES = (Rule("moe.grouped_experts", _EXPERTS, _grouped_experts),)
-
-
-def moe(g: Graph, ctx) -> Graph:
-    """Rewrite every batched_mm routed-expert block; counts matches in ``ctx.patterns["moe.grouped_experts"]``."""
-    g, counts = rewrite(g, RULES, ctx.constants)
-    add_counts(ctx.patterns, counts)
-    return g
+# every batched_mm routed-expert block; counts ``moe.grouped_experts``
+moe = pattern_pass("moe", (Rule("moe.grouped_experts", _EXPERTS, _grouped_experts),))

@@ -21,7 +21,7 @@ compiled maximum length, plus block 0: the scratch block that unallocated table 
 prefill's tail writes land there; nothing valid is ever read from it). Runs after sparse_attention (the readers
 are its ops).
 
-Per-token tables (``PassContext.token_positions``, the batched decode program): the graph's S tokens are S
+Per-token tables (``per_token``, the batched decode program): the graph's S tokens are S
 requests' next tokens (passes/token_positions.py), so every table is ``int32 [S, ceil(L / bs)]``, row s the table
 of token s's request; the write of token s and every read for query s go through row s (attr ``per_token``)::
 
@@ -41,6 +41,7 @@ from dayzero import InternalError
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.reference_attention import READERS
+from dayzero.passes.pipeline import Found, counted
 
 TABLE = "block_table"
 ZONE = "kv_pages"
@@ -57,10 +58,12 @@ def _cache_root(n: Node) -> Node:
     return n
 
 
-def paged_kv(g: Graph, ctx) -> Graph:
-    cfg = getattr(ctx, "kv_pages", None)
+def paged_kv(g: Graph, cfg: dict | None, per_token: bool = False) -> tuple[Graph, Found]:
+    """Page the KV caches by ``cfg`` ({"block_size", "blocks", "max_batch"}; None or block size 0: leave them
+    contiguous), with one table row per token when ``per_token``; ``Found.kv_pages`` is the layout chosen and
+    ``paged_kv_write`` counts the paged writes."""
     if not cfg or not cfg.get("block_size"):
-        return g
+        return g, Found()
     bs = int(cfg["block_size"])
     chains: dict[int, tuple[Node, int]] = {}  # kv_cache state id -> (state, position dim; -1: none seen)
     rejected: set[int] = set()
@@ -95,7 +98,7 @@ def paged_kv(g: Graph, ctx) -> Graph:
             continue
         paged[sid] = (state, dim)
     if not paged:
-        return g
+        return g, Found()
     lengths = {int(s.shape[d]) for s, d in paged.values()}
     length = max(lengths)
     paged = {k: v for k, v in paged.items() if int(v[0].shape[v[1]]) == length}
@@ -108,9 +111,8 @@ def paged_kv(g: Graph, ctx) -> Graph:
             for k in READERS[n.op]:
                 paged.pop(id(_cache_root(n.inputs[k])), None)
     if not paged:
-        return g
+        return g, Found()
     nt = -(-length // bs)
-    per_token = bool(getattr(ctx, "token_positions", False))
     rows: tuple = ()  # a per-token table's leading dim: the token count S
     if per_token:
         qlens = {n.inputs[READER_POSITION[n.op]].shape[0] for n in readers}
@@ -153,7 +155,7 @@ def paged_kv(g: Graph, ctx) -> Graph:
                     blocks)
         classes.append({"name": name, "window": w, "blocks": blocks,
                         "states": sorted(paged[sid][0].attr["name"] for sid, c in cls_of.items() if c == w)})
-    cfg["resolved"] = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}
+    layout = {"block_size": bs, "table_len": nt, "length": length, "tables": classes}
     tag = {"per_token": True} if per_token else {}
 
     new_state: dict[int, Node] = {}
@@ -183,7 +185,7 @@ def paged_kv(g: Graph, ctx) -> Graph:
         else:
             m = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
         new[id(n)] = m
-    if count:
-        ctx.patterns["paged_kv_write"] = ctx.patterns.get("paged_kv_write", 0) + count
+    found = counted("paged_kv_write", count)
+    found.kv_pages = layout
     return g.replace(inputs=tuple(new[id(i)] for i in g.inputs) + tuple(t for t, _ in tables.values()),
-                     outputs=tuple(new[id(o)] for o in g.outputs))
+                     outputs=tuple(new[id(o)] for o in g.outputs)), found

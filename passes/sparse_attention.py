@@ -59,8 +59,8 @@ The indexer is the linear part of a DSA step (O(L) per query by design) and is r
 ``dayzero bench attention``. Both ops have one kernel per target with a
 decode variant (S == 1: one query x its rows) and a prefill variant (blocked over queries), see
 ``codegen/kernels/attention.py``. Ordering: after fold_constants (the arange, the window, the scale and the
-fill values are read from ``ctx.constants``) and after inplace_state (the cache operands are then the in-place
-written states). Anything unrecognised stays dense and correct.
+fill values are read from its folded ``constants``) and after inplace_state (the cache operands are then the
+in-place written states). Anything unrecognised stays dense and correct.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ import math
 
 import torch
 
-from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, add_counts, cast, const, isin, last_dim,
-                                       need, rewrite, scalar_is, strip_views)
+from dayzero.passes.ir.node import Node, TensorType, view_node
+from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, cast, const, filled, isin, last_dim, need,
+                                       scalar_is, strip_views)
+from dayzero.passes.pipeline import pattern_pass
 
 DENSE = "cache_attention"
 SPARSE = "sparse_attention"
@@ -105,23 +106,26 @@ def positions(name: str) -> Pat:
     return V(P(name=name, ndim=1, dtype=_int, where=lambda n, m: n.shape[0] == m.S), broadcast=True)
 
 
-_ALL_TRUE = Alt(P("full", attrs={"fill_value": isin(True, 1)}), const(lambda t: bool(t.bool().all())))
+def positive_int(name: str) -> Pat:
+    """A folded one-element integer constant > 0 (captured as ``name``)."""
+    return scalar_is(lambda v: not v.is_floating_point() and int(v) > 0, name)
+
+
+_ALL_TRUE = filled(1.0)
 # the terms a bool mask [.., S, L] is an and-tree of: j <= qpos, j > qpos - W, ~scatter(True, idx, False)
 _MASK_TERMS = (
     _ALL_TRUE,
     P("le.Tensor", arange_row(), positions("qpos"), name="causal"),
-    P("gt.Tensor", arange_row(), P("sub.Tensor", positions("qpos"),
-                                   scalar_is(lambda v: not v.is_floating_point() and int(v) > 0, "window"),
-                                   attrs=ALPHA1)),
+    P("gt.Tensor", arange_row(), P("sub.Tensor", positions("qpos"), positive_int("window"), attrs=ALPHA1)),
     P("bitwise_not", V(P("scatter.value", _ALL_TRUE, P(name="idx"), attrs={"value": isin(False, 0),
                                                                              "dim": isin(-1, 2)},
                          where=lambda n, m: n.shape[-1] == m.L))),
 )
 
 
-def mask_terms(mask: Node, S, L: int, constants) -> Match:
-    """A bool mask [.., S, L] -> its terms: ``qpos`` (causal), ``W`` (window, 0 = none), ``idx`` (DSA selection,
-    absent if none); raises NoMatch on any other term."""
+def mask_terms(mask: Node, S, L: int, constants, selection: bool = False) -> Match:
+    """A bool mask [.., S, L] -> its terms: ``qpos`` (causal), ``W`` (window, 0 = none), ``idx`` (the DSA
+    selection, present exactly when ``selection``); raises NoMatch on any other term."""
     m = Match(constants)
     m.update(S=S, L=L)
     stack = [mask]
@@ -131,22 +135,22 @@ def mask_terms(mask: Node, S, L: int, constants) -> Match:
             stack.extend(n.inputs)
         else:
             need(any(p.match(n, m) for p in _MASK_TERMS))
-    need("causal" in m and tuple(mask.shape[-2:]) == (S, L))
+    need("causal" in m and tuple(mask.shape[-2:]) == (S, L) and ("idx" in m) == selection)
     m["W"] = int(m.value(m.window)) if "window" in m else 0
     return m
 
 
-_REPEAT_KV = V(P("expand", P("unsqueeze", P(name="x", ndim=4), attrs={"dim": 2}), ndim=5, name="e"))
+# expand(unsqueeze(x [B,Hkv,L,D], 2), [B,Hkv,r,L,D]) under views: x's heads each repeated r times
+_REPEAT_KV = V(P("expand", P("unsqueeze", P(name="x", ndim=4), attrs={"dim": 2}), name="e",
+                 where=lambda e, m: tuple(e.shape) == (*m.x.shape[:2], e.shape[2], *m.x.shape[2:])))
 
 
 def repeat_kv(n: Node) -> Node:
-    """view(clone(expand(unsqueeze(x [B,Hkv,L,D], 2), [B,Hkv,r,L,D])), [B,Hkv*r,L,D]) -> x; else n through views
-    that keep its shape."""
+    """view(clone(expand(unsqueeze(x, 2))), [B,Hkv*r,L,D]) -> x; else n through views that keep its shape."""
     m = Match()
     if n.type.ndim == 4 and _REPEAT_KV.match(n, m):
-        B, Hkv, L, D = m.x.shape
-        r = m.e.shape[2]
-        if tuple(m.e.shape) == (B, Hkv, r, L, D) and tuple(n.shape) == (B, Hkv * r, L, D):
+        B, Hkv, r, L, D = m.e.shape
+        if tuple(n.shape) == (B, Hkv * r, L, D):
             return m.x
     s = strip_views(n)
     return s if s.types == n.types else n
@@ -217,11 +221,11 @@ def _sdpa(n: Node, m: Match, want: str) -> Node:
     k, v = _cache_operands(q, m.k, m.v)
     L = k.shape[2]
     need(isinstance(L, int))
-    t = mask_terms(m.mask, q.shape[2], L, m.constants)
+    t = mask_terms(m.mask, q.shape[2], L, m.constants, selection=want in (SPARSE, MLA))
     scale = n.attr.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(int(q.shape[-1]))
     idx = t.get("idx")
-    need((idx is not None) == (want in (SPARSE, MLA)) and (want == DENSE or t.W == 0))
+    need(want == DENSE or t.W == 0)
     need(idx is None or (idx.type.ndim == 3 and idx.shape[1] == q.shape[2] and _int(idx.dtype)))
     if want in (MLA, MLA_DENSE):
         lat, rope, w, nope = _mla_operands(q, k, v)
@@ -255,8 +259,10 @@ def sink_attention(logits: Pat) -> Pat:
 SCALED_QK = P("mul.Tensor", P(VIEW3, P("bmm", flat_heads(P(name="q")),
                                        flat_heads(P("permute", P(name="k"), attrs={"dims": (0, 1, 3, 2)}))), ndim=4),
               const(lambda t: t.numel() == 1, name="scale"))
-ZERO, NEG_BIG = scalar_is(lambda v: float(v) == 0.0), scalar_is(lambda v: float(v) <= -1e30)
-_EAGER = sink_attention(P("add.Tensor", SCALED_QK, P("where.self", P(name="mask"), ZERO, NEG_BIG), attrs=ALPHA1))
+# where(mask, 0, -big): a bool mask as an additive bias
+MASK_BIAS = P("where.self", P(name="mask"), scalar_is(lambda v: float(v) == 0.0),
+              scalar_is(lambda v: float(v) <= -1e30))
+_EAGER = sink_attention(P("add.Tensor", SCALED_QK, MASK_BIAS, attrs=ALPHA1))
 
 
 def _eager_with_sinks(n: Node, m: Match) -> Node:
@@ -266,10 +272,9 @@ def _eager_with_sinks(n: Node, m: Match) -> Node:
     L = k.shape[2]
     need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
     t = mask_terms(m.mask, q.shape[2], L, m.constants)
-    need("idx" not in t)
     att = _make(DENSE, (q, k, v, t.qpos, sinks), {"scale": float(m.value(m.scale)), "window": t.W, "sinks": True},
                 q, v, n.span)
-    return Node.make("view", (att,), {"size": tuple(n.shape)}, n.types, n.span)
+    return view_node(att, n.shape, n.span)
 
 
 def _up(p: Pat) -> Pat:
@@ -293,7 +298,7 @@ def _indexer(n: Node, m: Match) -> Node:
     (B, S, L), K = m.x.shape, m.tk.attr["k"]
     need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
     t = mask_terms(m.imask, S, L, m.constants)
-    need("idx" not in t and t.W == 0)
+    need(t.W == 0)
     w, q, Hi = m.w, m.iq, m.w.shape[2]
     need(tuple(m.hs.shape) == (B * S, 1, L) and tuple(m.hs.inputs[0].shape) == (B * S, 1, Hi))
     need(tuple(w.shape[:2]) == (B, S) and tuple(m.r.shape) == (B, S, Hi, L))
@@ -305,16 +310,10 @@ def _indexer(n: Node, m: Match) -> Node:
                      "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf")}, n.types, n.span)
 
 
-RULES = (
+# attention over a cache -> the ops above; counts ``sparse_attention.<op>``
+sparse_attention = pattern_pass("sparse_attention", (
     Rule(f"sparse_attention.{INDEXER}", _INDEXER, _indexer),
     *(Rule(f"sparse_attention.{op}", _SDPA, lambda n, m, op=op: _sdpa(n, m, op))
       for op in (MLA, SPARSE, MLA_DENSE, DENSE)),
     Rule(f"sparse_attention.{DENSE}", _EAGER, _eager_with_sinks),
-)
-
-
-def sparse_attention(g: Graph, ctx) -> Graph:
-    """Rewrite attention over a cache into the ops above; counts ``sparse_attention.<op>`` in ``ctx.patterns``."""
-    g, counts = rewrite(g, RULES, ctx.constants)
-    add_counts(ctx.patterns, counts)
-    return g
+))

@@ -12,13 +12,14 @@ frontend/decode_export.py)::
 For contiguous positions the two are equal, so the rewrite keeps the prefill exact; it makes the graph valid for
 any per-token positions, which is what the batched decode step needs: its S tokens are S requests' next tokens,
 one each (``decode_batch``, tools/compiler.py), each with its own position and block table (paged_kv with
-``PassContext.token_positions``). Runs only under that flag. A graph that still reads ``%p[0]`` after it (some
+``per_token``). Runs only under ``per_token``. A graph that still reads ``%p[0]`` after it (some
 other use of the first position) is not per-token: ``first_position_reads`` lists those nodes.
 """
 
 from __future__ import annotations
 
 from dayzero.passes.ir.node import Graph, Node, rewrite
+from dayzero.passes.pipeline import Found, counted
 
 
 def _first_of(x: Node) -> Node | None:
@@ -38,9 +39,11 @@ def _is_arange_of(a: Node, length) -> bool:
             and (a.attr.get("step") or 1) == 1 and str(a.attr.get("end")) == str(length))
 
 
-def token_positions(g: Graph, ctx) -> Graph:
-    if not getattr(ctx, "token_positions", False):
-        return g
+def token_positions(g: Graph, per_token: bool) -> tuple[Graph, Found]:
+    """Under ``per_token`` (the batched decode program), each token's positions instead of the first's + arange;
+    counts ``token_positions``."""
+    if not per_token:
+        return g, Found()
     count = 0
 
     def fn(n: Node) -> Node | None:
@@ -56,9 +59,7 @@ def token_positions(g: Graph, ctx) -> Graph:
         return None
 
     g = rewrite(g, fn)
-    if count:
-        ctx.patterns["token_positions"] = ctx.patterns.get("token_positions", 0) + count
-    return g
+    return g, counted("token_positions", count)
 
 
 def first_position_reads(g: Graph) -> list[Node]:

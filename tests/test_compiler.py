@@ -41,6 +41,6 @@ def test_graph_steps_in_phase_order():
     names = [n for n, _ in GRAPH_STEPS]
     assert len(set(names)) == len(names)
     # the ordering rules the passes' docstrings state
-    order = ["fold_empty", "fold_constants", "moe", "inplace_state", "sparse_attention", "compressed_attention",
-             "paged_kv", "expert_workspace"]
+    order = ["fold_empty", "fold_constants", "moe", "dequant", "inplace_state", "sparse_attention",
+             "compressed_attention", "expert_workspace", "paged_kv"]
     assert sorted(order, key=names.index) == order

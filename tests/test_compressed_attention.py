@@ -26,31 +26,27 @@ MAX_SEQ = 64
 
 @pytest.fixture(scope="module")
 def v4_programs(tmp_path_factory):
-    from dayzero.passes.pipeline import PassContext
     from dayzero.tools.compiler import run_pipeline
     from dayzero.tools.driver import trace_model
     from dayzero.tools.make_tiny import make_tiny
 
     ckpt = make_tiny("deepseek_v4", tmp_path_factory.mktemp("v4") / "ckpt", seed=0)
     fe = trace_model(str(ckpt), MAX_SEQ)
-    ctx = PassContext()
-    pre = run_pipeline(fe.traced.graph, ctx, verify=True)
-    dctx = PassContext(constants=ctx.constants)
-    dec = run_pipeline(fe.decode.graph, dctx, verify=True)
     cfg = json.loads((ckpt / "config.json").read_text())
-    return cfg, {"prefill": (pre, ctx), "decode": (dec, dctx)}
+    return cfg, {"prefill": run_pipeline(fe.traced.graph, verify=True),
+                 "decode": run_pipeline(fe.decode.graph, verify=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_pattern_fires_on_every_compressed_layer(v4_programs, which):
     cfg, progs = v4_programs
-    g, ctx = progs[which]
+    g, found = progs[which]
     types = cfg["layer_types"]
     n_csa, n_hca = types.count("compressed_sparse_attention"), types.count("heavily_compressed_attention")
     assert n_csa and n_hca
     nodes = [n for n in g.nodes() if n.op == ca.OP]
-    assert ctx.patterns.get(f"{ca.OP}.csa") == n_csa and ctx.patterns.get(f"{ca.OP}.hca") == n_hca
+    assert found.patterns.get(f"{ca.OP}.csa") == n_csa and found.patterns.get(f"{ca.OP}.hca") == n_hca
     assert len(nodes) == n_csa + n_hca
     rates = cfg["compress_rates"]
     for n in nodes:

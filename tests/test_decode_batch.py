@@ -179,15 +179,13 @@ def test_token_positions_reads_each_tokens_own_position():
     an arange from 1 is another computation and stays (the driver then refuses the batched program: the first
     position is still read); without the flag nothing changes."""
     from dayzero.passes.ir.text import parse_graph, print_graph
-    from dayzero.passes.pipeline import PassContext
     from dayzero.passes.token_positions import first_position_reads, token_positions
 
     g = parse_graph(BEFORE)
-    ctx = PassContext(token_positions=True)
-    out = token_positions(g, ctx)
-    assert out.outputs[0] is out.inputs[0] and ctx.patterns == {"token_positions": 1}
+    out, found = token_positions(g, per_token=True)
+    assert out.outputs[0] is out.inputs[0] and found.patterns == {"token_positions": 1}
     assert out.outputs[1].op == "add.Tensor" and [n.op for n in first_position_reads(out)] == ["select.int", "clone"]
-    assert print_graph(token_positions(g, PassContext())) == print_graph(g)
+    assert print_graph(token_positions(g, per_token=False)[0]) == print_graph(g)
 
 
 # ---- kernels with per-token block tables: query s reads (and token s writes) its own request's blocks -----------

@@ -29,13 +29,14 @@ from dayzero.passes.ir import interp
 from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
-from dayzero.passes.pipeline import PassContext
 from dayzero.tools.compiler import run_pipeline
 from dayzero.runtime.executor import load
 from dayzero.targets.capabilities import int4_storage
 from dayzero.targets.host import cuda_target_dict, host_target_dict
 from dayzero.tools.driver import compile_model
 from dayzero.tools.onnx_reference import reference_outputs
+
+from _dequant_chain import dequant_graph
 
 TOL = 1e-4
 HOST = host_target_dict()
@@ -104,9 +105,8 @@ ONNX_CASES = {
 def test_onnx_4bit_matmul_fuses_and_matches_onnxruntime(tmp_path, case):
     path = ONNX_CASES[case](tmp_path / "q.onnx")
     fe = trace_onnx(str(path), 16)
-    ctx = PassContext()
-    g = run_pipeline(fe.traced.graph, ctx, verify=True)
-    assert ctx.patterns.get("dequant.linear") == 1
+    g, found = run_pipeline(fe.traced.graph, verify=True)
+    assert found.patterns.get("dequant.linear") == 1
     assert [n.op for n in g.nodes() if n.op.startswith("dequant_linear")] == ["dequant_linear_int4"]
     assert not {"bitwise_and.Tensor", "cat", "mul.Tensor", "linear", "matmul"} & {n.op for n in g.nodes()}
     report = compile_model(str(path), tmp_path / "art", max_seq=16, verify=True)
@@ -131,9 +131,8 @@ def _nbits_text(tmp_path) -> str:
 
 
 def _fires(text: str) -> bool:
-    ctx = PassContext()
-    g = run_pipeline(parse_graph(text), ctx, verify=True)
-    return bool(ctx.patterns.get("dequant.linear")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
+    g, found = run_pipeline(parse_graph(text), verify=True)
+    return bool(found.patterns.get("dequant.linear")) or any(n.op.startswith("dequant_linear") for n in g.nodes())
 
 
 def test_chain_with_wrong_bit_layout_or_missing_scale_is_left_alone(tmp_path):
@@ -166,7 +165,7 @@ def _linear_graph(fmt: str, N: int, K: int, T, via_matmul: bool = False):
         data_t, scale_t = ("uint8", (N, K // 32, 16)), ("uint8", (N, K // 32))
     else:
         data_t, scale_t = ("float8_e4m3fn", (N, K)), ("float32", (-(-N // 128), -(-K // 128)))
-    sub = lowprec._dequant_graph(fmt, in_major, data_t, scale_t)
+    sub = dequant_graph(fmt, in_major, data_t, scale_t)
     bind = {"blocks": Node.make("weight", (), {"name": "w.data"}, [TensorType(*data_t)]),
             "weight": Node.make("weight", (), {"name": "w.data"}, [TensorType(*data_t)]),
             "scales": Node.make("weight", (), {"name": "w.scale"}, [TensorType(*scale_t)]),
@@ -197,22 +196,21 @@ def test_fp8_and_mxfp4_chains_feeding_linear_fuse(fmt, via_matmul):
     N, K = (200, 300) if fmt == "fp8" else (48, 64)
     seq = make_symbol("seq")
     g = _linear_graph(fmt, N, K, seq, via_matmul)
-    ctx = PassContext()
-    fused = run_pipeline(g, ctx, verify=True)
-    assert ctx.patterns.get("dequant.linear") == 1
+    fused, found = run_pipeline(g, verify=True)
+    assert found.patterns.get("dequant.linear") == 1
     assert [n.op for n in fused.nodes() if n.op.startswith("dequant_linear")] == [f"dequant_linear_{fmt}"]
     data, scale = _stored(fmt, N, K)
-    ws = dict(ctx.constants, **{"w.data": data, "w.scale": scale})
+    ws = dict(found.constants, **{"w.data": data, "w.scale": scale})
     x = torch.randn(7, K)
     got = interp.run_graph(fused, {"x": x}, ws.__getitem__)[0]
-    want = interp.run_graph(fold(g, ctx), {"x": x}, ws.__getitem__)[0]
+    want = interp.run_graph(fold(g), {"x": x}, ws.__getitem__)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def fold(g, ctx):
+def fold(g):
     from dayzero.passes.fold_constants import fold_constants
 
-    return fold_constants(g, ctx.constants)
+    return fold_constants(g)[0]
 
 
 # ---- kernels vs torch ----------------------------------------------------------------------------------------

@@ -30,15 +30,16 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir import reference_moe as rm
 from dayzero.passes.ir.node import Graph
 
+from _dequant_chain import dequant_graph
 from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
     rewrite_checkpoint
 
 
 def _chain(in_major=False, shape=(4, 32, 2)):
     E, O, G = shape
-    g = lowprec._dequant_graph("mxfp4", in_major, ("uint8", (E, O, G, 16)), ("uint8", (E, O, G)))
-    consts: dict = {}
-    return fold_constants(g, consts), consts
+    g = dequant_graph("mxfp4", in_major, ("uint8", (E, O, G, 16)), ("uint8", (E, O, G)))
+    g, found = fold_constants(g)
+    return g, found.constants
 
 
 def _eval(g: Graph, feeds: dict, consts: dict) -> torch.Tensor:

@@ -11,8 +11,9 @@ from dayzero.frontend import lowprec
 from dayzero.passes import dequant as dq
 from dayzero.passes.ir.node import Graph, Node, Span, TensorType, rewrite
 from dayzero.passes.ir.reference_dequant import dequant_reference
-from dayzero.passes.pipeline import PassContext
 from dayzero.tools.compiler import run_pipeline
+
+from _dequant_chain import dequant_graph
 
 CASES = {  # name -> (format, stored fp32 shape, block, transposed)
     "mxfp4": ("mxfp4", (3, 8, 64), 32, False),
@@ -75,7 +76,7 @@ def test_typed_op_and_aten_chain_meet_in_the_same_fused_linear(fmt):
         data_t, scale_t, block = ("uint8", (N, K // 32, 16)), ("uint8", (N, K // 32)), 32
     else:
         data_t, scale_t, block = ("float8_e4m3fn", (N, K)), ("float32", (-(-N // 128), -(-K // 128))), (128, 128)
-    sub = lowprec._dequant_graph(fmt, False, data_t, scale_t)
+    sub = dequant_graph(fmt, False, data_t, scale_t)
     typed = _typed(fmt, data_t, scale_t, block, False, (N, K))
     bind = {"blocks": typed.inputs[0], "weight": typed.inputs[0], "scales": typed.inputs[1],
             "scale_inv": typed.inputs[1]}
@@ -84,9 +85,8 @@ def test_typed_op_and_aten_chain_meet_in_the_same_fused_linear(fmt):
     fused = []
     for w in (typed, chain):
         y = Node.make("linear", (x, w), {"bias": False}, [TensorType("float32", (T, N))], Span("proj", "test"))
-        ctx = PassContext()
-        g = run_pipeline(Graph("main", (x,), (y,)), ctx, verify=True)
-        assert ctx.patterns.get("dequant.linear") == 1
+        g, found = run_pipeline(Graph("main", (x,), (y,)), verify=True)
+        assert found.patterns.get("dequant.linear") == 1
         (node,) = [n for n in g.nodes() if n.op.startswith("dequant_linear")]
         assert not [n for n in g.nodes() if n.op == dq.OP_DEQUANT]
         fused.append((node.op, node.attrs, [i.attr.get("name") for i in node.inputs]))

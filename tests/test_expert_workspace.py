@@ -200,18 +200,16 @@ def test_rewrite_shares_one_workspace_placed_once():
     from dayzero.codegen.program import build_program
     from dayzero.passes.ir.text import make_symbol, parse_graph, print_graph
     from dayzero.passes.ir.verify import verify
-    from dayzero.passes.pipeline import PassContext
 
     seq = make_symbol("seq")
-    ctx = PassContext()
-    g = ew.expert_workspace(_two_layer_graph(seq), ctx, compute_dtype="bfloat16", cache_bytes=1 << 40)
+    g, found = ew.expert_workspace(_two_layer_graph(seq), compute_dtype="bfloat16", cache_bytes=1 << 40)
     verify(g)
     assert print_graph(parse_graph(print_graph(g))) == print_graph(g)
     nodes = [n for n in g.nodes() if n.op == ew.OP]
-    assert len(nodes) == 2 and ctx.patterns["expert_workspace"] == 2
+    assert len(nodes) == 2 and found.patterns["expert_workspace"] == 2
     # run order: the experts named layers.1 first; the keys follow the graph order, not the names
     assert [n.inputs[-3].attr["name"] for n in nodes] == ["expert_workspace.layer0", "expert_workspace.layer1"]
-    assert [int(ctx.constants[n.inputs[-3].attr["name"]][0]) for n in nodes] == [0, 1]
+    assert [int(found.constants[n.inputs[-3].attr["name"]][0]) for n in nodes] == [0, 1]
     # one workspace for both layers: state nodes of one name are one buffer (codegen/memory.py)
     assert len({n.inputs[-2].attr["name"] for n in nodes}) == len({n.inputs[-1].attr["name"] for n in nodes}) == 1
     ws, meta = nodes[0].inputs[-2], nodes[0].inputs[-1]

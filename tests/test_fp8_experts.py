@@ -35,6 +35,7 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir import reference_dequant as rd
 from dayzero.passes.ir import reference_moe as rm
 
+from _dequant_chain import dequant_graph
 from _lowprec_ref import assert_prefill_matches, check_fused_experts, compile_fails, dequantized_upstream, \
     rewrite_checkpoint
 
@@ -110,7 +111,7 @@ def test_scales_rebound_per_row_block_are_exact(case, g):
 @pytest.mark.parametrize("shape,g", [((4, 64, 64), 32), ((4, 64, 32), 128), ((3, 48, 200), 16)])
 def test_chain_is_recognised_and_exact(shape, g):
     sshape = ck.fp8_scale_shape(shape, g)
-    graph = lowprec._dequant_graph("fp8", False, ("float8_e4m3fn", shape), ("float32", sshape), g)
+    graph = dequant_graph("fp8", False, ("float8_e4m3fn", shape), ("float32", sshape), g)
     m = dq.match_fp8_blocks(graph.outputs[0])
     assert m is not None and m[0].op == "input" and m[1].op == "input" and m[2:] == (g, 128)
     w, s = _random_fp8(shape, (g, 128), 5)

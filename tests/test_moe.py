@@ -69,17 +69,17 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled)
 def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     from dayzero.tools.driver import optimize, trace_model
 
-    _, ctx = optimize(trace_model(str(tiny(arch)), max_seq=48))
-    assert ctx.patterns.get("moe.grouped_experts") == ARCHS[arch]
+    _, found = optimize(trace_model(str(tiny(arch)), max_seq=48))
+    assert found.patterns.get("moe.grouped_experts") == ARCHS[arch]
 
 
 @pytest.mark.slow
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
     from dayzero.tools.driver import optimize, trace_model
 
-    g, ctx = optimize(trace_model(str(tiny("gpt_oss")), max_seq=32), verify=True)
+    g, found = optimize(trace_model(str(tiny("gpt_oss")), max_seq=32), verify=True)
     nodes = [n for n in g.nodes() if n.op == "moe_experts"]
-    assert ctx.patterns["moe.grouped_experts"] == 2 and len(nodes) == 2
+    assert found.patterns["moe.grouped_experts"] == 2 and len(nodes) == 2
     n = nodes[0]
     assert n.attr["layout"] == "kn" and n.attr["gate_up_bias"] and n.attr["down_bias"]
     act = n.attr["act"]

@@ -4,7 +4,9 @@ alternatives, constants, and the rewrite's per-rule counts."""
 import torch
 
 from dayzero.passes.ir.node import Graph, Node, TensorType
-from dayzero.passes.ir.pattern import Alt, Match, P, Rule, V, const, isin, need, rewrite, scalar, strip_views
+from dayzero.passes.ir.pattern import (Alt, Match, P, Rule, V, const, filled, isin, many, need, rewrite, scalar,
+                                       strip_views, with_scalar)
+from dayzero.passes.pipeline import pattern_pass
 
 
 def _t(dtype, *shape):
@@ -136,3 +138,52 @@ def test_a_capture_name_may_not_hide_the_match_api():
 
     with pytest.raises(InternalError, match="keys"):
         P(name="keys")
+
+
+def test_with_scalar_matches_both_aten_spellings_of_a_scalar_operand():
+    tensor_form = _op("sub.Tensor", (X, S), (4, 8), {"alpha": 1})  # S folds to 2.0
+    scalar_form = _op("sub.Scalar", (X,), (4, 8), {"other": 2, "alpha": 1})
+    pat = with_scalar("sub", P("input", name="x"), 2, name="op")
+    for n in (tensor_form, scalar_form):
+        m = Match(CONSTS)
+        assert pat.match(n, m) and m.x is X and m.op is n
+    assert not with_scalar("sub", P("input"), 3).match(tensor_form, Match(CONSTS))
+    assert not with_scalar("sub", P("input"), 2, tensor=False).match(tensor_form, Match(CONSTS))
+    assert not with_scalar("sub", P("input"), 2).match(_op("sub.Scalar", (X,), (4, 8), {"other": 2, "alpha": 2}),
+                                                       Match())
+    # ATen's shift has its own scalar spellings
+    shift = _op("__rshift__.Scalar", (X,), (4, 8), {"other": 4})
+    assert with_scalar("bitwise_right_shift", P("input"), 4).match(shift, Match())
+
+
+def test_filled_reads_fulls_and_constants_by_value():
+    full = _op("full", (), (4, 8), {"fill_value": float("-inf"), "size": (4, 8)})
+    assert filled(float("-inf")).match(full, Match())
+    assert not filled(0.0).match(full, Match())
+    consts = {"w": torch.ones(8, 8), "s": torch.arange(4.0)}
+    assert filled(1.0).match(W, Match(consts))
+    assert not filled(1.0).match(Node.make("weight", (), {"name": "s"}, _t("float32", 4)), Match(consts))
+    # a predicate sees the value and the match
+    m = Match(consts)
+    m["E"] = 1
+    assert filled(lambda v, m: v >= m.E).match(W, m) and not filled(lambda v, m: v > m.E).match(W, m)
+
+
+def test_many_matches_any_number_of_layers_up_to_its_bound():
+    n = X
+    for _ in range(3):
+        n = _op("neg", (n,), (4, 8))
+    m = Match()
+    assert many(lambda p: P("neg", p), P("input", name="x")).match(n, m) and m.x is X
+    assert many(lambda p: P("neg", p), P("input")).match(X, Match())  # no layer at all
+    assert not many(lambda p: P("neg", p), P("input"), at_most=2).match(n, Match())
+    assert not many(lambda p: P("relu", p), P("input")).match(n, Match())
+
+
+def test_a_pattern_pass_returns_its_graph_and_each_rule_s_matches():
+    r = _op("relu", (_op("neg", (X,), (4, 8)),), (4, 8))
+    negate = pattern_pass("negate", (Rule("negate.abs", P("neg", P(name="x")),
+                                          lambda n, m: Node.make("abs", (m.x,), {}, n.types, n.span)),))
+    out, found = negate(Graph("g", (X,), (r,)), CONSTS)
+    assert [n.op for n in out.nodes()] == ["input", "abs", "relu"] and found.patterns == {"negate.abs": 1}
+    assert negate.__name__ == "negate"

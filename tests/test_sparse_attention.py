@@ -30,28 +30,24 @@ EXPECTED = {  # architecture -> (op, layers, {window: count}, sinks)
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
 def programs(request, tmp_path_factory):
-    from dayzero.passes.pipeline import PassContext
     from dayzero.tools.compiler import run_pipeline
     from dayzero.tools.driver import trace_model
     from dayzero.tools.make_tiny import make_tiny
 
     ckpt = make_tiny(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=0)
     fe = trace_model(str(ckpt), 64)
-    ctx = PassContext()
-    pre = run_pipeline(fe.traced.graph, ctx, verify=True)
-    dctx = PassContext(constants=ctx.constants)
-    dec = run_pipeline(fe.decode.graph, dctx, verify=True)
-    return request.param, {"prefill": (pre, ctx), "decode": (dec, dctx)}
+    return request.param, {"prefill": run_pipeline(fe.traced.graph, verify=True),
+                           "decode": run_pipeline(fe.decode.graph, verify=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_pattern_fires(programs, which):
     arch, progs = programs
-    g, ctx = progs[which]
+    g, found = progs[which]
     op, layers, windows, sinks = EXPECTED[arch]
     nodes = [n for n in g.nodes() if n.op == op]
-    assert ctx.patterns.get(f"sparse_attention.{op}") == layers == len(nodes)
+    assert found.patterns.get(f"sparse_attention.{op}") == layers == len(nodes)
     assert not [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]  # nothing left dense
     got: dict[int, int] = {}
     for n in nodes:
@@ -71,7 +67,7 @@ def test_pattern_fires(programs, which):
     # nothing is computed over every cache row but the indexer scores: no kv_b_proj over the latent cache
     assert not [m for m in g.nodes() if m.op == "linear" and m.inputs[0].op == "state_index_put"]
     if op == sa.MLA:  # the indexer is one fused op per layer; no generic top-k over the 64 cache rows is left
-        assert ctx.patterns.get(f"sparse_attention.{sa.INDEXER}") == layers
+        assert found.patterns.get(f"sparse_attention.{sa.INDEXER}") == layers
         assert not [m for m in g.nodes() if m.op == "topk" and m.inputs[0].shape[-1] == 64]
         for m in g.nodes():
             if m.op == sa.INDEXER:
@@ -314,7 +310,6 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     activation it is left alone. Either way the graph computes what the module does (same indices)."""
     from dayzero.frontend.torch_export import export_module, to_graph
     from dayzero.passes.ir.interp import run_graph
-    from dayzero.passes.pipeline import PassContext
     from dayzero.tools.compiler import run_pipeline
 
     g = torch.Generator().manual_seed(B)
@@ -322,10 +317,9 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     ins = (r(B, 5, 8, 16), r(B, 5, 8), r(B, 32, 16), torch.arange(5) + 10)
     m = _UpstreamIndexer(32, act)
     t = to_graph(export_module(m, ins))
-    ctx = PassContext()
-    gr = run_pipeline(t.graph, ctx, verify=True)
-    assert ctx.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == int(fires)
+    gr, found = run_pipeline(t.graph, verify=True)
+    assert found.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == int(fires)
     assert bool([n for n in gr.nodes() if n.op == "topk"]) != fires
     out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)),
-                    lambda name: t.weights.get(name, ctx.constants.get(name)))[0]
+                    lambda name: t.weights.get(name, found.constants.get(name)))[0]
     assert torch.equal(out, m(*ins))

@@ -4,8 +4,9 @@
                      checkpoint and its recipes); a checkpoint's non-finite weights are refused here
     programs         prefill, decode (a model whose KV cache dayzero owns), decode_batch (the prefill graph with
                      one token per request), vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
-                     canonicalize -> identify patterns -> lay out state -> specialise (``dayzero dump-ir`` writes
-                     the graph after every step as <program>/NNN_<step>.ir)
+                     canonicalize -> identify patterns (cache writes made in place first: the attention
+                     patterns read them) -> specialise -> lay out state (``dayzero dump-ir`` writes the graph
+                     after every step as <program>/NNN_<step>.ir)
     lower            codegen/program.py: graph -> Program (kernel nodes, steps, buffers)
     schedule         codegen/schedule.py + build.py, per kernel the first that applies: hand-scheduled -> tuned
                      (a tuning record; ``--tune`` makes missing ones) -> default; one compiled library
@@ -47,7 +48,7 @@ from dayzero.passes.ir.verify import verify as verify_graph
 from dayzero.passes.memory_plan import PER_REQUEST_ZONES
 from dayzero.passes.moe import moe
 from dayzero.passes.paged_kv import paged_kv
-from dayzero.passes.pipeline import PassContext
+from dayzero.passes.pipeline import Found
 from dayzero.passes.sparse_attention import sparse_attention
 from dayzero.passes.token_positions import first_position_reads, token_positions
 from dayzero.targets.host import host_target_dict
@@ -170,64 +171,35 @@ class StepEnv:
     expert_cache_bytes: int = 0
 
 
-@dataclass
-class Found:
-    """What a graph step produced besides its graph."""
-    patterns: dict[str, int] = field(default_factory=dict)  # pattern name -> matches
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors the step folded or made
-    kv_pages: dict | None = None  # the paged KV layout paged_kv chose (the artifact's ``kv_pages``)
-
-    def merge(self, other: Found) -> None:
-        for k, v in other.patterns.items():
-            self.patterns[k] = self.patterns.get(k, 0) + v
-        self.constants.update(other.constants)
-        self.kv_pages = other.kv_pages if other.kv_pages is not None else self.kv_pages
-
-
 Step = Callable[[Graph, StepEnv], "tuple[Graph, Found]"]
-
-
-def _pass(fn: Callable[[Graph, PassContext], Graph]) -> Step:
-    """A pass written as ``(graph, PassContext) -> graph``, as a step: it gets a context of its own, and what it
-    left there (pattern counts, new constants, the paged layout) is what it produced."""
-    def step(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
-        ctx = PassContext(constants=dict(env.constants), kv_pages=dict(env.kv_pages) if env.kv_pages else None,
-                          token_positions=env.token_positions)
-        g = fn(g, ctx)
-        made = {k: v for k, v in ctx.constants.items() if env.constants.get(k) is not v}
-        return g, Found(dict(ctx.patterns), made, (ctx.kv_pages or {}).get("resolved"))
-    return step
-
-
-def _inplace_state(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
-    g, n = inplace_state(g)
-    return g, Found({"inplace_kv_write": n} if n else {})
 
 
 def _expert_workspace(g: Graph, env: StepEnv) -> tuple[Graph, Found]:
     if env.route != "workspace":
         return g, Found()
-    return _pass(lambda g, ctx: ew.expert_workspace(g, ctx, compute_dtype=ew.compute_dtype_of(env.expert_dtype),
-                                                    cache_bytes=env.expert_cache_bytes))(g, env)
+    return ew.expert_workspace(g, compute_dtype=ew.compute_dtype_of(env.expert_dtype),
+                               cache_bytes=env.expert_cache_bytes)
 
 
+# every step: (graph, env) -> (graph, what the pass found), calling the pass with what it reads from env
 GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     # -- canonicalize ----------------------------------------------------------------------------------------------
-    ("fold_empty", _pass(lambda g, ctx: fold_empty(g))),  # before fold_constants, which leaves empty values alone
-    ("fold_constants", _pass(lambda g, ctx: fold_constants(g, ctx.constants))),
+    ("fold_empty", lambda g, env: (fold_empty(g), Found())),  # before fold_constants: it leaves empties alone
+    ("fold_constants", lambda g, env: fold_constants(g)),
     # -- identify patterns ---------------------------------------------------------------------------------------
-    ("moe", _pass(moe)),  # routed experts -> moe_experts (grouped GEMM over the routed experts only)
-    ("dequant", _pass(dequant)),  # MXFP4 / FP8 chains -> fused dequant kernels
+    ("moe", lambda g, env: moe(g, env.constants)),  # routed experts -> moe_experts (grouped GEMM, routed only)
+    ("dequant", lambda g, env: dequant(g, env.constants)),  # MXFP4 / FP8 chains -> fused dequant kernels
     # -- lay out state: cache writes in place ----------------------------------------------------------------------
-    ("inplace_state", _inplace_state),
+    ("inplace_state", lambda g, env: inplace_state(g)),
     # -- identify patterns that read the in-place cache ----------------------------------------------------------
-    ("sparse_attention", _pass(sparse_attention)),  # after inplace_state
-    ("compressed_attention", _pass(compressed_attention)),  # after sparse_attention
-    # -- lay out state: positions and pages ----------------------------------------------------------------------
-    ("token_positions", _pass(token_positions)),  # decode_batch only: each token at its own position
-    ("paged_kv", _pass(paged_kv)),  # after the attention ops exist
+    ("sparse_attention", lambda g, env: sparse_attention(g, env.constants)),  # after inplace_state
+    ("compressed_attention", lambda g, env: compressed_attention(g, env.constants)),  # after sparse_attention
     # -- specialise ----------------------------------------------------------------------------------------------
     ("expert_workspace", _expert_workspace),  # MXFP4 experts on the workspace route (--expert-route)
+    # -- lay out state: positions and pages ----------------------------------------------------------------------
+    # decode_batch only: each token at its own position
+    ("token_positions", lambda g, env: token_positions(g, env.token_positions)),
+    ("paged_kv", lambda g, env: paged_kv(g, env.kv_pages, env.token_positions)),  # after the attention ops exist
 )
 
 
@@ -255,16 +227,10 @@ def run_steps(g: Graph, env: StepEnv, verify: bool = False, dump_dir: str | Path
     return g, found
 
 
-def run_pipeline(g: Graph, ctx: PassContext, verify: bool = False) -> Graph:
-    """GRAPH_STEPS with the options a ``PassContext`` holds (experts stay fused): for tests of the passes. What
-    the steps produced is added to ``ctx`` (patterns, constants, ``kv_pages["resolved"]``)."""
-    g, found = run_steps(g, StepEnv(ctx.constants, ctx.kv_pages, ctx.token_positions), verify)
-    for k, v in found.patterns.items():
-        ctx.patterns[k] = ctx.patterns.get(k, 0) + v
-    ctx.constants.update(found.constants)
-    if ctx.kv_pages is not None and found.kv_pages is not None:
-        ctx.kv_pages["resolved"] = found.kv_pages
-    return g
+def run_pipeline(g: Graph, kv_pages: dict | None = None, verify: bool = False) -> tuple[Graph, Found]:
+    """GRAPH_STEPS on ``g`` with the default options (experts stay fused, caches contiguous unless ``kv_pages``):
+    for tests of the passes. Returns the graph and what the steps found."""
+    return run_steps(g, StepEnv({}, kv_pages), verify)
 
 
 def per_request_states(g: Graph) -> str:
@@ -363,7 +329,7 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     with _timed(times, "trace_s"):
         fe = trace(model, options)
-    with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> lay out state -> specialise -> lower
+    with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> specialise -> lay out state -> lower
         ps = build_programs(fe, options, verify=options.verify)
         check_shared_states(ps.programs)
     db = tuning.TuningDatabase(options.tuning_dir)  # schedule: hand-scheduled -> tuned -> default

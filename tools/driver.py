@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dayzero.frontend.trace import Frontend, trace_model
 from dayzero.passes.ir.node import Graph
-from dayzero.passes.pipeline import PassContext
+from dayzero.passes.pipeline import Found
 from dayzero.tools.compiler import CompileOptions, compile_artifact, resolve_compute_dtype, run_pipeline
 
 __all__ = ["compile_model", "optimize", "trace_model", "resolve_compute_dtype"]
@@ -21,7 +21,6 @@ def compile_model(model, out, **options) -> dict:
     return compile_artifact(model, out, CompileOptions(**options))
 
 
-def optimize(fe: Frontend, verify: bool = False, kv_pages: dict | None = None) -> tuple[Graph, PassContext]:
-    """The prefill graph after the graph steps (experts fused), with what they found in the returned context."""
-    ctx = PassContext(kv_pages=kv_pages)
-    return run_pipeline(fe.traced.graph, ctx, verify=verify), ctx
+def optimize(fe: Frontend, verify: bool = False, kv_pages: dict | None = None) -> tuple[Graph, Found]:
+    """The prefill graph after the graph steps (experts fused), with what they found."""
+    return run_pipeline(fe.traced.graph, kv_pages, verify=verify)

@@ -149,6 +149,14 @@ class Node:
         return f"<{self.op} {' '.join(map(_type_str, self.types))}>"
 
 
+def view_node(x: Node, shape, span: Span | None = None) -> Node:
+    """``x`` viewed as ``shape`` (a ``view`` node), or ``x`` itself when it has that shape already."""
+    shape = tuple(shape)
+    if tuple(x.shape) == shape:
+        return x
+    return Node.make("view", (x,), {"size": shape}, [TensorType(x.dtype, shape)], span)
+
+
 def _type_str(t: TensorType) -> str:
     return f"{t.dtype}[{', '.join(str(d) for d in t.shape)}]"
 

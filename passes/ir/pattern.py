@@ -17,6 +17,11 @@ Captures: ``name=`` binds the node in the match ``m``; binding a name twice requ
 One view-stripping rule: ``V(p)`` matches ``p`` against ``strip_views(node)``, the node under every op that only
 re-labels the same elements (reshapes, (un)squeezes, aliases, clones, and expands that keep the shape).
 
+Recurring constructs: ``cast(p)`` (an optional dtype cast), ``const`` / ``scalar`` (folded constants by value),
+``with_scalar(op, p, v)`` (``op(p, v)`` in either ATen spelling: ``<op>.Tensor`` with a constant operand or
+``<op>.Scalar``), ``filled(v)`` (a full or a constant whose every element is ``v``), ``many(wrap, p)`` (``p`` under
+any number of layers of ``wrap``: a repeated sub-pattern).
+
 A rule is ``Rule(name, pattern, build)``; ``build(node, m)`` returns the replacement or ``None`` (or raises
 ``NoMatch``, through ``need(cond)``). ``rewrite(graph, rules, constants)`` applies the first rule that rewrites each
 node, bottom-up (``passes/ir/node.rewrite``), and returns the graph and ``{rule name: matches}``; rule names are
@@ -213,6 +218,43 @@ def cast(p: Pat, to: str | None = None, sources=None) -> Pat:
 
 ALPHA1 = {"alpha": isin(1, None)}  # add/sub's alpha absent or 1
 
+# the ATen names of ``op(tensor, scalar)`` when the scalar is an attr (``other``) instead of a tensor operand
+_SCALAR_FORMS = {"bitwise_right_shift": ("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar")}
+
+
+def with_scalar(op: str, x: Pat, value, tensor: bool = True, name: str | None = None) -> Pat:
+    """``op(x, value)`` in either of ATen's spellings: ``<op>.Scalar`` with attr ``other`` (add/sub with alpha 1),
+    or (``tensor``) ``<op>.Tensor`` with a folded one-element constant operand (captured as ``name``)."""
+    forms = [P(f, x, attrs={"other": value, **ALPHA1}) for f in _SCALAR_FORMS.get(op, (f"{op}.Scalar",))]
+    if tensor:
+        forms.insert(0, P(f"{op}.Tensor", x, scalar(float(value)), attrs=ALPHA1))
+    return Alt(*forms, name=name)
+
+
+def fill_value(n: Node, m: Match) -> float | None:
+    """The value every element of ``n`` holds (a ``full`` / ``full_like``, or a folded constant), else None."""
+    if n.op in ("full", "full_like") and isinstance(n.attr.get("fill_value"), (int, float)):
+        return float(n.attr["fill_value"])
+    t = m.value(n)
+    if t is not None and t.numel() and bool((t == t.reshape(-1)[0]).all()):
+        return float(t.reshape(-1)[0])
+    return None
+
+
+def filled(value: float | Callable[[float, Match], bool]) -> Pat:
+    """A value every element of which is ``value`` (or satisfies ``value(v, m)``): a full or a folded constant."""
+    test = value if callable(value) else (lambda v, m: v == value)
+    return P(where=lambda n, m: (v := fill_value(n, m)) is not None and bool(test(v, m)))
+
+
+def many(wrap: Callable[[Pat], Pat], inner: Pat, at_most: int = 4) -> Pat:
+    """``inner`` under 0 to ``at_most`` layers of ``wrap`` (``wrap(p)`` is the layer's pattern with ``p`` as its
+    input), as many layers as match: e.g. ``many(lambda p: P("slice.Tensor", p), P(name="x"))``."""
+    p = inner
+    for _ in range(at_most):
+        p = Alt(wrap(p), inner)
+    return p
+
 
 def last_dim(n: Node, m: Match | None = None) -> bool:
     """The op's ``dim`` attr names its (first) output's last axis."""
@@ -254,9 +296,3 @@ def rewrite(graph: Graph, rules: Iterable[Rule], constants: Mapping[str, Any] | 
     never fired are left out)."""
     rw = Rewriter(tuple(rules), constants if constants is not None else {})
     return rewrite_nodes(graph, rw), rw.counts
-
-
-def add_counts(patterns: dict[str, int], counts: Mapping[str, int]) -> None:
-    """Accumulate a rewrite's counts into a compile's pattern report (``PassContext.patterns``)."""
-    for k, v in counts.items():
-        patterns[k] = patterns.get(k, 0) + v

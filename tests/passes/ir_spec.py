@@ -37,9 +37,3 @@ def assert_ir(actual: Graph, expected: str | Graph, shapes: bool = True) -> None
                                               "expected", "actual", lineterm=""))
         pytest.fail("the pass's output differs from the expected IR:\n" + diff, pytrace=False)
 
-
-def context(**fields):
-    """The pass context the pipeline hands a pass (passes/pipeline.py), with ``fields`` set."""
-    from dayzero.passes.pipeline import PassContext
-
-    return PassContext(**fields)

@@ -6,12 +6,12 @@ import torch
 
 from dayzero.passes.compressed_attention import compressed_attention
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 # the first HCA layer of make-tiny deepseek_v4 (4 heads over 1 KV head, D = 32, a 64-row sliding cache read through
 # a window of 8, 9 compressed entries), after the passes before this one; its values cut at what the pass keeps:
 # q, the written K=V cache ``kv``, the compressed ``entries``, the query positions ``qpos``, the entry positions
-# (``cache_position``) and the sinks. Constants are read by value (fold_constants put them in ctx.constants).
+# (``cache_position``) and the sinks. Constants are read by value (fold_constants folded them; the pass gets them as its constants).
 HCA = """
 graph main symbols(seq in [1, 64]) {
   %0 = input {name="cache_position"} : int64[seq]
@@ -95,8 +95,8 @@ def _constants(big: float = -3.4028234663852886e38) -> dict:
 
 
 def test_heavily_compressed_attention_becomes_one_node():
-    ctx = context(constants=_constants())
-    after = compressed_attention(ir(HCA, shapes=False), ctx)
+    after, found = compressed_attention(ir(HCA, shapes=False), _constants())
+    assert found.patterns == {"compressed_attention.hca": 1}
     # window 8 from the window mask, rate 4 from the block bias (entry e is visible once (pos + 1) // 4 > e)
     assert_ir(after, """
     graph main symbols(seq in [1, 64]) {
@@ -116,5 +116,6 @@ def test_heavily_compressed_attention_becomes_one_node():
 
 def test_a_window_mask_filled_with_a_finite_value_stays_dense():
     before = ir(HCA, shapes=False)
-    after = compressed_attention(before, context(constants=_constants(big=-1.0)))  # masked scores still count
+    after, found = compressed_attention(before, _constants(big=-1.0))  # masked scores still count
     assert_ir(after, before, shapes=False)
+    assert found.patterns == {}

@@ -3,7 +3,7 @@
 
 from dayzero.passes.dequant import dequant
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 
 def _fp8_linear(block_rows: int) -> str:
@@ -29,8 +29,9 @@ def _fp8_linear(block_rows: int) -> str:
 
 
 def test_an_fp8_block_scaled_weight_under_a_linear_becomes_dequant_linear_fp8():
-    ctx = context()
-    assert_ir(dequant(ir(_fp8_linear(128)), ctx), """
+    after, found = dequant(ir(_fp8_linear(128)), {})
+    assert found.patterns == {"dequant.linear": 1}
+    assert_ir(after, """
     graph main symbols(seq in [1, 16]) {
       %0 = input {name="x"} : float32[1, seq, 128]
       %1 = weight {name="proj.weight"} : float8_e4m3fn[256, 128]
@@ -45,4 +46,37 @@ def test_an_fp8_block_scaled_weight_under_a_linear_becomes_dequant_linear_fp8():
 
 def test_scale_blocks_other_than_128_by_128_stay_generic():
     before = ir(_fp8_linear(64))
-    assert_ir(dequant(before, context()), before)
+    after, found = dequant(before, {})
+    assert_ir(after, before)
+    assert found.patterns == {}
+
+
+def test_a_weight_shorter_than_its_scale_blocks_reads_the_repeated_scales_sliced():
+    # W [200, 128]: DeepSeek's weight_dequant repeats S [2, 1] to [256, 128] and slices it to W's 200 rows
+    before = ir("""
+    graph main symbols(seq in [1, 16]) {
+      %0 = input {name="x"} : float32[seq, 128]
+      %1 = weight {name="proj.weight"} : float8_e4m3fn[200, 128]
+      %2 = weight {name="proj.weight_scale_inv"} : float32[2, 1]
+      %3 = _to_copy(%1) {dtype="float32"} : float32[200, 128]
+      %4 = unsqueeze(%2) {dim=1} : float32[2, 1, 1]
+      %5 = expand(%4) {implicit=false, size=[2, 128, 1]} : float32[2, 128, 1]
+      %6 = view(%5) {size=[256, 1]} : float32[256, 1]
+      %7 = unsqueeze(%6) {dim=2} : float32[256, 1, 1]
+      %8 = expand(%7) {implicit=false, size=[256, 1, 128]} : float32[256, 1, 128]
+      %9 = view(%8) {size=[256, 128]} : float32[256, 128]
+      %10 = slice.Tensor(%9) {dim=0, start=0, end=200, step=1} : float32[200, 128]
+      %11 = mul.Tensor(%3, %10) : float32[200, 128]
+      %12 = linear(%0, %11) {bias=false} : float32[seq, 200]
+      return %12
+    }
+    """)
+    assert_ir(dequant(before, {})[0], """
+    graph main symbols(seq in [1, 16]) {
+      %0 = input {name="x"} : float32[seq, 128]
+      %1 = weight {name="proj.weight"} : float8_e4m3fn[200, 128]
+      %2 = weight {name="proj.weight_scale_inv"} : float32[2, 1]
+      %3 = dequant_linear_fp8(%0, %1, %2) {K=128, N=200} : float32[seq, 200]
+      return %3
+    }
+    """)

@@ -6,7 +6,7 @@ import torch
 
 from dayzero.passes.expert_workspace import expert_workspace
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 # two layers of E = 8 experts, H = 64, gate/up GU = 64, I = 32, stored as MXFP4 blocks and E8M0 scales
 ACT = '["mul", ["silu", ["col", 0, 1, 32]], ["col", 32, 1, 32]]'
@@ -58,16 +58,17 @@ def _workspace_route(dtype: str, slots: int, cache: str) -> str:
 
 
 def test_without_a_cache_every_layer_converts_into_one_shared_slot():
-    ctx = context()
-    assert_ir(expert_workspace(ir(FUSED, shapes=False), ctx), _workspace_route("float32", 1, "false"), shapes=False)
-    assert ctx.constants["expert_workspace.layer0"].tolist() == [0]
-    assert ctx.constants["expert_workspace.layer1"].tolist() == [1]
-    assert ctx.constants["expert_workspace.layer0"].dtype == torch.int32
+    after, found = expert_workspace(ir(FUSED, shapes=False))
+    assert_ir(after, _workspace_route("float32", 1, "false"), shapes=False)
+    assert found.constants["expert_workspace.layer0"].tolist() == [0]
+    assert found.constants["expert_workspace.layer1"].tolist() == [1]
+    assert found.constants["expert_workspace.layer0"].dtype == torch.int32
+    assert found.patterns == {"expert_workspace": 2}
 
 
 def test_a_cache_budget_of_three_converted_bf16_experts_gives_three_slots():
     budget = 3 * 6144 * 2  # three slots of 6144 bf16 elements
-    after = expert_workspace(ir(FUSED, shapes=False), context(), compute_dtype="bfloat16", cache_bytes=budget)
+    after, _ = expert_workspace(ir(FUSED, shapes=False), compute_dtype="bfloat16", cache_bytes=budget)
     assert_ir(after, _workspace_route("bfloat16", 3, "true"), shapes=False)
 
 
@@ -77,4 +78,4 @@ def test_a_program_without_mxfp4_experts_is_left_alone():
       return %11, %3
     }
     """)
-    assert_ir(expert_workspace(before, context()), before)
+    assert_ir(expert_workspace(before)[0], before)

@@ -21,8 +21,8 @@ def test_a_cache_write_assigned_back_becomes_an_in_place_write():
       return %4, %5
     }
     """
-    after, count = inplace_state(ir(before))
-    assert count == 1
+    after, found = inplace_state(ir(before))
+    assert found.patterns == {"inplace_kv_write": 1}
     assert_ir(after, HEAD + """
       %3 = state_index_put(%2, %0, %1) {indices=[false, false, true]} : float32[1, 2, 64, 16]
       %4 = mul.Tensor(%3, %3) : float32[1, 2, 64, 16]
@@ -39,8 +39,8 @@ def test_a_state_whose_old_contents_are_read_keeps_the_copy():
       return %4, %5
     }
     """
-    after, count = inplace_state(ir(before))
-    assert count == 0
+    after, found = inplace_state(ir(before))
+    assert found.patterns == {}
     assert_ir(after, before)
 
 
@@ -51,6 +51,6 @@ def test_an_accumulating_write_keeps_the_copy():
       return %4
     }
     """
-    after, count = inplace_state(ir(before))
-    assert count == 0
+    after, found = inplace_state(ir(before))
+    assert found.patterns == {}
     assert_ir(after, before)

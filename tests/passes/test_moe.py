@@ -3,7 +3,7 @@ bmm, activation, bmm, weight by the router, sum over k) become one ``moe_experts
 
 from dayzero.passes.moe import moe
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 # T = seq tokens, k = 2 experts each (S = 2*seq assignments), E = 4 experts, H = 16, I = 16 (sizes the kernel takes): SwiGLU experts stored as
 # [E, out, in] (Qwen3-MoE's layout "nk"); the down GEMM gathers its weights by ``down_ids``
@@ -46,8 +46,8 @@ graph main symbols(seq in [1, 16]) {
 
 
 def test_batched_mm_experts_become_one_moe_experts_node():
-    ctx = context()
-    after = moe(ir(BATCHED_MM.replace("DOWN_IDS", "%1")), ctx)
+    after, found = moe(ir(BATCHED_MM.replace("DOWN_IDS", "%1")), {})
+    assert found.patterns == {"moe.grouped_experts": 1}
     assert_ir(after, """
     graph main symbols(seq in [1, 16]) {
       %0 = input {name="x"} : float32[seq, 16]
@@ -67,4 +67,6 @@ def test_batched_mm_experts_become_one_moe_experts_node():
 
 def test_experts_whose_two_gemms_are_routed_differently_are_left_alone():
     before = ir(BATCHED_MM.replace("DOWN_IDS", "%3"))
-    assert_ir(moe(before, context()), before)
+    after, found = moe(before, {})
+    assert_ir(after, before)
+    assert found.patterns == {}

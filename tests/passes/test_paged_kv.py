@@ -3,7 +3,7 @@
 
 from dayzero.passes.paged_kv import paged_kv
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 HEAD = """
 graph main symbols(seq in [1, 64]) {
@@ -25,8 +25,8 @@ CONTIGUOUS = HEAD + """
 
 def test_caches_become_block_pools_read_and_written_through_one_table():
     # 64 positions in blocks of 16: a table of 4 entries; 2 requests' worth of blocks + the scratch block = 9
-    ctx = context(kv_pages={"block_size": 16, "max_batch": 2})
-    assert_ir(paged_kv(ir(CONTIGUOUS), ctx), HEAD + """
+    after, found = paged_kv(ir(CONTIGUOUS), {"block_size": 16, "max_batch": 2})
+    assert_ir(after, HEAD + """
       %4 = input {kind="block_table", name="block_table"} : int32[4]
       %5 = state {name="cache_0_keys", zone="kv_pages"} : float32[1, 2, 144, 16]
       %6 = state {name="cache_0_values", zone="kv_pages"} : float32[1, 2, 144, 16]
@@ -37,7 +37,7 @@ def test_caches_become_block_pools_read_and_written_through_one_table():
       return %9, %7, %8
     }
     """, shapes=False)
-    resolved = ctx.kv_pages["resolved"]
+    resolved = found.kv_pages
     assert (resolved["table_len"], resolved["length"]) == (4, 64)
     assert resolved["tables"] == [{"name": "block_table", "window": 0, "blocks": 9,
                                    "states": ["cache_0_keys", "cache_0_values"]}]
@@ -46,10 +46,10 @@ def test_caches_become_block_pools_read_and_written_through_one_table():
 def test_a_cache_that_a_generic_op_reads_stays_contiguous():
     before = ir(CONTIGUOUS.replace("return %8, %6, %7", "%9 = mul.Tensor(%6, %7) : float32[1, 2, 64, 16]\n"
                                                       "  return %8, %9"))
-    assert_ir(paged_kv(before, context(kv_pages={"block_size": 16, "max_batch": 2})), before)
+    assert_ir(paged_kv(before, {"block_size": 16, "max_batch": 2})[0], before)
 
 
 def test_without_a_block_size_caches_stay_contiguous():
     before = ir(CONTIGUOUS)
-    assert_ir(paged_kv(before, context(kv_pages={"block_size": 0})), before)
-    assert_ir(paged_kv(before, context(kv_pages=None)), before)
+    assert_ir(paged_kv(before, {"block_size": 0})[0], before)
+    assert_ir(paged_kv(before, None)[0], before)

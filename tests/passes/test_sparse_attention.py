@@ -5,7 +5,7 @@ import torch
 
 from dayzero.passes.sparse_attention import sparse_attention
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 # 4 query heads over 2 KV heads (repeat_kv: unsqueeze, expand, clone, view), a cache of 64 rows; the mask compares
 # the constant arange(64) [1, 1, 1, 64] (folded by fold_constants) with each query's position: row <= position
@@ -42,12 +42,13 @@ CAUSAL_SDPA = STATES + """
 """
 
 
-def _context(rows: torch.Tensor):
-    return context(constants={"const.rows": rows.reshape(1, 1, 1, 64)})
+def _constants(rows: torch.Tensor) -> dict:
+    return {"const.rows": rows.reshape(1, 1, 1, 64)}
 
 
 def test_causal_attention_over_the_cache_becomes_cache_attention():
-    after = sparse_attention(ir(CAUSAL_SDPA), _context(torch.arange(64)))
+    after, found = sparse_attention(ir(CAUSAL_SDPA), _constants(torch.arange(64)))
+    assert found.patterns == {"sparse_attention.cache_attention": 1}
     assert_ir(after, STATES + """
       %8 = cache_attention(%0, %6, %7, %3) {scale=0.25, sinks=false, window=0} : float32[1, 4, seq, 16]
       return %8, %6, %7
@@ -57,5 +58,6 @@ def test_causal_attention_over_the_cache_becomes_cache_attention():
 
 def test_a_mask_that_is_not_causal_stays_dense():
     before = ir(CAUSAL_SDPA)
-    after = sparse_attention(before, _context(torch.arange(1, 65)))  # row r compares as r + 1: not row <= position
+    after, found = sparse_attention(before, _constants(torch.arange(1, 65)))  # row r compares as r + 1: not row <= position
     assert_ir(after, before)
+    assert found.patterns == {}

@@ -3,7 +3,7 @@ one) becomes the positions input itself: token s at position positions[s] (passe
 
 from dayzero.passes.token_positions import first_position_reads, token_positions
 
-from .ir_spec import assert_ir, context, ir
+from .ir_spec import assert_ir, ir
 
 
 def _before(start: int) -> str:
@@ -22,8 +22,8 @@ def _before(start: int) -> str:
 
 
 def test_positions_from_the_first_become_the_positions_input():
-    ctx = context(token_positions=True)
-    after = token_positions(ir(_before(0)), ctx)
+    after, found = token_positions(ir(_before(0)), per_token=True)
+    assert found.patterns == {"token_positions": 1}
     assert_ir(after, """
     graph main symbols(seq in [1, 8]) {
       %0 = input {name="cache_position"} : int64[seq]
@@ -36,11 +36,12 @@ def test_positions_from_the_first_become_the_positions_input():
 
 def test_only_the_batched_decode_program_is_rewritten():
     before = ir(_before(0))
-    assert_ir(token_positions(before, context(token_positions=False)), before)
+    assert_ir(token_positions(before, per_token=False)[0], before)
 
 
 def test_an_arange_that_does_not_start_at_zero_is_left_alone():
     before = ir(_before(1))
-    after = token_positions(before, context(token_positions=True))
+    after, found = token_positions(before, per_token=True)
     assert_ir(after, before)
+    assert found.patterns == {}
     assert {n.op for n in first_position_reads(after)} == {"select.int", "clone"}
