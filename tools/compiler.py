@@ -29,7 +29,7 @@ import torch
 
 from dayzero import InternalError, UserError
 from dayzero.codegen import artifact, tuning
-from dayzero.codegen.build import build_library
+from dayzero.codegen.build import build_library, export_library
 from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.tuner import tune_kernels
@@ -443,7 +443,7 @@ def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: Compi
                                  "offsets": {str(k): v for k, v in mem["offsets"].items()},
                                  "state_slots": layout["state_slots"], "state_stride": layout["state_stride"]}
     with writer as d:
-        lib.export_library(str(d / "kernels.so"))
+        export_library(lib, d / "kernels.so")
         artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": options.target_dict,
                                                  "programs": pjs, "kv_pages": report["kv_pages"],
                                                  "max_seq": options.max_seq if fe.decode is not None else None})

@@ -457,10 +457,14 @@ def params(node) -> dict:
 
 
 def _build(p: dict, target_kind: str) -> tvm.tirx.PrimFunc:
-    p = dict(p)
+    p = {k: _tuples(v) for k, v in p.items()}  # as the node's attrs hold them (JSON gives lists): one cache key
     p.pop("wd_dtype")
     E, H, GU, I, k = (p.pop(n) for n in ("E", "H", "GU", "I", "k"))
     return moe_experts_func(E, H, GU, I, k, target_kind=target_kind, **p)
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def prim_func(node) -> tvm.tirx.PrimFunc | None:
