@@ -516,17 +516,18 @@ class Runtime:
     @property
     def has_batched_decode(self) -> bool:
         """True when the artifact has a batched decode program (``decode_batch``): every architecture whose KV
-        caches are fully paged. Not DeepSeek-V4 (its compressed caches are per-request states) nor multimodal
-        artifacts: those step each request with ``decode``."""
-        return "decode_batch" in self.programs and self.multimodal is None and self.kv is not None
+        caches are fully paged, multimodal ones included (their text decode; runtime/multimodal.py gives the
+        M-RoPE positions). Not DeepSeek-V4 (its compressed caches are per-request states): it steps each request
+        with ``decode``."""
+        return "decode_batch" in self.programs and self.kv is not None
 
     def decode_batch(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
         """Logits [B, V] after appending ``tokens[i]`` to the request in ``slots[i]``, for B requests in one run
         of the batched decode program: each at its own position, reading and writing its own KV blocks (taken
         and trimmed per request as ``run_program`` does), every weight read once for all of them."""
         if not self.has_batched_decode:
-            raise UserError("this artifact has no batched decode program (its caches are not all paged, or it is "
-                            "multimodal): step each request with decode(token, slot)")
+            raise UserError("this artifact has no batched decode program (its caches are not all paged): step "
+                            "each request with decode(token, slot)")
         tokens, slots = list(tokens), list(slots)
         if not slots or len(tokens) != len(slots):
             raise UserError(f"decode_batch takes one token per slot: got {len(tokens)} tokens for {len(slots)} slots")
@@ -560,7 +561,9 @@ class Runtime:
             except UserError as e:  # a full pool: no step runs; blocks taken for the slots before stay theirs
                 raise UserError(f"slot {s}: {e}") from None
         tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
-        out = prog.run([ids, torch.tensor(positions, dtype=torch.int64)] + tables)[0]
+        pos = torch.tensor(positions, dtype=torch.int64)
+        inputs = [ids, pos] if self.multimodal is None else self.multimodal.decode_inputs(ids, pos, slots)
+        out = prog.run(inputs + tables)[0]
         for s, n in zip(slots, positions):
             self.lengths[s] = n + 1
             self.kv.trim(s, n + 1)
