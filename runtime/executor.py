@@ -651,32 +651,46 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
         except UserError:
             rt.reset(k)  # a request that failed (the KV pool is full) frees its blocks for the others
             raise
-    decode_interleaved(results, logits, gens, step, max_new_tokens, stops, temperature, top_p)
+    decode_interleaved(results, logits, gens, step, max_new_tokens, stops, temperature, top_p,
+                       batch_step=rt.decode_batch if rt.has_batched_decode else None)
     return results
 
 
 def decode_interleaved(results: list[dict], logits: dict, gens: dict, step, max_new_tokens: int, stop_ids,
-                       temperature: float, top_p: float, raise_errors: bool = False) -> None:
-    """One decode step per live request in turn until each stops; ``step(token, k) -> next logits`` of request k.
-    A request whose step raises a UserError records it and drops out (others keep going). The parameters are the
+                       temperature: float, top_p: float, raise_errors: bool = False, batch_step=None) -> None:
+    """Decode steps of every live request until each stops; ``step(token, k) -> next logits`` of request k (in
+    slot k). With ``batch_step(tokens, ks) -> logits [B, V]`` (``Runtime.decode_batch``), two or more live
+    requests advance in one call; when that call refuses (a full KV pool), each steps alone that round. A request
+    whose step raises a UserError records it and drops out (others keep going). The parameters are the
     callers', already checked (request_checks.sampling; stop_ids: ints)."""
     stops = set(int(s) for s in stop_ids)
     active = sorted(k for k in logits if max_new_tokens > 0)
     while active:
-        still = []
+        moving = []  # (token, k) of the requests that go on
         for k in active:
             tok = _pick(logits[k], temperature, top_p, gens[k])
             results[k]["tokens"].append(tok)
-            if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
+            if tok not in stops and len(results[k]["tokens"]) < max_new_tokens:
+                moving.append((tok, k))
+        if batch_step is not None and len(moving) > 1:
+            try:
+                rows = batch_step([t for t, _ in moving], [k for _, k in moving])
+            except UserError:
+                rows = None  # nothing ran: one request at a time finds the one that cannot go on
+            if rows is not None:
+                for (_, k), row in zip(moving, rows):
+                    logits[k] = row
+                active = [k for _, k in moving]
                 continue
+        active = []
+        for tok, k in moving:
             try:
                 logits[k] = step(tok, k)
-                still.append(k)
+                active.append(k)
             except UserError as e:
                 if raise_errors:
                     raise
                 results[k]["error"] = str(e)
-        active = still
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

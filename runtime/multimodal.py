@@ -261,7 +261,8 @@ class Multimodal:
                     raise
                 results[k]["error"] = str(e)
         decode_interleaved(results, logits, gens, lambda tok, k: self.decode(tok, slot=k)[0, -1], max_new_tokens,
-                           stops, temperature, top_p, raise_errors)
+                           stops, temperature, top_p, raise_errors,
+                           batch_step=rt.decode_batch if rt.has_batched_decode else None)
         return results
 
 

@@ -95,10 +95,18 @@ def test_vision_program_matches_upstream_encoder(served):
 
 @pytest.mark.slow
 def test_batch_mixing_image_and_text_equals_alone(served):
+    """generate_batch: the text decode of the three requests is one batched call per step."""
     rt, ref, _ = served
     reqs = [{"input_ids": ONE, "images": [_image(64, 64, 6)]}, {"input_ids": TEXT},
             {"input_ids": TWO, "images": [_image(64, 96, 7), _image(64, 64, 8)]}]
-    res = rt.multimodal.generate_batch(reqs, max_new_tokens=NEW)
+    steps = []
+    batched = rt.decode_batch
+    rt.decode_batch = lambda tokens, slots: steps.append(len(slots)) or batched(tokens, slots)
+    try:
+        res = rt.multimodal.generate_batch(reqs, max_new_tokens=NEW)
+    finally:
+        del rt.decode_batch
+    assert steps == [3] * (NEW - 1)
     for req, r in zip(reqs, res):
         assert r["error"] is None
         assert r["tokens"] == rt.generate(req["input_ids"], NEW, images=req.get("images"))
