@@ -12,7 +12,8 @@ A request is token ids plus images (paths, PIL images or HxWxC / HxW arrays). Pe
    processor expands ``<|image_pad|>`` (ids already expanded are taken as they are);
 4. the 3D M-RoPE position ids come from upstream's own ``Qwen3VLMoeModel.get_rope_index`` (mm_token_type_ids = 1 at
    image tokens), the image features are laid out densely at their token positions, and ``prefill`` runs;
-5. decode continues at ``cache_len + rope_delta`` on all three axes (upstream's ``compute_3d_position_ids``).
+5. decode continues at ``cache_len + rope_delta`` on all three axes (upstream's ``compute_3d_position_ids``);
+   running requests step together through ``Runtime.decode_batch``, each token at its own request's positions.
 
 A failing request (unreadable file, empty image, a grid not compiled, too many tokens) raises a UserError; in
 ``generate_batch`` it is reported for that request while the others keep going.
