@@ -10,6 +10,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -74,9 +75,14 @@ class _Program:
             self.steps.append((f, st["args"], st.get("symbols", []), st["node"], st["outputs"]))
         # argument lists per (symbol binding, request slot); the views they hold of buffers outside the request
         # slots are shared by every slot of a binding, so a server's first call in a new slot makes only that
-        # slot's state views (a DeepSeek-V4 program has thousands of views)
-        self._shared_views = lru_cache(maxsize=16)(lambda env: {})
+        # slot's state views (a DeepSeek-V4 program has thousands of views). One binding per prefill length: the
+        # shared views of every length up to the bound are kept (a server's prompts take many lengths, and a
+        # binding made again cost ~0.4 s on tiny DeepSeek-V4: its prompts, cycling through more lengths than
+        # the cache held, rebuilt them on every prefill)
+        bindings = int(np.prod([hi - lo + 1 for lo, hi in self.symbols.values()])) if self.symbols else 1
+        self._shared_views = lru_cache(maxsize=min(max(16, bindings), 256))(lambda env: {})
         self._cache = lru_cache(maxsize=64)(self._prepare)
+        self._arena_as = {}  # dtype -> the arena viewed as that dtype (a buffer's view is one slice of it)
 
     def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else int(d(*env)) for d in self._shape_fns[bid])
@@ -85,15 +91,20 @@ class _Program:
         """A buffer as a tensor view of the arena; state buffers (and their views) of request slot ``slot``."""
         b = self.buffers[bid]
         shape = self.shape(bid, env)
-        n = int(np.prod(shape)) if shape else 1
+        n = math.prod(shape)
         off = self.offsets[bid] + (slot * self.state_stride if bid in self._in_state else 0)
-        nbytes = n * DTYPE_BYTES[b["dtype"]]
+        width = DTYPE_BYTES[b["dtype"]]
+        nbytes = n * width
         if nbytes > self.max_bytes[bid]:
             raise UserError(f"buffer {bid} of program {self.name} is {nbytes} bytes at {env}, above the "
                             f"{self.max_bytes[bid]} its memory plan was checked for")
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
-        v = self.arena[off:off + nbytes].view(torch_dtype(b["dtype"]))
+        whole = self._arena_as.get(b["dtype"])
+        if whole is None:  # offsets are ALIGN-aligned, so a multiple of every dtype's width
+            usable = self.arena.numel() - self.arena.numel() % width
+            whole = self._arena_as[b["dtype"]] = self.arena[:usable].view(torch_dtype(b["dtype"]))
+        v = whole[off // width:off // width + n]
         if n == 0:  # torch strides a 0-element tensor as if each 0 were 1; kernels check TVM's compact strides
             return v.as_strided(shape, [int(np.prod(shape[k + 1:])) for k in range(len(shape))])
         return v.view(shape)
