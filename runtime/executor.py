@@ -10,6 +10,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -74,9 +75,14 @@ class _Program:
             self.steps.append((f, st["args"], st.get("symbols", []), st["node"], st["outputs"]))
         # argument lists per (symbol binding, request slot); the views they hold of buffers outside the request
         # slots are shared by every slot of a binding, so a server's first call in a new slot makes only that
-        # slot's state views (a DeepSeek-V4 program has thousands of views)
-        self._shared_views = lru_cache(maxsize=16)(lambda env: {})
+        # slot's state views (a DeepSeek-V4 program has thousands of views). One binding per prefill length: the
+        # shared views of every length up to the bound are kept (a server's prompts take many lengths, and a
+        # binding made again cost ~0.4 s on tiny DeepSeek-V4: its prompts, cycling through more lengths than
+        # the cache held, rebuilt them on every prefill)
+        bindings = int(np.prod([hi - lo + 1 for lo, hi in self.symbols.values()])) if self.symbols else 1
+        self._shared_views = lru_cache(maxsize=min(max(16, bindings), 256))(lambda env: {})
         self._cache = lru_cache(maxsize=64)(self._prepare)
+        self._arena_as = {}  # dtype -> the arena viewed as that dtype (a buffer's view is one slice of it)
 
     def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else int(d(*env)) for d in self._shape_fns[bid])
@@ -85,15 +91,20 @@ class _Program:
         """A buffer as a tensor view of the arena; state buffers (and their views) of request slot ``slot``."""
         b = self.buffers[bid]
         shape = self.shape(bid, env)
-        n = int(np.prod(shape)) if shape else 1
+        n = math.prod(shape)
         off = self.offsets[bid] + (slot * self.state_stride if bid in self._in_state else 0)
-        nbytes = n * DTYPE_BYTES[b["dtype"]]
+        width = DTYPE_BYTES[b["dtype"]]
+        nbytes = n * width
         if nbytes > self.max_bytes[bid]:
             raise UserError(f"buffer {bid} of program {self.name} is {nbytes} bytes at {env}, above the "
                             f"{self.max_bytes[bid]} its memory plan was checked for")
         if off % ALIGN:
             raise InternalError(f"buffer {bid} at unaligned offset {off}")
-        v = self.arena[off:off + nbytes].view(torch_dtype(b["dtype"]))
+        whole = self._arena_as.get(b["dtype"])
+        if whole is None:  # offsets are ALIGN-aligned, so a multiple of every dtype's width
+            usable = self.arena.numel() - self.arena.numel() % width
+            whole = self._arena_as[b["dtype"]] = self.arena[:usable].view(torch_dtype(b["dtype"]))
+        v = whole[off // width:off // width + n]
         if n == 0:  # torch strides a 0-element tensor as if each 0 were 1; kernels check TVM's compact strides
             return v.as_strided(shape, [int(np.prod(shape[k + 1:])) for k in range(len(shape))])
         return v.view(shape)
@@ -516,17 +527,18 @@ class Runtime:
     @property
     def has_batched_decode(self) -> bool:
         """True when the artifact has a batched decode program (``decode_batch``): every architecture whose KV
-        caches are fully paged. Not DeepSeek-V4 (its compressed caches are per-request states) nor multimodal
-        artifacts: those step each request with ``decode``."""
-        return "decode_batch" in self.programs and self.multimodal is None and self.kv is not None
+        caches are fully paged, multimodal ones included (their text decode; runtime/multimodal.py gives the
+        M-RoPE positions). Not DeepSeek-V4 (its compressed caches are per-request states): it steps each request
+        with ``decode``."""
+        return "decode_batch" in self.programs and self.kv is not None
 
     def decode_batch(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
         """Logits [B, V] after appending ``tokens[i]`` to the request in ``slots[i]``, for B requests in one run
         of the batched decode program: each at its own position, reading and writing its own KV blocks (taken
         and trimmed per request as ``run_program`` does), every weight read once for all of them."""
         if not self.has_batched_decode:
-            raise UserError("this artifact has no batched decode program (its caches are not all paged, or it is "
-                            "multimodal): step each request with decode(token, slot)")
+            raise UserError("this artifact has no batched decode program (its caches are not all paged): step "
+                            "each request with decode(token, slot)")
         tokens, slots = list(tokens), list(slots)
         if not slots or len(tokens) != len(slots):
             raise UserError(f"decode_batch takes one token per slot: got {len(tokens)} tokens for {len(slots)} slots")
@@ -560,7 +572,9 @@ class Runtime:
             except UserError as e:  # a full pool: no step runs; blocks taken for the slots before stay theirs
                 raise UserError(f"slot {s}: {e}") from None
         tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
-        out = prog.run([ids, torch.tensor(positions, dtype=torch.int64)] + tables)[0]
+        pos = torch.tensor(positions, dtype=torch.int64)
+        inputs = [ids, pos] if self.multimodal is None else self.multimodal.decode_inputs(ids, pos, slots)
+        out = prog.run(inputs + tables)[0]
         for s, n in zip(slots, positions):
             self.lengths[s] = n + 1
             self.kv.trim(s, n + 1)
@@ -648,32 +662,46 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
         except UserError:
             rt.reset(k)  # a request that failed (the KV pool is full) frees its blocks for the others
             raise
-    decode_interleaved(results, logits, gens, step, max_new_tokens, stops, temperature, top_p)
+    decode_interleaved(results, logits, gens, step, max_new_tokens, stops, temperature, top_p,
+                       batch_step=rt.decode_batch if rt.has_batched_decode else None)
     return results
 
 
 def decode_interleaved(results: list[dict], logits: dict, gens: dict, step, max_new_tokens: int, stop_ids,
-                       temperature: float, top_p: float, raise_errors: bool = False) -> None:
-    """One decode step per live request in turn until each stops; ``step(token, k) -> next logits`` of request k.
-    A request whose step raises a UserError records it and drops out (others keep going). The parameters are the
+                       temperature: float, top_p: float, raise_errors: bool = False, batch_step=None) -> None:
+    """Decode steps of every live request until each stops; ``step(token, k) -> next logits`` of request k (in
+    slot k). With ``batch_step(tokens, ks) -> logits [B, V]`` (``Runtime.decode_batch``), two or more live
+    requests advance in one call; when that call refuses (a full KV pool), each steps alone that round. A request
+    whose step raises a UserError records it and drops out (others keep going). The parameters are the
     callers', already checked (request_checks.sampling; stop_ids: ints)."""
     stops = set(int(s) for s in stop_ids)
     active = sorted(k for k in logits if max_new_tokens > 0)
     while active:
-        still = []
+        moving = []  # (token, k) of the requests that go on
         for k in active:
             tok = _pick(logits[k], temperature, top_p, gens[k])
             results[k]["tokens"].append(tok)
-            if tok in stops or len(results[k]["tokens"]) >= max_new_tokens:
+            if tok not in stops and len(results[k]["tokens"]) < max_new_tokens:
+                moving.append((tok, k))
+        if batch_step is not None and len(moving) > 1:
+            try:
+                rows = batch_step([t for t, _ in moving], [k for _, k in moving])
+            except UserError:
+                rows = None  # nothing ran: one request at a time finds the one that cannot go on
+            if rows is not None:
+                for (_, k), row in zip(moving, rows):
+                    logits[k] = row
+                active = [k for _, k in moving]
                 continue
+        active = []
+        for tok, k in moving:
             try:
                 logits[k] = step(tok, k)
-                still.append(k)
+                active.append(k)
             except UserError as e:
                 if raise_errors:
                     raise
                 results[k]["error"] = str(e)
-        active = still
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

@@ -12,7 +12,8 @@ A request is token ids plus images (paths, PIL images or HxWxC / HxW arrays). Pe
    processor expands ``<|image_pad|>`` (ids already expanded are taken as they are);
 4. the 3D M-RoPE position ids come from upstream's own ``Qwen3VLMoeModel.get_rope_index`` (mm_token_type_ids = 1 at
    image tokens), the image features are laid out densely at their token positions, and ``prefill`` runs;
-5. decode continues at ``cache_len + rope_delta`` on all three axes (upstream's ``compute_3d_position_ids``).
+5. decode continues at ``cache_len + rope_delta`` on all three axes (upstream's ``compute_3d_position_ids``);
+   running requests step together through ``Runtime.decode_batch``, each token at its own request's positions.
 
 A failing request (unreadable file, empty image, a grid not compiled, too many tokens) raises a UserError; in
 ``generate_batch`` it is reported for that request while the others keep going.
@@ -208,12 +209,19 @@ class Multimodal:
             raise UserError("decode before prefill: start a request with prefill(prompt_ids)")
         if length >= rt.max_length:
             raise UserError(f"the request reached the cache budget of {rt.max_length} tokens")
-        ids = rt._token(token_id)
-        pos = torch.full((3, 1, 1), length + self.deltas.get(slot, 0), dtype=torch.int64)
-        out = rt.run_program("decode", [ids, pos, torch.tensor([length]), torch.zeros(self.rows, 1, self.hidden),
-                                        torch.zeros(1, 1, dtype=torch.int64)], slot, length + 1)[0]
+        out = rt.run_program("decode", self.decode_inputs(rt._token(token_id), torch.tensor([length]), [slot]),
+                             slot, length + 1)[0]
         rt.lengths[slot] = length + 1
         return out
+
+    def decode_inputs(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]) -> list[torch.Tensor]:
+        """The text-decode inputs of one token per request (``ids`` [1, B], cache ``positions`` [B] of the requests
+        in ``slots``): each token's M-RoPE position is its cache position + its request's rope delta on all three
+        axes (upstream's ``compute_3d_position_ids``), no image features."""
+        n = ids.shape[1]
+        delta = torch.tensor([self.deltas.get(s, 0) for s in slots], dtype=torch.int64)
+        mrope = (positions + delta).view(1, 1, n).expand(3, 1, n).contiguous()
+        return [ids, mrope, positions, torch.zeros(self.rows, n, self.hidden), torch.zeros(1, n, dtype=torch.int64)]
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, images=(), stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, fit: bool = False) -> list[int]:
@@ -254,7 +262,8 @@ class Multimodal:
                     raise
                 results[k]["error"] = str(e)
         decode_interleaved(results, logits, gens, lambda tok, k: self.decode(tok, slot=k)[0, -1], max_new_tokens,
-                           stops, temperature, top_p, raise_errors)
+                           stops, temperature, top_p, raise_errors,
+                           batch_step=rt.decode_batch if rt.has_batched_decode else None)
         return results
 
 

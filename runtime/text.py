@@ -156,10 +156,12 @@ class Detokenizer:
     """Streaming detokenization: ``add(token_id)`` returns the text the new token completes.
 
     A token may end inside a multi-byte character (byte-level BPE) or change how the tokens before it decode
-    (sentencepiece's leading space): the text of a few tokens before the unread ones is decoded with and without
-    the new ones and only whole characters past the old text come out; an unfinished character (U+FFFD at the end)
-    waits for the next token. ``flush()`` returns what is left. The deltas concatenate to
-    ``tok.decode(all_ids, skip_special_tokens=...)``.
+    (sentencepiece's leading space): a window of tokens starting a few tokens before the unread ones is decoded
+    with the new ones, and only whole characters past the window's text so far come out; an unfinished character
+    (U+FFFD at the end) waits for the next token. The window's text so far is the previous call's decode of the
+    same ids, kept, so a token costs one decode; the window restarts ``CONTEXT`` tokens back once it holds
+    ``2 * CONTEXT`` read tokens (one more decode then). ``flush()`` returns what is left. The deltas concatenate
+    to ``tok.decode(all_ids, skip_special_tokens=...)``.
     """
 
     CONTEXT = 6  # tokens decoded before the unread ones, so that merges across the boundary are seen
@@ -168,25 +170,35 @@ class Detokenizer:
         self.tok = _need(tok)
         self.skip = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix = 0  # start of the context window
+        self.prefix = 0  # start of the window
         self.read = 0  # tokens whose text was returned
+        self._before: str | None = ""  # the window's text up to ``read`` (None: not decoded yet)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
+    def _window_text(self) -> str:
+        if self._before is None:
+            self._before = self._decode(self.ids[self.prefix:self.read])
+        return self._before
+
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        before = self._decode(self.ids[self.prefix:self.read])
+        before = self._window_text()
         text = self._decode(self.ids[self.prefix:])
         if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""  # no new whole character yet
-        delta = text[len(before):]
-        self.prefix, self.read = max(0, len(self.ids) - self.CONTEXT), len(self.ids)
-        return delta
+        self.read = len(self.ids)
+        if self.read - self.prefix >= 2 * self.CONTEXT:
+            self.prefix, self._before = self.read - self.CONTEXT, None
+        else:
+            self._before = text
+        return text[len(before):]
 
     def flush(self) -> str:
         """The text of tokens not returned yet (an unfinished character as U+FFFD, as ``decode`` gives it)."""
-        before = self._decode(self.ids[self.prefix:self.read])
+        before = self._window_text()
         text = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
+        self._before = ""
         return text[len(before):]

@@ -126,8 +126,8 @@ def test_dump_ir_stateful_expert_route(lowprec_tiny, tmp_path):
 
 @pytest.mark.slow
 def test_dump_ir_multimodal_programs(tmp_path):
-    """A multimodal checkpoint: its vision program is dumped beside prefill and decode, through the same steps
-    (no batched step for it; only the text programs' caches are paged)."""
+    """A multimodal checkpoint: its vision program is dumped beside prefill, decode and the batched text decode
+    step, through the same steps (only the text programs' caches are paged)."""
     from dayzero.passes.ir.text import parse_graph
     from dayzero.tools.make_tiny import make_tiny
 
@@ -135,9 +135,10 @@ def test_dump_ir_multimodal_programs(tmp_path):
     r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path / "ir"), "--max-seq", "32",
                                   "--image-grid", "1x4x4"])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["decode", "prefill", "vision_1x4x4"]
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["decode", "decode_batch", "prefill",
+                                                                    "vision_1x4x4"]
     last = _step_files()[-1]
-    for prog, paged in (("prefill", True), ("decode", True), ("vision_1x4x4", False)):
+    for prog, paged in (("prefill", True), ("decode", True), ("decode_batch", True), ("vision_1x4x4", False)):
         assert sorted(p.name for p in (tmp_path / "ir" / prog).iterdir()) == _step_files()
         g = parse_graph((tmp_path / "ir" / prog / last).read_text())
         assert any(n.attr.get("kind") == "block_table" for n in g.inputs) == paged, prog

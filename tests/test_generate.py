@@ -49,9 +49,17 @@ def test_greedy_generation_matches_upstream(served):
 
 @pytest.mark.slow
 def test_batch_of_three_different_lengths(served):
+    """Where the artifact has a batched decode program, the three requests advance in one call per step."""
     rt, ref = served
     prompts = [_prompt(n, n) for n in (3, 12, 21)]
-    res = generate_batch(rt, prompts, max_new_tokens=NEW)
+    steps = []
+    batched = rt.decode_batch
+    rt.decode_batch = lambda tokens, slots: steps.append(len(slots)) or batched(tokens, slots)
+    try:
+        res = generate_batch(rt, prompts, max_new_tokens=NEW)
+    finally:
+        del rt.decode_batch
+    assert steps == ([3] * (NEW - 1) if rt.has_batched_decode else [])
     for p, r in zip(prompts, res):
         assert r["error"] is None
         assert r["tokens"] == _upstream(ref, p, NEW)

@@ -282,6 +282,30 @@ def _collect(q: queue.Queue):
 
 
 @pytest.mark.slow
+def test_prompt_lengths_seen_before_make_no_views(tiny_compiled, monkeypatch):
+    """A server's prompts take many lengths (one prefill binding each) in every slot: the views of every length
+    seen are kept, so 24 lengths x 3 slots (more than the 64 argument lists kept per (length, slot)) prefilled
+    again make no view but the slots' own states'. Tiny DeepSeek-V4's prompts, cycling through more lengths than
+    a 16-entry cache held, rebuilt ~1700 views (0.4 s) on every prefill."""
+    from dayzero.runtime.executor import _Program
+
+    _, art, _ = tiny_compiled("qwen3_moe")
+    rt = load(art)
+    lengths = range(1, 25)
+    assert rt.prefill_chunk >= len(lengths) and rt.max_batch >= 3
+    for n in lengths:
+        for slot in range(3):
+            rt.prefill(_prompt(n, n), slot=slot)
+    made = []
+    view = _Program.view
+    monkeypatch.setattr(_Program, "view", lambda self, bid, *a, **k: made.append(bid) or view(self, bid, *a, **k))
+    for n in lengths:
+        for slot in range(3):
+            rt.prefill(_prompt(n, n), slot=slot)
+    assert [b for b in made if b not in rt.programs["prefill"]._in_state] == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_equals_one_prefill(tiny_compiled, arch):
     """A 70-token prompt prefilled 16 tokens per iteration while two short requests decode beside it."""

@@ -95,6 +95,12 @@ def test_detokenizer_deltas_concatenate_to_decode(tmp_path, skip):
         deltas = [d.add(i) for i in ids]
         deltas.append(d.flush())
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+    calls = []
+    counted = type("Counted", (), {"decode": lambda self, ids, **kw: calls.append(1) or tok.decode(ids, **kw)})()
+    d = Detokenizer(counted)
+    ids = encode_prompt(tok, TEXT)
+    assert "".join([d.add(i) for i in ids] + [d.flush()]) == tok.decode(ids)
+    assert len(calls) <= 1.2 * len(ids) + 2  # streaming costs about one decode per token (the window is kept)
     d = Detokenizer(tok)
     for i in encode_prompt(tok, "日本語😀"):  # multi-byte characters split over byte tokens come out whole
         delta = d.add(i)

@@ -95,14 +95,50 @@ def test_vision_program_matches_upstream_encoder(served):
 
 @pytest.mark.slow
 def test_batch_mixing_image_and_text_equals_alone(served):
+    """generate_batch: the text decode of the three requests is one batched call per step."""
     rt, ref, _ = served
     reqs = [{"input_ids": ONE, "images": [_image(64, 64, 6)]}, {"input_ids": TEXT},
             {"input_ids": TWO, "images": [_image(64, 96, 7), _image(64, 64, 8)]}]
-    res = rt.multimodal.generate_batch(reqs, max_new_tokens=NEW)
+    steps = []
+    batched = rt.decode_batch
+    rt.decode_batch = lambda tokens, slots: steps.append(len(slots)) or batched(tokens, slots)
+    try:
+        res = rt.multimodal.generate_batch(reqs, max_new_tokens=NEW)
+    finally:
+        del rt.decode_batch
+    assert steps == [3] * (NEW - 1)
     for req, r in zip(reqs, res):
         assert r["error"] is None
         assert r["tokens"] == rt.generate(req["input_ids"], NEW, images=req.get("images"))
     assert res[0]["tokens"] == _upstream(rt, ref, ONE, reqs[0]["images"])[1]
+
+
+@pytest.mark.slow
+def test_text_decode_of_image_and_text_requests_is_one_batched_step(served):
+    """Three requests (one image, text only, two images: three different rope deltas) prefilled in their
+    slots, then stepped together through the batched decode program (each token at its cache position, its M-RoPE
+    position shifted by its own delta): each gets upstream's greedy tokens; the first stops early, so later
+    steps run slots 1 and 2 only."""
+    rt, ref, d = served
+    report = json.loads((d / "art" / "report.json").read_text())
+    assert rt.has_batched_decode and report["decode_batch"] == {"built": True, "reason": None}
+    reqs = [(ONE, [_image(64, 64, 11)]), (TEXT, []), (TWO, [_image(64, 96, 12), _image(64, 64, 13)])]
+    limits = [4, NEW, NEW]
+    out = {k: [int(rt.multimodal.prefill(p, imgs, slot=k)[0, -1].argmax())] for k, (p, imgs) in enumerate(reqs)}
+    assert len(set(rt.multimodal.deltas[k] for k in out)) == 3
+    calls = []
+    run = rt.programs["decode_batch"].run
+    rt.programs["decode_batch"].run = lambda *a, **kw: calls.append(1) or run(*a, **kw)
+    try:
+        for _ in range(NEW - 1):
+            live = [k for k in out if len(out[k]) < limits[k]]
+            for k, row in zip(live, rt.decode_batch([out[k][-1] for k in live], live)):
+                out[k].append(int(row.argmax()))
+    finally:
+        del rt.programs["decode_batch"].run
+    assert len(calls) == NEW - 1
+    for k, (p, imgs) in enumerate(reqs):
+        assert out[k] == _upstream(rt, ref, p, imgs, limits[k])[1], k
 
 
 @pytest.mark.slow

@@ -291,7 +291,7 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
     build("prefill", fe.traced.graph, cfg)
     if fe.decode is not None:
         build("decode", fe.decode.graph, cfg)
-    if fe.decode is not None and cfg and fe.multimodal is None:
+    if fe.decode is not None and cfg:
         why = per_request_states(res.graphs["decode"])  # the decode step's own states already tell (DeepSeek-V4)
         if not why:
             gb, why = batched_decode_input(fe.traced.graph, options.max_batch)
