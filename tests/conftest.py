@@ -50,15 +50,18 @@ COMPILING_FIXTURES = frozenset({"compiled_factory", "tiny_compiled", "lowprec_ti
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a GPU; a test that uses a compiling fixture is marked ``slow`` (the end-to-end tier:
+    """GPU tests skip without a GPU; a test that uses a compiling fixture or compiles kernels for CUDA sm_90 (a
+    check for a target this host cannot run) is marked ``slow`` (the end-to-end tier:
     ``pytest -m "not slow"`` is the fast tier, plain ``pytest`` runs both)."""
     has_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
-        if COMPILING_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
-            item.add_marker(pytest.mark.slow)
+        if "slow" in item.keywords:
+            continue
+        if COMPILING_FIXTURES & set(getattr(item, "fixturenames", ())) or "cuda_sm90" in item.name:
+            item.add_marker(pytest.mark.slow)  # an end-to-end compile, or a compile check for a GPU target
 
 
 @pytest.fixture(scope="session")

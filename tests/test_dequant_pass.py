@@ -86,6 +86,7 @@ def test_chain_with_other_table_or_bias_is_not_matched():
     assert dq.match_mxfp4(g.outputs[0], bad) is None
 
 
+@pytest.mark.slow  # a heavy kernel build: the end-to-end tier
 def test_moe_mxfp4_kernel_matches_reference():
     import tvm
 

@@ -14,7 +14,7 @@ from dayzero.tools import examples
 from dayzero.tools.driver import optimize, trace_model
 
 
-@pytest.fixture(scope="module", params=[pytest.param("tiny_dense", marks=pytest.mark.slow), "tiny_moe"])
+@pytest.fixture(scope="module", params=[pytest.param("tiny_dense", marks=pytest.mark.slow), pytest.param("tiny_moe", marks=pytest.mark.slow)])
 def traced(request):
     return trace_model(getattr(examples, request.param)(), max_seq=64)
 

@@ -145,6 +145,7 @@ def test_kernel_matches_reference_over_routings(ids, layout, bias, act_name):
     _check(ids, layout, bias, act_name)
 
 
+@pytest.mark.slow  # a heavy kernel build: the end-to-end tier
 def test_kernel_int32_ids_and_a_single_token():
     f = K.moe_experts_func(E, H, 2 * I, I, 2, layout="nk", act=SILU_GLU(I), gate_up_bias=False, down_bias=False,
                            ids_dtype="int32")
@@ -160,7 +161,7 @@ def test_kernel_int32_ids_and_a_single_token():
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout,bias", [pytest.param("nk", False, marks=pytest.mark.slow), ("nk", True), pytest.param("kn", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout,bias", [("nk", False), ("nk", True), ("kn", True)])
 def test_kernel_compiles_for_cuda_sm90(layout, bias):
     f = K.moe_experts_func(E, H, 2 * I, I, 2, layout=layout, act=SILU_GLU(I), gate_up_bias=bias, down_bias=bias,
                            target_kind="cuda")
@@ -272,6 +273,7 @@ def test_mxfp4_kernel_matches_reference_in_each_decode_mode(decode, bias):
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), (T, float((y - ref).abs().max()))
 
 
+@pytest.mark.slow  # a heavy kernel build: the end-to-end tier
 def test_mxfp4_kernel_reads_codes_with_vector_loads():
     """The host build loads a block's 16 code bytes at once: no byte-by-byte gather (vpinsrb) in its assembly, and
     one table lookup instruction per 16 codes where the host has one (pshufb on AVX2, vpermd/vpermps on AVX-512)."""

@@ -257,8 +257,8 @@ def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3):
 @pytest.mark.parametrize("B,S,L,K,start,sorted_", [
     (1, 1, 64, 4, 40, True),      # decode, nth_element + sort path (k*64 > L)
     (1, 1, 64, 4, 2, True),       # fewer visible rows than k: -inf ties decide the tail, as in torch
-    (2, 1, 4096, 4, 3000, True),  # partial_sort (heap select) path, batch 2, 4 chunks of key rows
-    (1, 1, 5000, 300, 4999, True),  # large k: introsort of the selected rows with its depth-limited recursion
+    pytest.param(2, 1, 4096, 4, 3000, True, marks=pytest.mark.slow),  # partial_sort (heap select) path, batch 2, 4 chunks of key rows
+    pytest.param(1, 1, 5000, 300, 4999, True, marks=pytest.mark.slow),  # large k: introsort of the selected rows with its depth-limited recursion
     (1, 1, 300, 40, 299, False),  # sorted=False: nth_element order
     pytest.param(1, 37, 64, 4, 0, True, marks=pytest.mark.slow),  # prefill from 0: 5 query blocks, the last partial
     pytest.param(2, 9, 128, 16, 50, False, marks=pytest.mark.slow),  # prefill after a cached prefix, batch 2
