@@ -30,8 +30,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,6 +355,7 @@ def make_full(model_type: str, out_dir, layers: int | None = None, experts: str 
     format). ``progress(done, total)``: called with stored bytes as the shards fill. ``overrides`` /
     ``shard_bytes``: for tests (a narrow width, small shards); no CLI option."""
     from dayzero.frontend.checkpoint import IN_MAJOR_META
+    from dayzero.tools.make_tiny import staged_dir
     from dayzero.tools.tiny_tokenizer import write_tokenizer
 
     if model_type not in PUBLISHED:
@@ -377,9 +376,7 @@ def make_full(model_type: str, out_dir, layers: int | None = None, experts: str 
         if progress is not None:
             progress(done[0], total_bytes)
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".make_full.", dir=out.parent))
-    try:
+    with staged_dir(out, ".make_full.") as tmp:
         weight_map, total = {}, 0
         for name, shard in zip(names, shards):
             flip = sorted(s.key for s in shard if s.fmt == "mxfp4" and s.in_major)
@@ -398,12 +395,6 @@ def make_full(model_type: str, out_dir, layers: int | None = None, experts: str 
             c["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
         write_tokenizer(cfg, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

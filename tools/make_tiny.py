@@ -28,6 +28,8 @@ Same arguments give byte-identical files.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -739,6 +741,22 @@ def build_model(cfg, seed: int = 0, experts: str = "fp32"):
     return model
 
 
+@contextlib.contextmanager
+def staged_dir(out: Path, prefix: str):
+    """A fresh directory beside ``out`` to write into; on success it replaces ``out`` (one rename), on any error
+    it is removed and ``out`` is left as it was (no half-written checkpoint)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str = "fp32", seed: int = 0) -> Path:
     """Write a tiny checkpoint of MODEL_TYPE to OUT_DIR (config.json + model.safetensors [+ generation_config]
     + tokenizer.json, tokenizer_config.json, chat_template.jinja).
@@ -768,9 +786,7 @@ def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str 
             raise UserError(f"{model_type}: no fused routed-experts module (gate_up_proj/down_proj) in the model")
         if not torch.isfinite(logits).all():
             raise InternalError(f"tiny {model_type} gives non-finite logits")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".make_tiny.", dir=out.parent))
-        try:
+        with staged_dir(out, ".make_tiny.") as tmp:
             from transformers.utils import logging as hf_logging
 
             bar = hf_logging.is_progress_bar_enabled()
@@ -791,12 +807,6 @@ def make_tiny(model_type: str, out_dir, layers: int | None = None, experts: str 
             if qc:
                 c["quantization_config"] = qc
             cj.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         torch.set_num_threads(n_threads)
     return out
