@@ -16,7 +16,7 @@ candidate before it is built, and integer inputs are zero-filled so index tensor
 
 Measured on this machine (2 cores shared with other jobs, LLVM mcpu=rocketlake, "random" cost model as xgboost
 is not installed, the one-time tensor_intrin import excluded; reproduce with
-``python -m dayzero.tools.bench_tuning_probe --mode default|inproc --kernel matmul|reduction --trials N
+``python tools/bench_tuning_probe.py --mode default|inproc --kernel matmul|reduction --trials N
 [--per-iter K] [--strategy evolutionary|replay-trace]``). Valid trials per minute:
 
     kernel                         stock LocalBuilder/Runner           in-process (this module)
