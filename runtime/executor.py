@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import sympy
@@ -285,7 +286,8 @@ def use_all_cores() -> int:
 class Runtime:
     """A loaded artifact: ``prefill(input_ids) -> logits``."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, progress: Callable[[int, int], None] | None = None):
+        """``progress(bytes_bound, bytes_total)`` is called as the weights are bound (a load progress bar)."""
         self.path = Path(path)
         # every file checked (format, sizes, hashes, schema, bounds, overlap) before dlopen and any kernel: validate.py
         recover_interrupted_swap(self.path)
@@ -308,7 +310,7 @@ class Runtime:
         shift = (-self.arena.data_ptr()) % ALIGN
         self.arena = self.arena[shift:shift + arena_bytes]
         self.programs = {name: _Program(pj, self.lib, self.arena, max_bytes[name]) for name, pj in progs.items()}
-        self._bind_weights()
+        self._bind_weights(progress)
         for prog in self.programs.values():  # shared states start empty (an expert cache with no valid slot)
             for bid in prog.shared_states.values():
                 prog.view(bid, ()).zero_()
@@ -321,7 +323,7 @@ class Runtime:
         if self.stateful:
             self.reset()
 
-    def _bind_weights(self) -> None:
+    def _bind_weights(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Copy every weight into the arena: the artifact's own tensors, and checkpoint tensors by their recipes'
         copy runs. The checkpoint is untrusted: its files must still have the fingerprints recorded at compile and
         every source tensor its recorded dtype and shape (``check_bound_files``), each run must lie within its
@@ -338,14 +340,19 @@ class Runtime:
         own = self.path / "weights.safetensors"
         headers = check_bound_files(ck.get("files", {}), ck.get("tensors", {})) if ck is not None else {}
         handles = {}
-        done = set()  # a weight is placed once by name; programs may read different weights (vision, text)
+        todo = {}  # a weight is placed once by name; programs may read different weights (vision, text)
+        for prog in self.programs.values():
+            for bid, b in enumerate(prog.buffers):
+                if b.get("weight") is not None and b.get("alias_of") is None:
+                    todo.setdefault(b["weight"], (prog, bid))
+        total = sum(prog.max_bytes[bid] for prog, bid in todo.values())
+        bound = 0
         name = None
         try:
-            for prog, bid, b in ((p, i, b) for p in self.programs.values() for i, b in enumerate(p.buffers)):
-                name = b.get("weight")
-                if name is None or b.get("alias_of") is not None or name in done:
-                    continue
-                done.add(name)
+            for name, (prog, bid) in todo.items():
+                if progress is not None:
+                    progress(bound, total)
+                bound += prog.max_bytes[bid]
                 entry = tensors.get(name)
                 if entry is None:
                     raise UserError(f"{self.path}/weights.json: no entry for weight {name}, which the programs read")
@@ -390,6 +397,8 @@ class Runtime:
                         keys = sorted({r[1] for r in entry["runs"]})
                         raise UserError(f"weight {name} (checkpoint tensor {', '.join(keys[:3])}) holds NaN/Inf "
                                         "values; the artifact was compiled without --allow-nonfinite")
+            if progress is not None:
+                progress(total, total)
         except FileNotFoundError as e:
             raise UserError(f"checkpoint file missing: {e.filename or e}") from None
         except SafetensorError as e:
@@ -747,5 +756,5 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def load(path: str | Path) -> Runtime:
-    return Runtime(path)
+def load(path: str | Path, progress: Callable[[int, int], None] | None = None) -> Runtime:
+    return Runtime(path, progress)

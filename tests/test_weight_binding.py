@@ -56,3 +56,33 @@ def test_a_file_cut_short_is_one_user_error(ckpt, tmp_path):
             src.read_into(torch.zeros(tensors["a"].numel()), info, 0)
     finally:
         src.close()
+
+
+def test_load_reports_progress_up_to_the_weight_bytes(compiled_factory):
+    """``load(..., progress=)`` sees bound bytes grow to the total: every weight buffer's bytes."""
+    from dayzero.runtime import load
+
+    art, _, _ = compiled_factory("tiny_moe")
+    seen = []
+    rt = load(art, lambda done, total: seen.append((done, total)))
+    totals = {t for _, t in seen}
+    assert len(totals) == 1
+    (total,) = totals
+    weights = {b["weight"]: rt.programs[p].max_bytes[i] for p in rt.programs
+               for i, b in enumerate(rt.programs[p].buffers) if b.get("weight") and b.get("alias_of") is None}
+    assert total == sum(weights.values()) > 0
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[0][0] == 0 and seen[-1] == (total, total)
+
+
+def test_the_cli_bar_shows_only_for_large_loads():
+    from dayzero.tools.cli import LoadProgress
+
+    small = LoadProgress(min_bytes=100)
+    small(0, 99)
+    small(99, 99)
+    assert small.bar is None
+    big = LoadProgress(min_bytes=100)
+    big(0, 1000)
+    assert big.bar is not None
+    big(1000, 1000)
+    assert big.bar is None

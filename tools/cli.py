@@ -177,6 +177,35 @@ def _parse_bytes(text: str, option: str) -> int:
     return int(m.group(1)) * unit[m.group(2)]
 
 
+class LoadProgress:
+    """A rich progress bar on stderr while an artifact's weights bind (``load(..., progress=)``), shown only for
+    loads of at least ``min_bytes`` (a tiny artifact prints nothing); ``close()`` removes it."""
+
+    def __init__(self, min_bytes: int = 256 << 20):
+        self.min_bytes, self.bar, self.task = min_bytes, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < self.min_bytes:
+            return
+        if self.bar is None:
+            from rich.console import Console
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self.bar = Progress(TextColumn("loading weights"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("load", total=total)
+        self.bar.update(self.task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 def _parse_ids(text: str, option: str) -> list[int]:
     """'1, 2,3' -> [1, 2, 3]; ``option`` (--input-ids, --stop-ids) names the flag in the error."""
     try:
@@ -222,7 +251,11 @@ def run_cmd(artifact, input_ids, prompt, chat, max_new_tokens, temperature, top_
     ids = _parse_ids(input_ids, "--input-ids") if input_ids is not None else None
     stops = _parse_ids(stop_ids, "--stop-ids") if stop_ids else []
     request_checks.sampling(max_new_tokens or 0, temperature, top_p, seed, cli=True)
-    rt = load(artifact)
+    progress = LoadProgress()
+    try:
+        rt = load(artifact, progress)
+    finally:
+        progress.close()
     if ids is not None:
         request_checks.token_ids(ids, rt.vocab_size, "--input-ids")
     request_checks.token_ids(stops, rt.vocab_size, "--stop-ids", allow_empty=True)
@@ -352,7 +385,7 @@ def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_nam
     if timeout is not None and timeout <= 0:
         raise UserError("--timeout must be positive")
     serve(artifact, host=host, port=port, max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout,
-          model=model_name, validate=validate_ckpt)
+          model=model_name, validate=validate_ckpt, load_progress=LoadProgress())
 
 
 @main.group("bench")
