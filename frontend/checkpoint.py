@@ -246,14 +246,46 @@ def check_bound_files(files: dict, tensors: dict[str, dict]) -> dict[str, Header
     return headers
 
 
+LOAD_CHUNK = 1 << 24  # elements per read (binding weights, scanning for non-finite values)
+
+
+class TensorReader:
+    """A safetensors file read with plain reads (its header validated by ``read_header``): never a memory map, whose
+    pages would stay in the resident set until the file closed (a whole checkpoint's worth at full size)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.file = open(path, "rb")
+        self.data = 8 + int.from_bytes(self.file.read(8), "little")  # the data section follows the header
+
+    def read_into(self, dst: torch.Tensor, info, start: int) -> None:
+        """Elements [start, start + dst.numel()) of tensor ``info`` into the contiguous 1-D ``dst``, converted to
+        dst's dtype where they differ."""
+        src = getattr(torch, info.dtype)
+        size = src.itemsize
+        pos = self.data + info.offsets[0] + start * size
+        for part in dst.split(LOAD_CHUNK):
+            n = part.numel() * size
+            buf = part if part.dtype == src else torch.empty(part.numel(), dtype=src)
+            got = self.file.readinto(memoryview(buf.view(torch.uint8).numpy())) if self.file.seek(pos) == pos else 0
+            if got != n:
+                raise UserError(f"{self.path}: tensor {info.key} ends early ({got} of {n} bytes read at {pos}); "
+                                "the file is truncated")
+            if buf is not part:
+                part.copy_(buf)
+            pos += n
+
+    def close(self) -> None:
+        self.file.close()
+
+
 _FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-SCAN_CHUNK = 1 << 24  # elements per read while scanning for non-finite values
 
 
 def first_nonfinite(ckpt: Checkpoint, keys) -> str | None:
     """A one-line description of the first float tensor among ``keys`` holding NaN or Inf, else None.
 
-    Streamed: each tensor is read in slices of its leading dimension (about ``SCAN_CHUNK`` elements each) with
+    Streamed: each tensor is read ``LOAD_CHUNK`` elements at a time by a ``TensorReader``, with
     plain reads, not a memory map, whose pages would stay in this process's resident set until the file closes
     (a whole file's worth at full size): never the checkpoint, nor a large tensor, in memory at once."""
     by_file: dict[str, list[TensorInfo]] = {}
@@ -262,29 +294,22 @@ def first_nonfinite(ckpt: Checkpoint, keys) -> str | None:
         if info.dtype in _FLOAT_DTYPES and _numel(info.shape):
             by_file.setdefault(info.file, []).append(info)
     for f in sorted(by_file):
-        with open(f, "rb") as h:
-            data = 8 + struct.unpack("<Q", h.read(8))[0]  # the data section follows the header
+        reader = TensorReader(f)
+        try:
             for info in by_file[f]:
-                row = _numel(info.shape[1:])
-                step = max(1, SCAN_CHUNK // max(row, 1))
-                dtype = getattr(torch, info.dtype)
-                size = dtype.itemsize
-
-                def rows(r0, n, info=info, row=row, dtype=dtype, size=size):
-                    h.seek(data + info.offsets[0] + r0 * row * size)
-                    flat = torch.frombuffer(bytearray(h.read(n * row * size)), dtype=dtype)
-                    return flat.reshape(n, *info.shape[1:]) if info.shape else flat
-
-                n0 = info.shape[0] if info.shape else 1
-                chunks = ((r, rows(r, min(step, n0 - r))) for r in range(0, n0, step))
-                for r0, part in chunks:
-                    bad = ~torch.isfinite(part.float())
-                    if bad.any():
-                        first = [int(i) for i in bad.nonzero()[0]]
-                        if info.shape:
-                            first[0] += r0
-                        return (f"{f}: tensor {info.key} holds non-finite values (NaN/Inf), first at index {first}; "
-                                "pass --allow-nonfinite to compile it anyway")
+                n = _numel(info.shape)
+                buf = torch.empty(min(n, LOAD_CHUNK), dtype=getattr(torch, info.dtype))
+                for start in range(0, n, LOAD_CHUNK):
+                    part = buf[:min(LOAD_CHUNK, n - start)]
+                    reader.read_into(part, info, start)
+                    bad = (~torch.isfinite(part.float())).nonzero()
+                    if len(bad):
+                        flat = start + int(bad[0, 0])
+                        first = list(torch.unravel_index(torch.tensor(flat), info.shape)) if info.shape else []
+                        return (f"{f}: tensor {info.key} holds non-finite values (NaN/Inf), first at index "
+                                f"{[int(i) for i in first]}; pass --allow-nonfinite to compile it anyway")
+        finally:
+            reader.close()
     return None
 
 

@@ -238,38 +238,6 @@ def _no_call(*args) -> None:
     """Stands for a kernel whose outputs are all empty at this binding (a dimension such as ``seq - 1`` is 0)."""
 
 
-LOAD_CHUNK = 1 << 24  # elements per read while binding checkpoint weights (and per non-finite check)
-
-
-class _SourceFile:
-    """A checkpoint file read with plain reads (its header already validated by ``check_bound_files``)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.file = open(path, "rb")
-        self.data = 8 + int.from_bytes(self.file.read(8), "little")  # the data section follows the header
-
-    def read_into(self, dst: torch.Tensor, info, start: int) -> None:
-        """Elements [start, start + dst.numel()) of tensor ``info`` into the contiguous 1-D ``dst``, converted to
-        dst's dtype where they differ."""
-        src = torch_dtype(info.dtype)
-        size = src.itemsize
-        pos = self.data + info.offsets[0] + start * size
-        for part in dst.split(LOAD_CHUNK):
-            n = part.numel() * size
-            buf = part if part.dtype == src else torch.empty(part.numel(), dtype=src)
-            got = self.file.readinto(memoryview(buf.view(torch.uint8).numpy())) if self.file.seek(pos) == pos else 0
-            if got != n:
-                raise UserError(f"{self.path}: tensor {info.key} ends early ({got} of {n} bytes read at {pos}); "
-                                "the file is truncated")
-            if buf is not part:
-                part.copy_(buf)
-            pos += n
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def use_all_cores() -> int:
     """TVM's CPU thread pool starts with half the CPUs on x86 (it assumes 2-way SMT), so on a host with one
     thread per core compiled kernels ran on one of two cores. Size it to every CPU this process may use, unless
@@ -333,7 +301,7 @@ class Runtime:
         Checkpoint bytes are read with plain reads straight into the arena (through a bounded buffer where the
         dtypes differ), ``LOAD_CHUNK`` elements at a time, each byte once: a memory map would keep every page it
         read resident until its file closed, a whole checkpoint's worth on top of the arena at full size."""
-        from dayzero.frontend.checkpoint import check_bound_files
+        from dayzero.frontend.checkpoint import LOAD_CHUNK, TensorReader, check_bound_files
 
         tensors = self.manifest["tensors"]
         ck = self.manifest.get("checkpoint")
@@ -389,7 +357,7 @@ class Runtime:
                         raise UserError(f"{self.path}/weights.json: weight {name}: copy run {[d0, key, s0, length]} "
                                         f"lies outside {key} ({numel} elements) or the weight ({flat.numel()})")
                     if f not in handles:
-                        handles[f] = _SourceFile(f)
+                        handles[f] = TensorReader(f)
                     handles[f].read_into(flat[d0:d0 + length], headers[f].tensors[key], s0)
                 if not self.manifest.get("allow_nonfinite", False) and dst.dtype.is_floating_point:
                     if any(bool((~torch.isfinite(p.float() if p.element_size() == 1 else p)).any())
@@ -405,7 +373,7 @@ class Runtime:
             raise UserError(f"checkpoint file unreadable while binding {name}: {e}") from None
         finally:
             for h in handles.values():
-                if isinstance(h, _SourceFile):
+                if isinstance(h, TensorReader):
                     h.close()
             handles.clear()
 

@@ -1,4 +1,4 @@
-"""runtime/executor.py binds checkpoint weights with plain reads into the arena (_SourceFile): element ranges of
+"""runtime/executor.py binds checkpoint weights with plain reads into the arena (frontend/checkpoint.py TensorReader): element ranges of
 any dtype, converted where the arena's dtype differs, in bounded chunks; a file cut short is one UserError."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 
 from dayzero import UserError
 from dayzero.frontend.checkpoint import read_header
-from dayzero.runtime import executor
-from dayzero.runtime.executor import _SourceFile
+from dayzero.frontend import checkpoint
+from dayzero.frontend.checkpoint import TensorReader
 
 
 @pytest.fixture
@@ -28,11 +28,11 @@ def ckpt(tmp_path):
                                            ("c", torch.uint8), ("d", torch.float8_e4m3fn), ("d", torch.float32)])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])
 def test_ranges_read_back_as_safetensors_loads_them(ckpt, key, dst_dtype, chunk, monkeypatch):
-    monkeypatch.setattr(executor, "LOAD_CHUNK", chunk)
+    monkeypatch.setattr(checkpoint, "LOAD_CHUNK", chunk)
     path, tensors = ckpt
     info = read_header(path).tensors[key]
     want = tensors[key].reshape(-1).to(dst_dtype)
-    src = _SourceFile(path)
+    src = TensorReader(path)
     try:
         for start, length in ((0, want.numel()), (3, 50), (want.numel() - 9, 9), (5, 0)):
             arena = torch.zeros(length + 16, dtype=dst_dtype)
@@ -50,7 +50,7 @@ def test_a_file_cut_short_is_one_user_error(ckpt, tmp_path):
     cut = tmp_path / "cut.safetensors"
     start = 8 + int.from_bytes(data[:8], "little") + info.offsets[0]
     cut.write_bytes(data[:start + 40])  # the file ends 10 elements into tensor a
-    src = _SourceFile(str(cut))
+    src = TensorReader(str(cut))
     try:
         with pytest.raises(UserError, match="tensor a ends early.*truncated"):
             src.read_into(torch.zeros(tensors["a"].numel()), info, 0)
