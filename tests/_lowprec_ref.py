@@ -16,6 +16,7 @@ import shutil
 import numpy as np
 import torch
 from click.testing import CliRunner
+from conftest import LOWPREC_MAX_SEQ
 
 TOL = 1e-4
 
@@ -95,7 +96,7 @@ def compile_fails(ckpt, out, *needles) -> None:
     """`dayzero compile ckpt -o out` exits 2 with one line (no traceback) holding every needle; out not written."""
     from dayzero.tools.cli import main
 
-    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(out), "--max-seq", "32"])
+    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(out), "--max-seq", str(LOWPREC_MAX_SEQ)])
     assert r.exit_code == 2, r.output
     line = r.output.strip()
     assert "Traceback" not in line and len(line.splitlines()) == 1, line

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from dayzero.tools.cli import main
+from conftest import LOWPREC_MAX_SEQ, SHARED_MAX_SEQ
 
 COMMANDS = ["compile", "run", "dump-ir", "report", "demo", "bench", "plan", "make-tiny"]
 
@@ -98,7 +99,7 @@ def test_dump_ir_stateful_expert_route(lowprec_tiny, tmp_path):
     from dayzero.passes.ir.text import parse_graph
 
     ckpt = lowprec_tiny("gpt_oss", "mxfp4")
-    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path), "--max-seq", "32", "--max-batch", "2",
+    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path), "--max-seq", str(LOWPREC_MAX_SEQ), "--max-batch", "2",
                                   "--expert-route", "workspace"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode", "decode_batch", "prefill"]
@@ -132,7 +133,7 @@ def test_dump_ir_multimodal_programs(tmp_path):
     from dayzero.tools.make_tiny import make_tiny
 
     ckpt = make_tiny("qwen3_vl_moe", tmp_path / "ckpt", seed=0)
-    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path / "ir"), "--max-seq", "32",
+    r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path / "ir"), "--max-seq", str(SHARED_MAX_SEQ),
                                   "--image-grid", "1x4x4"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["decode", "decode_batch", "prefill",

@@ -19,7 +19,7 @@ from dayzero.passes import compressed_attention as ca
 from dayzero.passes.ir import reference_attention as ra
 
 HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
-MAX_SEQ = 64
+from conftest import SHARED_MAX_SEQ as MAX_SEQ  # the shared artifacts' length: their traces are reused
 
 
 # ---- the pattern on the traced upstream graphs ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from dayzero import UserError
 from dayzero.frontend.hf import load_upstream
 from dayzero.passes.ir import ops, reference_attention as ra
 from dayzero.runtime import load
+from conftest import SHARED_MAX_SEQ
 
 BATCHED = ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32"]
 STEPS = 12
@@ -136,7 +137,7 @@ def test_full_pool_fails_the_step_and_names_the_slot(tmp_path):
     from dayzero.tools.make_tiny import make_tiny
 
     ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0)
-    compile_model(str(ckpt), tmp_path / "art", max_seq=64, max_batch=3, kv_blocks=4)
+    compile_model(str(ckpt), tmp_path / "art", max_seq=SHARED_MAX_SEQ, max_batch=3, kv_blocks=4)
     rt = load(tmp_path / "art")
     ref = load_upstream(ckpt)
     ref.generation_config.eos_token_id = None

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dayzero.codegen.kernels import moe as K
 from dayzero.passes.ir import reference_moe as rm
+from conftest import SHARED_MAX_SEQ
 
 TOL = 1e-4
 SILU_GLU = lambda i: ("mul", ("silu", ("col", 0, 1, i)), ("col", i, 1, i))  # noqa: E731
@@ -69,7 +70,7 @@ def test_pattern_fires_on_every_moe_layer_and_matches_eager(arch, tiny_compiled)
 def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
     from dayzero.tools.driver import optimize, trace_model
 
-    _, found = optimize(trace_model(str(tiny(arch)), max_seq=48))
+    _, found = optimize(trace_model(str(tiny(arch)), max_seq=SHARED_MAX_SEQ))
     assert found.patterns.get("moe.grouped_experts") == ARCHS[arch]
 
 
@@ -77,7 +78,7 @@ def test_pattern_fires_on_every_moe_layer_of_the_trace(arch, tiny):
 def test_gpt_oss_activation_is_recorded_as_its_clamped_swiglu(tiny):
     from dayzero.tools.driver import optimize, trace_model
 
-    g, found = optimize(trace_model(str(tiny("gpt_oss")), max_seq=32), verify=True)
+    g, found = optimize(trace_model(str(tiny("gpt_oss")), max_seq=SHARED_MAX_SEQ), verify=True)
     nodes = [n for n in g.nodes() if n.op == "moe_experts"]
     assert found.patterns["moe.grouped_experts"] == 2 and len(nodes) == 2
     n = nodes[0]

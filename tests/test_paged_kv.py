@@ -22,6 +22,7 @@ from dayzero.codegen.kernels.table import KERNELS
 from dayzero.passes import sparse_attention as sa
 from dayzero.passes.ir import reference_attention as ra
 from dayzero.passes.ir.node import Node, TensorType
+from conftest import SHARED_MAX_SEQ
 
 HOST = "llvm"
 BS = 16
@@ -314,7 +315,7 @@ def test_full_pool_fails_one_request_and_freed_blocks_serve_the_next(tmp_path):
     from dayzero.tools.make_tiny import make_tiny
 
     ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0)
-    compile_model(str(ckpt), tmp_path / "art", max_seq=64, max_batch=3, kv_blocks=6)
+    compile_model(str(ckpt), tmp_path / "art", max_seq=SHARED_MAX_SEQ, max_batch=3, kv_blocks=6)
     rt = load(tmp_path / "art")
     assert rt.kv.stats() == {"block_table": {"block_size": 16, "window": 0, "blocks": 5, "used": 0, "free": 5}}
     model = _upstream(ckpt)

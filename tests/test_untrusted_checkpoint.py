@@ -34,6 +34,7 @@ from dayzero.tools.cli import main
 
 from _artifact_edit import rehash
 from _lowprec_ref import compile_fails, rewrite_checkpoint
+from conftest import LOWPREC_MAX_SEQ
 
 MODEL = "qwen3_moe"
 NORM = "model.norm.weight"
@@ -237,7 +238,7 @@ def nan_artifact(lowprec_tiny, tmp_path_factory):
     """A checkpoint with one NaN weight, compiled with --allow-nonfinite: (checkpoint, artifact, cli result)."""
     d = tmp_path_factory.mktemp("nan")
     ckpt = _with_nan(lowprec_tiny(MODEL, "fp32"), d / "ck")
-    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", "32",
+    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", str(LOWPREC_MAX_SEQ),
                                   "--allow-nonfinite"])
     return ckpt, d / "art", r
 
