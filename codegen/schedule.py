@@ -24,6 +24,7 @@ import tvm
 
 from dayzero import InternalError
 from .kernels.table import KERNELS
+from .parallel import cores_of, parallel_by_work
 from .program import Kernel, make_prim_func
 from .tuning import TuningDatabase, apply_trace, as_target, kernel_name, normalize
 
@@ -172,9 +173,10 @@ SCHEDULE_RULES = (
 
 def schedule_kernel(k: Kernel, target: tvm.target.Target, db: TuningDatabase | None,
                     symbols: dict[str, tuple[int, int]] | None = None) -> tvm.IRModule:
-    """The first of ``SCHEDULE_RULES`` that takes the kernel; its route goes into ``k.route``. A kernel of the
-    kernel table on a target its ``supports`` refuses is a dayzero bug (the pass that created it asks
-    targets/capabilities.py first)."""
+    """The first of ``SCHEDULE_RULES`` that takes the kernel; its route goes into ``k.route``. On CPU its parallel
+    loops then stay parallel only where their work pays for the thread pool (``parallel.parallel_by_work``). A
+    kernel of the kernel table on a target its ``supports`` refuses is a dayzero bug (the pass that created it
+    asks targets/capabilities.py first)."""
     entry = KERNELS.get(k.op)
     if entry is not None and k.node is not None and not entry.supports(target.kind.name, k.node):
         raise InternalError(f"the {k.op} kernel does not take {k.name} on target kind {target.kind.name} (the "
@@ -183,5 +185,7 @@ def schedule_kernel(k: Kernel, target: tvm.target.Target, db: TuningDatabase | N
         mod = rule(k, target, db, symbols or {})
         if mod is not None:
             k.route = route
+            if target.kind.name == "llvm":  # whether each parallel loop pays for the pool: one rule, parallel.py
+                mod = tvm.IRModule({"main": parallel_by_work(mod["main"], cores_of(target))})
             return mod
     raise InternalError(f"no schedule rule took kernel {k.name} (the generic rule takes every kernel)")
