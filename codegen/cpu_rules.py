@@ -9,18 +9,20 @@ from the kernel's work, by ``parallel.py``.
 ``dense_linear`` takes the ``linear`` lowering (``codegen/lower/linear.py``): a block ``C[m.., n] += cast(X[m.., k])
 * cast(W[n, k])`` with float32 or bfloat16 inputs and a float32 accumulator, optionally followed by an elementwise
 epilogue (bias, cast). Both operands are contiguous along k, so the reduction is vectorised along k: each output
-keeps ``LANES`` partial sums (an rfactor over the inner k lanes) and sums them once at the end; a register tile of
-``MR`` rows of x by ``NR`` rows of w shares every loaded vector (MR + NR loads per MR x NR vector FMAs), and the
-tiles are the parallel loop:
+keeps ``LANES`` partial sums (an rfactor over the inner k lanes) and sums them once at the end. A tile of ``NR``
+rows of w (NR accumulators, every loaded x vector shared by NR FMAs) is the parallel loop, and every row of x
+(T, a symbol in prefill) runs through it while the tile stays in cache:
 
-    for (mo, no) in parallel(ceil(M / MR) * ceil(N / NR)):      # tails: predicated rows
-        acc[LANES, MR, NR] = 0                                   # local: registers
-        for ko in range(K / LANES):
-            for mi, ni (unrolled):  acc[:, mi, ni] += X[m, ko*LANES : +LANES] * W[n, ko*LANES : +LANES]
-        C[m, n] = sum(acc[:, mi, ni])
+    for no in parallel(N / NR):
+        for m in range(M):                                       # no tail, no predicate: any T, one kernel
+            acc[LANES, NR] = 0                                   # local: registers
+            for ko in range(K / LANES):
+                for ni (unrolled):  acc[:, ni] += X[m, ko*LANES : +LANES] * W[no*NR + ni, ko*LANES : +LANES]
+            C[m, no*NR + ni] = sum(acc[:, ni])
 
-LANES is the widest of 16 / 8 / 4 dividing K (K not a multiple of 4: the rule does not apply). M = 1 (decode's
-GEMV) takes MR = 1. Packing W is not done: both operands stream along k already.
+LANES is the widest of 16 / 8 / 4 dividing K (K not a multiple of 4: the rule does not apply), NR the widest of
+8 / 4 / 2 / 1 dividing N, so no loop has a tail. Not done yet: several x rows per tile (register reuse of the w
+vectors in GEMM), k blocking for L1, packing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tvm.ir.expr import Call, TensorLoad
 
 logger = logging.getLogger(__name__)
 
-MR, NR = 4, 4  # register tile: 16 accumulators of LANES floats
+NR_CHOICES = (8, 4, 2, 1)  # w rows per tile: NR accumulators of LANES floats (the widest dividing N)
 LANE_CHOICES = (16, 8, 4)
 INPUT_DTYPES = ("float32", "bfloat16")
 
@@ -53,7 +55,7 @@ def _same(a, b) -> bool:
 
 
 def _dense_block(sch, block_rv):
-    """K when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16 inputs
+    """(N, K) when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16 inputs
     and a fp32 accumulator and static N and K; else None."""
     block = sch.get(block_rv)
     iters = list(block.iter_vars)
@@ -87,7 +89,7 @@ def _dense_block(sch, block_rv):
         return None
     if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters[-2:]):
         return None
-    return int(iters[-1].dom.extent)
+    return int(iters[-2].dom.extent), int(iters[-1].dom.extent)
 
 
 def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
@@ -99,7 +101,7 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     dense = [(b, d) for b, d in dense if d is not None]
     if len(dense) != 1:
         return None
-    block, k_extent = dense[0]
+    block, (n_extent, k_extent) = dense[0]
     lanes = next((v for v in LANE_CHOICES if k_extent % v == 0), None)
     if lanes is None:
         return None
@@ -109,23 +111,18 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     k = sch.get_loops(block)[-1]
     ko, ki = sch.split(k, [None, lanes])
     rf = sch.rfactor(ki, factor_axis=0)
-    # rows: the last leading loop (fusing a symbolic one with others would make the bindings non-affine); the
-    # outer leading loops (a batch of 1, usually) stay serial around the tiles
     *_, m, n, ko, ki = sch.get_loops(rf)
-    mr = 1 if _static(sch, m) == 1 else MR
-    mo, mi = sch.split(m, [None, mr])
-    no, ni = sch.split(n, [None, NR])
-    sch.reorder(mo, no, ko, mi, ni, ki)
+    nr = next(v for v in NR_CHOICES if n_extent % v == 0)
+    no, ni = sch.split(n, [None, nr])
+    sch.reorder(no, m, ko, ni, ki)
     sch.vectorize(ki)
     sch.unroll(ni)
-    sch.unroll(mi)
-    tile = sch.fuse(mo, no)
-    sch.reverse_compute_at(block, tile)
-    lanes_loop, *outputs = _below(sch, block, tile)  # (no unit rows loop at T = 1)
+    sch.reverse_compute_at(block, m)
+    lanes_loop, *outputs = _below(sch, block, m)
     sch.reorder(*outputs, lanes_loop)  # each output sums its lanes at once
     sch.set_scope(rf, 0, "local")
-    sch.parallel(tile)
-    sch.decompose_reduction(rf, _below(sch, rf, tile)[0])  # the accumulators' zeroing, before the k loop
+    sch.parallel(no)
+    sch.decompose_reduction(rf, ko)  # the accumulators' zeroing, before the k loop
     for epi in others:
         ls = sch.get_loops(epi)
         sch.parallel(sch.fuse(*ls) if len(ls) > 1 else ls[0])
@@ -209,6 +206,3 @@ def _below(sch, block, loop) -> list:
     return loops[at + 1:]
 
 
-def _static(sch, loop) -> int | None:
-    e = sch.get(loop).extent
-    return int(e) if isinstance(e, tvm.tirx.IntImm) else None

@@ -106,21 +106,57 @@ def _serial(loop):
                         loop.step, loop.span)
 
 
-def _serial_copy(loop, defined: dict):
-    """A serial copy of ``loop`` with fresh variables (the two variants of one kernel may not share a binding)."""
-    fresh = {h: tvm.tirx.Var(v.name, v.ty) for h, v in defined.items()}
+def _serial_copy(loop, defined: dict, shared: dict) -> tuple:
+    """A serial copy of ``loop`` with fresh variables (the two variants of one kernel may not share a binding),
+    and the fresh copies of the ``shared`` buffers (root allocations only this loop uses) it uses: each variant
+    gets its own, so a buffer's accesses stay under one loop nest and lowering compacts it there (one shared by
+    both branches stays a root allocation of the full, possibly symbolic, shape)."""
+    fresh = {h: tvm.tirx.Var(v.name, v.ty) for h, v in {**defined, **shared}.items()}
+    used = {}
 
     def on_var(v, mutator):
-        return fresh.get(v.__chandle__(), v)
+        h = v.__chandle__()
+        if h in shared:
+            used[h] = fresh[h]
+        return fresh.get(h, v)
 
-    return tvm_ffi.structural_mutate(_serial(loop), [(tvm.tirx.Var, on_var)])
+    return tvm_ffi.structural_mutate(_serial(loop), [(tvm.tirx.Var, on_var)]), list(used.values())
+
+
+def _uses(stmt, buffers: dict) -> dict:
+    """How often each of ``buffers`` (by handle) occurs in ``stmt``."""
+    count = {}
+
+    def on_var(v):
+        h = v.__chandle__()
+        if h in buffers:
+            count[h] = count.get(h, 0) + 1
+
+    tvm_ffi.structural_walk(stmt, [(tvm.tirx.Var, on_var)])
+    return count
+
+
+def _with_allocs(body, extra: list):
+    """The root block ``body`` with ``extra`` buffers allocated beside its own."""
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    b = body.block
+    block = SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, b.body, b.init, list(b.alloc_buffers) + extra,
+                   b.match_buffers, b.annotations, b.span)
+    return SBlockRealize(body.iter_values, body.predicate, block, body.span)
 
 
 def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = MIN_TASK_WORK) -> tvm.tirx.PrimFunc:
     """Every parallel loop of ``func`` kept parallel, made serial, or both behind a run-time size check."""
     analyzer = tvm.sym.Analyzer()
     threshold = tvm.tirx.const(min_task_work * 2, "int64")
+    from tvm.s_tir.stmt import SBlockRealize
+
     changed = [False]
+    rooted = isinstance(func.body, SBlockRealize)
+    root_allocs = {b.__chandle__(): b for b in func.body.block.alloc_buffers} if rooted else {}
+    uses = _uses(func.body, root_allocs)
+    extra = []
 
     def on_for(loop, mutator):
         if loop.kind != ForKind.PARALLEL:
@@ -136,9 +172,14 @@ def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = M
             return _serial(loop)
         if isinstance(w, tvm.tirx.IntImm):
             return loop if w.value >= min_task_work * 2 else _serial(loop)
-        return tvm.tirx.IfThenElse(w >= threshold, loop, _serial_copy(loop, defined))
+        inside = _uses(loop, root_allocs)
+        # a root allocation used only by this loop (all its uses but the declaration) is private to the loop
+        private = {h: b for h, b in root_allocs.items() if inside.get(h, 0) and inside[h] == uses[h] - 1}
+        serial, fresh = _serial_copy(loop, defined, private)
+        extra.extend(fresh)
+        return tvm.tirx.IfThenElse(w >= threshold, loop, serial)
 
     new_body = tvm_ffi.structural_mutate(func.body, [(tvm.tirx.For, on_for)])
     if not changed[0]:
         return func
-    return func.with_body(new_body)
+    return func.with_body(_with_allocs(new_body, extra) if extra else new_body)

@@ -86,3 +86,21 @@ def test_work_that_depends_on_an_enclosing_loop_keeps_the_schedules_choice(cores
     func = tvm.tirx.PrimFunc([buf], outer)
     assert work(outer) is not None
     assert parallel_by_work(func, cores).body.kind == ForKind.PARALLEL
+
+
+def test_an_intermediate_shared_by_two_loops_stays_one_buffer_in_both_variants():
+    """B = exp(A) then C = B * 2 with symbolic rows: each stage's loop gets its own serial variant; B, written by
+    the first and read by the second, must stay the one buffer (a private copy per variant would leave C reading
+    what no variant wrote)."""
+    n = te.var("n", "int64")
+    a = te.placeholder((n, 64), "float32", name="A")
+    b = te.compute((n, 64), lambda i, j: te.exp(a[i, j]), name="B")
+    c = te.compute((n, 64), lambda i, j: b[i, j] * 2.0, name="C")
+    func = scheduled(te.create_prim_func([a, c]))
+    assert func.script().count("if ") == 2
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)["main"]
+    for rows in (3, 2 * MIN_TASK_WORK // 64 + 1):
+        x = torch.randn(rows, 64)
+        y = torch.empty_like(x)
+        lib(x, y)
+        torch.testing.assert_close(y, torch.exp(x) * 2)
