@@ -1,13 +1,14 @@
 """The schedule-rule chain: every kernel gets the first schedule that applies.
 
     hand-scheduled (written scheduled, or a rule for this op)  ->  tuned (a record in the tuning database)
-    ->  default (parallel loops on CPU, dlight on GPU)  ->  generic (the unscheduled TE loops: correct, slow)
+    ->  default (cpu_rules.py's tier on CPU, dlight on GPU)  ->  generic (the unscheduled TE loops: correct, slow)
 
 A rule returns a scheduled ``IRModule`` or None, meaning "not mine" (an op's hand-scheduled rule in the kernel
 table, ``codegen/kernels/table.py``, is ``fn(kernel, target)``). The route a kernel took is recorded
-for ``dayzero report``. ``SCHEDULE_RULES`` is that chain, in order; the default rule (dlight's rules, then
-parallel loops on CPU) is defined here, the tuned rule reads the database (``tuning.py``) that the tuner
-(``tuner.py``) fills.
+for ``dayzero report``. ``SCHEDULE_RULES`` is that chain, in order; the default rule (dlight's GPU rules; on CPU
+``cpu_rules.py``'s ordered tier: dense GEMM / GEMV, row reductions, parallel loops last) is defined here, the tuned
+rule reads the database (``tuning.py``) that the tuner (``tuner.py``) fills. On CPU, whether each parallel loop
+really runs in parallel is decided last, from the kernel's work (``parallel.py``).
 
 Tuning and symbolic shapes: MetaSchedule measures static shapes, so a kernel whose shape has symbols (``seq``) is
 tuned as a copy specialised at ``tuning_size`` (the symbol's bound, capped), and the recorded trace is replayed on
@@ -23,7 +24,9 @@ from typing import Callable
 import tvm
 
 from dayzero import InternalError
+from .cpu_rules import cpu_default
 from .kernels.table import KERNELS
+from .parallel import cores_of, parallel_by_work
 from .program import Kernel, make_prim_func
 from .tuning import TuningDatabase, apply_trace, as_target, kernel_name, normalize
 
@@ -54,66 +57,23 @@ def is_hand_scheduled(k: Kernel) -> bool:
     return k.func.attrs is not None and "tirx.is_scheduled" in k.func.attrs
 
 
-def _dlight_rules(target: tvm.target.Target):
-    from tvm.s_tir import dlight as dl
-
-    if "gpu" in target.keys:
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    # not dl.cpu.GEMV: it vectorises across strided rows with a 256-step unroll, LLVM then spends 10-40 s on one
-    # small expert bmm, and the code is no faster than parallel loops
-    return [dl.cpu.Reduction()]
-
-
-def _cpu_parallel_fallback(mod: tvm.IRModule) -> tvm.IRModule:
-    """Parallelize the leading spatial loops of every block; vectorize a pure elementwise block's inner loop."""
-    from tvm.s_tir.dlight.analysis import normalize_prim_func
-
-    sch = tvm.s_tir.Schedule(mod)
-    try:
-        infos = normalize_prim_func(sch)
-    except Exception:  # noqa: BLE001 - an unusual function: leave it unscheduled (still correct on CPU)
-        infos = None
-    if not infos:
-        return mod
-    for info in infos:
-        kinds = info.dom_kind()
-        n_s = len(kinds) - len(kinds.lstrip("S"))
-        if n_s == 0:
-            continue
-        try:
-            loops = sch.get_loops(info.block_rv)[:n_s]
-            fused = sch.fuse(*loops) if n_s > 1 else loops[0]
-            extent = sch.get(fused).extent
-            if kinds == "S" * len(kinds) and isinstance(extent, tvm.tirx.IntImm) and extent.value % 16 == 0:
-                outer, inner = sch.split(fused, [None, 16])
-                sch.parallel(outer)
-                sch.vectorize(inner)
-            else:
-                sch.parallel(fused)
-        except Exception as err:  # noqa: BLE001 - best effort; the block stays serial
-            logger.debug("cpu fallback left block %s serial: %s", info.name, err)
-    return sch.mod
-
-
 def default_schedule(prim_func, target) -> tvm.IRModule:
-    """The rule-based default: dlight ``dl.gpu`` rules for GPU targets, ``dl.cpu`` for CPU; on CPU, a function no
-    rule takes gets its outermost spatial loops parallelized (and elementwise inner loops vectorized)."""
+    """The rule-based default: dlight's ``dl.gpu`` rules for GPU targets; on CPU the first of
+    ``cpu_rules.CPU_DEFAULT_RULES`` that takes the kernel (dense GEMM / GEMV, dlight's row reduction, then
+    parallel loops)."""
     from tvm.s_tir import dlight as dl
 
     t = as_target(target)
     mod = normalize(prim_func)
-    try:
+    if "gpu" not in t.keys:
+        return cpu_default(mod, t)
+    try:  # dl.gpu.Fallback applies to everything it can; what is left will not build
         with t:
-            out = dl.ApplyDefaultSchedule(*_dlight_rules(t))(mod)
+            return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                           dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
     except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
         logger.debug("dlight rules failed on %s: %s", kernel_name(prim_func), err)
-        out = normalize(prim_func)
-    func = out["main"]
-    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
-        return out
-    if "gpu" in t.keys:  # dl.gpu.Fallback applies to everything it can; what is left will not build
-        return out
-    return _cpu_parallel_fallback(out)
+        return normalize(prim_func)
 
 
 # ---- the rules: (kernel, target, database or None, symbol bounds) -> scheduled module, or None: not mine ----------
@@ -172,9 +132,10 @@ SCHEDULE_RULES = (
 
 def schedule_kernel(k: Kernel, target: tvm.target.Target, db: TuningDatabase | None,
                     symbols: dict[str, tuple[int, int]] | None = None) -> tvm.IRModule:
-    """The first of ``SCHEDULE_RULES`` that takes the kernel; its route goes into ``k.route``. A kernel of the
-    kernel table on a target its ``supports`` refuses is a dayzero bug (the pass that created it asks
-    targets/capabilities.py first)."""
+    """The first of ``SCHEDULE_RULES`` that takes the kernel; its route goes into ``k.route``. On CPU its parallel
+    loops then stay parallel only where their work pays for the thread pool (``parallel.parallel_by_work``). A
+    kernel of the kernel table on a target its ``supports`` refuses is a dayzero bug (the pass that created it
+    asks targets/capabilities.py first)."""
     entry = KERNELS.get(k.op)
     if entry is not None and k.node is not None and not entry.supports(target.kind.name, k.node):
         raise InternalError(f"the {k.op} kernel does not take {k.name} on target kind {target.kind.name} (the "
@@ -183,5 +144,7 @@ def schedule_kernel(k: Kernel, target: tvm.target.Target, db: TuningDatabase | N
         mod = rule(k, target, db, symbols or {})
         if mod is not None:
             k.route = route
+            if target.kind.name == "llvm":  # whether each parallel loop pays for the pool: one rule, parallel.py
+                mod = tvm.IRModule({"main": parallel_by_work(mod["main"], cores_of(target))})
             return mod
     raise InternalError(f"no schedule rule took kernel {k.name} (the generic rule takes every kernel)")

@@ -1,0 +1,96 @@
+"""codegen/cpu_rules.py: the CPU default tier. Each rule against its op's reference (the ATen call) at odd and
+symbolic shapes (tails, T = 1, primes), taking the kernels it claims and returning None for the rest.
+
+The kernels are the real ``linear`` lowering of an IR node, scheduled by the whole chain (``schedule_kernel``:
+rule, then the work-size rule of ``parallel.py``), compiled for the host once per case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import tvm
+from tvm import te
+
+from dayzero.codegen import cpu_rules, program
+from dayzero.codegen.program import Kernel
+from dayzero.codegen.schedule import schedule_kernel
+from dayzero.codegen.tuning import normalize
+from dayzero.passes.ir import ops
+from dayzero.passes.ir.node import Node, TensorType
+from dayzero.targets.host import host_target_dict
+
+TARGET = tvm.target.Target(host_target_dict())
+SEQ = sympy.Symbol("seq", integer=True, positive=True)
+g = torch.Generator().manual_seed(0)
+
+
+def linear_node(lead, n, k, dtype="float32", bias=False) -> Node:
+    """linear(x [*lead, k], w [n, k], b [n]) as the frontend builds it; lead may hold the symbol ``seq``."""
+    shapes = [(*lead, k), (n, k)] + ([(n,)] if bias else [])
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType(dtype, s)]) for i, s in enumerate(shapes)]
+    return Node.make("linear", ins, {"bias": bias}, [TensorType(dtype, (*lead, n))])
+
+
+def compile_linear(node: Node):
+    """(compiled kernel, its scheduled module): the node's kernel through the whole schedule chain."""
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", "linear", func, "key", node=node), TARGET, None)
+    return tvm.compile(mod, target=TARGET)["main"], mod
+
+
+def check_linear(node: Node, lib, seq: int, tol=1e-4):
+    """The kernel against the op's reference (F.linear on the same inputs) at seq."""
+    tdt = getattr(torch, node.types[0].dtype)
+    ins = [torch.randn(*[seq if d == SEQ else d for d in i.type.shape], generator=g).to(tdt) for i in node.inputs]
+    ref = ops.get("linear").call(ins, node.attr)
+    out = torch.empty_like(ref)
+    lib(*ins, out)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lead,n,k,seqs", [
+    ((SEQ,), 67, 64, (1, 5, 17)),   # symbolic T: T = 1 and row tails; a prime N (column tail)
+    ((1,), 64, 64, (1,)),           # decode's GEMV (T = 1)
+    ((2, SEQ), 13, 40, (3,)),       # two leading dims fused into rows; K = 40 takes 8 lanes
+])
+def test_dense_linear_matches_the_reference(lead, n, k, seqs):
+    node = linear_node(lead, n, k)
+    lib, mod = compile_linear(node)
+    assert "matmul_rf" in mod.script()  # the dense rule took it
+    for seq in seqs:
+        check_linear(node, lib, seq)
+
+
+def test_dense_linear_bf16_with_bias_accumulates_in_fp32():
+    node = linear_node((SEQ,), 19, 32, dtype="bfloat16", bias=True)
+    lib, mod = compile_linear(node)
+    assert "matmul_rf" in mod.script()
+    check_linear(node, lib, 7, tol=2e-2)
+
+
+def test_dense_linear_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # K prime (no lane width divides it): the rule declines; the generic rules still compute it (checked below)
+    assert cpu_rules.dense_linear(mod_of(linear_node((SEQ,), 8, 37)), TARGET) is None
+    # a matmul whose second operand is [k, n] (mm's layout), an elementwise op, a row reduction: not a linear
+    a, b = te.placeholder((4, 8), name="a"), te.placeholder((8, 5), name="b")
+    kk = te.reduce_axis((0, 8), "k")
+    mm = te.compute((4, 5), lambda i, j: te.sum(a[i, kk] * b[kk, j], axis=kk), name="mm")
+    assert cpu_rules.dense_linear(normalize(te.create_prim_func([a, b, mm])), TARGET) is None
+    ew = te.compute((4, 8), lambda i, j: a[i, j] * 2.0, name="ew")
+    assert cpu_rules.dense_linear(normalize(te.create_prim_func([a, ew])), TARGET) is None
+    row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
+    assert cpu_rules.dense_linear(normalize(te.create_prim_func([a, row])), TARGET) is None
+    # an integer linear: not fp32 / bf16 inputs
+    assert cpu_rules.dense_linear(mod_of(linear_node((3,), 4, 8, dtype="int32")), TARGET) is None
+
+
+def test_a_linear_the_dense_rule_declines_still_matches_through_the_generic_rules():
+    node = linear_node((SEQ,), 8, 37)
+    lib, mod = compile_linear(node)
+    assert "matmul_rf" not in mod.script()
+    check_linear(node, lib, 3)
