@@ -39,13 +39,18 @@ def _quiet():
 
 
 def _config(ckpt: Checkpoint):
+    return config_at(ckpt.dir)
+
+
+def config_at(directory):
+    """transformers' config of the checkpoint directory (its config.json only)."""
     from transformers import AutoConfig
 
     try:
         with _quiet():
-            return AutoConfig.from_pretrained(str(ckpt.dir))
+            return AutoConfig.from_pretrained(str(directory))
     except (ValueError, KeyError, OSError) as e:
-        raise UserError(f"{ckpt.dir}/config.json: transformers cannot read it: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{directory}/config.json: transformers cannot read it: {str(e).splitlines()[0]}") from None
 
 
 def load_upstream(directory, dtype=None, experts: str | None = None):
