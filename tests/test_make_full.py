@@ -211,3 +211,12 @@ def test_whole_models_plan_their_published_sizes_in_bounded_slices():
         assert all((b - a) * per_row <= max(mf.CHUNK_ELEMENTS, per_row) for a, b in mf._chunks(s)), s.key
     with pytest.raises(UserError, match="deepseek_v3 with 2 layer.* no routed experts"):
         mf.plan_sources(mf.full_config("deepseek_v3", layers=2), "fp8")
+
+
+def test_a_published_bfloat16_config_is_traced_in_float32(tmp_path):
+    """make-full writes the published ``dtype: bfloat16``; the frontend builds the model as ``from_pretrained`` does
+    (fp32), not in the config's dtype as ``from_config`` would: bf16 parameters were refused by the MXFP4 binding."""
+    path = _make("gpt_oss", tmp_path / "oss")
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    model, _ = hf.meta_model(Checkpoint(path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
