@@ -17,34 +17,65 @@ computes them.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from dayzero import UserError
 from . import hf, lowprec
 from .checkpoint import Checkpoint, _Dequantised, learn_recipes, low_precision_groups
 
 
-def dequantised(ckpt: Checkpoint, groups: dict, key: str) -> torch.Tensor:
-    """Checkpoint tensor ``key`` as transformers' loader holds it, fp32: a low-precision group (by its dequantised
-    name) decoded, any other tensor read and cast."""
+CHUNK_ELEMENTS = 1 << 25  # decoded at a time: 128 MB of fp32
+
+
+def dequantised(ckpt: Checkpoint, groups: dict, key: str):
+    """Checkpoint tensor ``key`` as transformers' loader holds it, fp32, in slices along its first dimension:
+    yields (first flat element, flat fp32 slice), at most ``CHUNK_ELEMENTS`` at a time where the layout allows
+    (a published expert stack decodes one expert at a time). A low-precision group (by its dequantised name) is
+    decoded, any other tensor read and cast."""
     g = groups.get(key)
     if g is None:
-        t = ckpt.get(key)
-        return t.float() if t.is_floating_point() else t
+        info = ckpt.tensors[key]
+        if len(info.shape) < 2:
+            t = ckpt.get(key)
+            yield 0, (t.float() if t.is_floating_point() else t).reshape(-1)
+            return
+        row = math.prod(info.shape[1:])
+        step = max(1, CHUNK_ELEMENTS // max(1, row))
+        with safe_open(info.file, framework="pt") as f:  # rows read a slice at a time, never the whole tensor
+            sl = f.get_slice(key)
+            for a in range(0, info.shape[0], step):
+                part = sl[a:a + step]
+                yield a * row, (part.float() if part.is_floating_point() else part).reshape(-1)
+        return
+    data, scale = ckpt.get(g.data_key), ckpt.get(g.scale_key)
     if g.fmt == "fp8":
         from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-        return _dequantize_fp8_weight(ckpt.get(g.data_key), ckpt.get(g.scale_key), list(lowprec.FP8_BLOCK),
-                                      torch.float32)
-    blocks, scales = ckpt.get(g.data_key), ckpt.get(g.scale_key)
-    if g.in_major and blocks.dim() == 4:  # gpt-oss's fused experts: transformers' own decoder (transposes)
+        if data.dim() == 2:  # one matrix: whole row blocks at a time
+            rows = max(1, CHUNK_ELEMENTS // data.shape[1] // lowprec.FP8_BLOCK[0]) * lowprec.FP8_BLOCK[0]
+            for a in range(0, data.shape[0], rows):
+                w = _dequantize_fp8_weight(data[a:a + rows], scale[a // lowprec.FP8_BLOCK[0]:
+                                                                    -(-(a + rows) // lowprec.FP8_BLOCK[0])],
+                                           list(lowprec.FP8_BLOCK), torch.float32)
+                yield a * data.shape[1], w.reshape(-1)
+            return
+        for e in range(data.shape[0]):  # a stack: one matrix at a time
+            w = _dequantize_fp8_weight(data[e], scale[e], list(lowprec.FP8_BLOCK), torch.float32)
+            yield e * w.numel(), w.reshape(-1)
+        return
+    if g.in_major and data.dim() == 4:  # gpt-oss's fused experts: transformers' own decoder (transposes)
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-        return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    w = torch.from_numpy(np.ascontiguousarray(lowprec.dequant_mxfp4(blocks.numpy(), scales.numpy(), name=key)))
-    return w.transpose(-1, -2).contiguous() if g.in_major else w
+        for e in range(data.shape[0]):
+            w = convert_moe_packed_tensors(data[e:e + 1], scale[e:e + 1], dtype=torch.float32)
+            yield e * w.numel(), w.reshape(-1)
+        return
+    w = torch.from_numpy(np.ascontiguousarray(lowprec.dequant_mxfp4(data.numpy(), scale.numpy(), name=key)))
+    yield 0, (w.transpose(-1, -2).contiguous() if g.in_major else w).reshape(-1)
 
 
 class StreamedUpstream:
@@ -110,7 +141,6 @@ class StreamedUpstream:
         with hf._quiet():
             for owner in sorted({n.rpartition(".")[0] for n in computed}):
                 self.model._init_weights(self.model.get_submodule(owner))
-        cache: dict[str, torch.Tensor] = {}
         for name, t in tensors:
             runs = self._recipe(name)
             if runs is None:
@@ -119,8 +149,13 @@ class StreamedUpstream:
                                     "model's own initialisation does not compute")
                 continue
             flat = t.view(-1)
-            for d0, key, s0, n in runs:
-                if key not in cache:
-                    cache.clear()  # keys come grouped by parameter: keep one decoded tensor at a time
-                    cache[key] = dequantised(self.ckpt, self.groups, key).reshape(-1)
-                flat[d0:d0 + n] = cache[key][s0:s0 + n].to(t.dtype)
+            by_key: dict[str, list] = {}
+            for run in runs:
+                by_key.setdefault(run[1], []).append(run)
+            for key, key_runs in by_key.items():  # each key decoded once, a slice at a time
+                for first, part in dequantised(self.ckpt, self.groups, key):
+                    last = first + part.numel()
+                    for d0, _, s0, n in key_runs:
+                        a, b = max(s0, first), min(s0 + n, last)
+                        if a < b:
+                            flat[d0 + a - s0:d0 + b - s0] = part[a - first:b - first].to(t.dtype)
