@@ -52,8 +52,8 @@ largest single weight matrix converted on line.
 ``--target host`` plans dayzero's own CPU runtime, so that it can be checked against a compiled artifact
 (``dayzero report``'s ``plan`` section): every weight not stored low-precision is held in fp32 (the host computes
 in fp32), low-precision experts as stored; the workspace is one prefill of the whole context in fp32 (the fused
-MoE / MLP kernels keep no intermediates: the peak is at the rotary embedding, residual + its normed copy + q and its
-rotated halves + k and v, plus the residual kept across layers) and fp32 logits; no dequant workspace (the fused
+MoE / MLP kernels keep no intermediates: the peak is at q's rotary embedding, the residual, its normed copy and the
+residual kept across layers, q and two rotated copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused
 low-precision kernels decode in registers).
 
 Parallelism on N devices: routed experts are split by expert (ceil(E/N) per device); embeddings and lm_head by
@@ -476,9 +476,9 @@ def plan_capacity(
     ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
     ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
     residual = (config.get("hc_mult") or 1) * hidden
-    if host:  # dayzero's fused MoE / MLP kernels keep no intermediates; the peak is at the rotary embedding: the
-        # residual and its normed copy, q and its rotated halves, k and v; plus the residual kept across layers
-        per_token = FP32_BYTES * (3 * residual + 2 * q_width + 2 * kv_heads * hd)
+    if host:  # dayzero's fused MoE / MLP kernels keep no intermediates; the peak is at q's rotary embedding: the
+        # residual, its normed copy and the residual kept across layers, q and two rotated copies, cos and sin
+        per_token = FP32_BYTES * (3 * residual + 3 * q_width + 2 * hd)
     else:
         per_token = BF16_BYTES * (2 * residual + q_width + 2 * kv_heads * hd + max(ffn_moe, ffn_dense))
     activations = step_tokens * per_token
