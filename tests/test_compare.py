@@ -282,3 +282,6 @@ def test_streamed_mode_is_chosen_when_the_reference_would_not_fit(tmp_path):
     assert cs.needs_streaming(tmp_path / "oss20b", available=64 * 2 ** 30)
     r = CliRunner().invoke(main, ["compare", TINY_MOE, str(tmp_path / "x"), "--streamed"])
     assert r.exit_code == 2 and "--streamed compares against a checkpoint directory" in r.output
+    full_config("deepseek_v4", layers=1).save_pretrained(tmp_path / "v4")  # hyper-connections: refused, one line
+    r = CliRunner().invoke(main, ["compare", str(tmp_path / "v4"), str(tmp_path / "x"), "--streamed"])
+    assert r.exit_code == 2 and "hyper-connections" in r.output and len(r.output.strip().splitlines()) == 1

@@ -13,7 +13,9 @@ gpt-oss-20b in fp32 is ~84 GB: the upstream reference cannot be built whole. The
 reports each layer's local and chain errors, the first layer whose local error is outside tolerance (the first
 divergence), and the logits. The compiled hidden state after a layer is the output of the last step traced from
 that layer (its residual add): the steps carry the upstream module path they were traced from. A model whose
-compiled layer output does not have the shape upstream's decoder layer returns is refused (one line naming both).
+compiled layer output does not have the shape upstream's decoder layer returns is refused (one line naming both),
+as is DeepSeek-V4 up front: its layers carry ``hc_mult`` residual streams (hyper-connections) that only the head
+collapses.
 
 Peak memory: the largest streamed module in fp32 (gpt-oss-20b: a decoder layer, ~3.2 GB; the 201088-row
 embedding, ~2.3 GB) plus upstream's small modules (norms, rotary), never the model.
@@ -149,8 +151,14 @@ def _path(model, module) -> str:
 
 def compare_streamed(model, artifact, seq_len: int | None = None, atol: float = ATOL, rtol: float = 0.0) -> dict:
     """See the module docstring. MODEL is the checkpoint directory the artifact was compiled from."""
+    from dayzero.frontend import hf
     from dayzero.frontend.reference import StreamedUpstream
 
+    hc = getattr(hf.config_at(model), "hc_mult", None) or 1
+    if hc > 1:
+        raise UserError(f"{model}: its decoder layers carry {hc} residual streams (DeepSeek-V4's hyper-connections), "
+                        "which the final norm and head collapse; streamed compare feeds one-stream layers only "
+                        "(compare without --streamed on a model that fits in memory)")
     ids, dz_embed, dz_layers, dz_logits, facts = run_compiled(artifact, seq_len)
     up = StreamedUpstream(model)
     um = up.model
