@@ -7,7 +7,9 @@ Choices made here for every model (see README, "Upstream models"):
   as an opaque custom op and the ``eager`` per-expert loop does not export (a Python loop over ``nonzero``);
   ``batched_mm`` computes the same function with plain ATen ops, which the moe pattern pass then recognises;
 * the traced forward passes an explicit all-ones attention mask (without one transformers runs a bool ``cumsum``);
-* the model is built on the ``meta`` device for tracing: no weight is read until the runtime binds it.
+* the model is built on the ``meta`` device for tracing: no weight is read until the runtime binds it;
+* in float32, as ``from_pretrained`` builds it by default, whatever the config's ``torch_dtype`` (a published
+  bfloat16 config would otherwise trace bf16 parameters: ``from_config`` follows it).
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ def _quiet():
 
 
 def _config(ckpt: Checkpoint):
+    return config_at(ckpt.dir)
+
+
+def config_at(directory):
+    """transformers' config of the checkpoint directory (its config.json only)."""
     from transformers import AutoConfig
 
     try:
         with _quiet():
-            return AutoConfig.from_pretrained(str(ckpt.dir))
+            return AutoConfig.from_pretrained(str(directory))
     except (ValueError, KeyError, OSError) as e:
-        raise UserError(f"{ckpt.dir}/config.json: transformers cannot read it: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{directory}/config.json: transformers cannot read it: {str(e).splitlines()[0]}") from None
 
 
 def load_upstream(directory, dtype=None, experts: str | None = None):
@@ -76,7 +83,7 @@ def meta_model(ckpt: Checkpoint):
     cfg = _config(ckpt)
     try:
         with _quiet(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, experts_implementation=EXPORT_EXPERTS)
+            model = AutoModelForCausalLM.from_config(cfg, experts_implementation=EXPORT_EXPERTS, dtype=torch.float32)
     except (ValueError, KeyError) as e:
         raise UserError(f"{ckpt.dir}: transformers cannot build model_type "
                         f"{ckpt.config.get('model_type')!r}: {str(e).splitlines()[0]}") from None

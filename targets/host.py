@@ -21,3 +21,17 @@ def host_target_dict() -> dict:
 
 def cuda_target_dict(arch: str = "sm_90") -> dict:
     return {"kind": "cuda", "arch": arch}
+
+
+HOST_TARGET = "host"
+
+
+def host_spec():
+    """This machine's CPU as a capacity-planning target: dayzero's own runtime, which computes in fp32 and keeps
+    every weight that is not stored low-precision in fp32 (``dayzero plan --target host``)."""
+    import psutil
+
+    from dayzero.targets.spec import TargetSpec
+
+    return TargetSpec(HOST_TARGET, int(psutil.virtual_memory().total), ("fp32",), False, 0.0,
+                      description=f"this machine's CPU ({host_cpu()}): dayzero's runtime, fp32", compute_dtype="fp32")

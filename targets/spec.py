@@ -109,11 +109,16 @@ def available_targets() -> list[str]:
 
 
 def load_target_spec(name_or_path: str | Path) -> TargetSpec:
-    """Load ``targets/<name>.json`` for a bare name, or the JSON file at a path."""
+    """Load ``targets/<name>.json`` for a bare name, or the JSON file at a path; ``host``: this machine's CPU."""
+    from dayzero.targets.host import HOST_TARGET, host_spec
+
     text = str(name_or_path)
+    if text == HOST_TARGET:
+        return host_spec()
     path = Path(text)
     if not (text.endswith(".json") or path.exists()):
         path = SPEC_DIR / f"{text}.json"
         if not path.is_file():
-            raise UserError(f"unknown target '{text}': known targets are {', '.join(available_targets())}, or give a path")
+            raise UserError(f"unknown target '{text}': known targets are {', '.join(available_targets())}, host, or give a "
+                            "path")
     return TargetSpec.from_dict(read_json_file(path, "target spec"), source=str(path))

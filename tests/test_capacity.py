@@ -352,3 +352,25 @@ def test_plan_command_errors_are_user_errors(args):
 def test_plan_command_help():
     res = CliRunner().invoke(plan, ["--help"])
     assert res.exit_code == 0 and "--target" in res.output
+
+
+def test_host_target_plans_dayzeros_cpu_runtime(tmp_path):
+    """``--target host``: weights held in fp32 except the low-precision experts (as stored), the workspace of one
+    fp32 prefill of the whole context, no dequant workspace. Against the compiled full-width 2-layer gpt-oss
+    (make-full, --max-seq 32; report zones weights + low_precision_weights = 5,694,504,768 B, prefill workspace
+    28,164,672 B) and its Qwen3-MoE counterpart (7,474,293,184 B; 21,840,448 B)."""
+    from dayzero.targets.spec import load_target_spec
+    from dayzero.tools.make_full import full_config
+
+    host = load_target_spec("host")
+    assert host.name == "host" and not host.fp4_compute and "bf16" not in host.native_dtypes
+    for model_type, weights, workspace in (("gpt_oss", 5_694_504_768, 28_164_672),
+                                           ("qwen3_moe", 7_474_293_184, 21_840_448)):
+        full_config(model_type, layers=2).save_pretrained(tmp_path / model_type)
+        cfg = load_config(tmp_path / model_type / "config.json")
+        if model_type == "gpt_oss":  # as make-full writes it: the published MXFP4 experts
+            cfg["quantization_config"] = {"quant_method": "mxfp4"}
+        r = plan_capacity(cfg, host, context=32, batch=1, kv_dtype="fp32")
+        assert abs(r["per_device"]["weights"] / weights - 1) <= 0.02, r["per_device"]
+        assert abs(r["workspace_bytes"]["total"] / workspace - 1) <= 0.02, r["workspace_bytes"]
+        assert r["workspace_bytes"]["dequant"] == 0

@@ -233,3 +233,55 @@ def test_compare_with_an_image_localises_a_vision_divergence(tiny_compiled, tmp_
     res = compare(str(ckpt), art, seq_len=5, images=[_png(tmp_path / "a.png", 64, 64, 2)])
     assert not res["ok"] and res["stage"] == "vision" and not res["vision"]["ok"]
     assert abs(res["vision"]["max_abs_diff"] - 0.01) < 1e-3 and res["first_divergence"]["source"] == "vision"
+
+
+# ---- streamed: upstream one decoder layer at a time (issue 17 item 4) ---------------------------------------------
+
+@pytest.mark.slow
+def test_streamed_compare_matches_layer_by_layer_and_names_a_wrong_layer(lowprec_compiled, tmp_path):
+    """``--streamed`` on gpt-oss with MXFP4 experts: every layer, on the compiled previous layer's output, matches
+    upstream's layer (weights materialised one module at a time, MXFP4 decoded by transformers' own converter), as
+    do the logits. Against a checkpoint whose layer-1 o_proj differs in one element, layer 0 stays ok and layer 1
+    is the first divergence."""
+    from _lowprec_ref import rewrite_checkpoint
+
+    ckpt, art, _ = lowprec_compiled("gpt_oss", "mxfp4")
+    r = CliRunner().invoke(main, ["compare", str(ckpt), str(art), "--json", "--seq-len", "9", "--streamed"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["mode"] == "streamed" and res["ok"] and res["first_divergence"] is None
+    assert [e["layer"] for e in res["layers"]] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                                   "lm_head"]
+    assert all(e["ok"] and e["chain_ok"] and e["max_abs_diff"] <= 1e-4 for e in res["layers"])
+    whole = compare(str(ckpt), art, seq_len=9)  # the whole-model comparison agrees on the logits
+    assert abs(whole["max_abs_diff"] - res["max_abs_diff"]) <= 1e-5 and res["top1_agreement"] == 1.0
+
+    def bump(t):
+        t["model.layers.1.self_attn.o_proj.weight"][3, 5] += 0.5
+    other = rewrite_checkpoint(ckpt, tmp_path / "other", bump)
+    r = CliRunner().invoke(main, ["compare", str(other), str(art), "--seq-len", "9", "--streamed"])
+    assert r.exit_code == 1, r.output
+    assert "first divergence: model.layers.1 " in r.output and "MISMATCH" in r.output
+    r = CliRunner().invoke(main, ["compare", str(other), str(art), "--seq-len", "9", "--streamed", "--json"])
+    by = {e["layer"]: e for e in json.loads(r.output)["layers"]}
+    assert by["model.layers.0"]["ok"] and not by["model.layers.1"]["ok"]
+
+
+def test_streamed_mode_is_chosen_when_the_reference_would_not_fit(tmp_path):
+    """The fp32 reference's size comes from config.json alone (a meta model): the published gpt-oss-20b (20.9B
+    parameters, 84 GB in fp32) streams on any machine with less than its size; a tiny model does not."""
+    from dayzero.tools import compare_streamed as cs
+    from dayzero.tools.make_full import full_config
+    from dayzero.tools.make_tiny import make_tiny
+
+    tiny = make_tiny("gpt_oss", tmp_path / "tiny", seed=0)
+    assert not cs.needs_streaming(tiny, available=10 ** 9)
+    assert cs.needs_streaming(tiny, available=10 ** 3)
+    full_config("gpt_oss").save_pretrained(tmp_path / "oss20b")
+    assert 84e9 <= cs.reference_bytes(tmp_path / "oss20b") <= 84e9 * cs.LOADER_OVERHEAD * 1.05
+    assert cs.needs_streaming(tmp_path / "oss20b", available=64 * 2 ** 30)
+    r = CliRunner().invoke(main, ["compare", TINY_MOE, str(tmp_path / "x"), "--streamed"])
+    assert r.exit_code == 2 and "--streamed compares against a checkpoint directory" in r.output
+    full_config("deepseek_v4", layers=1).save_pretrained(tmp_path / "v4")  # hyper-connections: refused, one line
+    r = CliRunner().invoke(main, ["compare", str(tmp_path / "v4"), str(tmp_path / "x"), "--streamed"])
+    assert r.exit_code == 2 and "hyper-connections" in r.output and len(r.output.strip().splitlines()) == 1

@@ -211,3 +211,42 @@ def test_whole_models_plan_their_published_sizes_in_bounded_slices():
         assert all((b - a) * per_row <= max(mf.CHUNK_ELEMENTS, per_row) for a, b in mf._chunks(s)), s.key
     with pytest.raises(UserError, match="deepseek_v3 with 2 layer.* no routed experts"):
         mf.plan_sources(mf.full_config("deepseek_v3", layers=2), "fp8")
+
+
+def test_a_published_bfloat16_config_is_traced_in_float32(tmp_path):
+    """make-full writes the published ``dtype: bfloat16``; the frontend builds the model as ``from_pretrained`` does
+    (fp32), not in the config's dtype as ``from_config`` would: bf16 parameters were refused by the MXFP4 binding."""
+    path = _make("gpt_oss", tmp_path / "oss")
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    model, _ = hf.meta_model(Checkpoint(path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("model_type,experts", [("gpt_oss", "mxfp4"), ("qwen3_moe", "fp8"), ("gpt_oss", "bf16")])
+def test_streamed_reference_decodes_in_slices_what_the_whole_tensor_decodes(model_type, experts, tmp_path,
+                                                                            monkeypatch):
+    """The streamed reference (frontend/reference.py) decodes a checkpoint tensor a slice at a time (one expert, a
+    few rows); the slices put together are the whole tensor as make-tiny's reference decoder writes it back
+    (``dequantize_checkpoint``: MXFP4 transposed to the input-major layout, FP8 times its block scales)."""
+    from safetensors.torch import load_file
+
+    from dayzero.frontend import reference
+
+    ckpt_dir = mt.make_tiny(model_type, tmp_path / "ckpt", experts=experts, seed=0)
+    want = load_file(str(mt.dequantize_checkpoint(ckpt_dir, tmp_path / "deq") / "model.safetensors"))
+    ckpt = Checkpoint(ckpt_dir)
+    groups = low_precision_groups(ckpt)
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 256)
+    assert set(want) == (set(ckpt.tensors) - {g.data_key for g in groups.values()}
+                         - {g.scale_key for g in groups.values()}) | set(groups)
+    sliced = set()
+    for key, w in want.items():
+        parts = list(reference.dequantised(ckpt, groups, key))
+        assert [a for a, _ in parts] == sorted(a for a, _ in parts) and parts[0][0] == 0
+        got = torch.cat([p for _, p in parts])
+        assert torch.equal(got, w.float().reshape(-1)), key
+        if len(parts) > 1:
+            sliced.add(groups[key].fmt if key in groups else "plain")
+    # the embedding a few rows at a time; an MXFP4 expert stack one expert at a time (FP8: make-tiny's 32-row
+    # experts are one 128-row scale block each, decoded whole)
+    assert sliced == ({"plain", "mxfp4"} if experts == "mxfp4" else {"plain"})

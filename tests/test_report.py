@@ -274,3 +274,28 @@ def test_plot_draws_every_request_slot_of_the_cache():
     assert [(r.get_x(), r.get_y() * MIB, r.get_width(), r.get_height() * MIB) for r in rects] == [
         (0, 1024 + 4096, 10, 256), (0, 1024 + 2 * 4096, 10, 256)]
     assert _state_replicas({**pj, "memory": {**pj["memory"], "state_slots": 1}}, 10) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_plan_for_the_host_agrees_with_the_compiled_memory(tiny_compiled, lowprec_compiled, model_type):
+    """``dayzero plan --target host`` from the checkpoint's config.json alone and the compiled artifact's memory
+    plan (``report``'s ``plan`` section) agree within 2% on the weights (fp32 where not stored low-precision, MXFP4
+    experts as stored) and the KV cache of one sequence; the workspace of a prefill of the whole context within 10%
+    at these tiny widths, where fixed-size buffers (token ids, positions, rotary tables) weigh in (full-width
+    gpt-oss and Qwen3-MoE, 2 layers: x0.991 and x1.000)."""
+    if model_type == "gpt_oss":
+        ckpt, art, _ = lowprec_compiled("gpt_oss", "mxfp4")
+    else:
+        ckpt, art, _ = tiny_compiled(model_type)
+    r = CliRunner().invoke(main, ["report", str(art), "--json"])
+    assert r.exit_code == 0, r.output
+    pl = json.loads(r.output)["plan"]
+    assert 0.98 <= pl["weights"]["measured_over_plan"] <= 1.02, pl
+    if model_type == "qwen3_moe":  # gpt-oss's tiny sliding window (8) is below one KV block (16): pages hold more
+        assert 0.98 <= pl["kv_bytes_per_sequence"]["measured_over_plan"] <= 1.02, pl
+    assert 0.9 <= pl["workspace"]["measured_over_plan"] <= 1.1, pl
+    r = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--context", str(pl["context"]),
+                                  "--batch", "1", "--kv-dtype", "fp32", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["per_device"]["weights"] == pl["weights"]["plan"]

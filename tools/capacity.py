@@ -49,6 +49,13 @@ rows (split over devices with the vocab-parallel head), and, when the weight for
 (mxfp4 without fp4 compute, fp8 without fp8 compute), a double-buffered bf16 dequant workspace the size of the
 largest single weight matrix converted on line.
 
+``--target host`` plans dayzero's own CPU runtime, so that it can be checked against a compiled artifact
+(``dayzero report``'s ``plan`` section): every weight not stored low-precision is held in fp32 (the host computes
+in fp32), low-precision experts as stored; the workspace is one prefill of the whole context in fp32 (the fused
+MoE / MLP kernels keep no intermediates: the peak is at q's rotary embedding, the residual, its normed copy and the
+residual kept across layers, q and two rotated copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused
+low-precision kernels decode in registers).
+
 Parallelism on N devices: routed experts are split by expert (ceil(E/N) per device); embeddings and lm_head by
 vocab; attention, dense MLP and shared experts by tensor parallelism; norms, routers and hyper-connections are
 replicated.  Attention is ``tp`` (KV heads split; a device keeps at least one) or ``dp`` (attention weights
@@ -65,9 +72,11 @@ import re
 from pathlib import Path
 
 from dayzero import InternalError, UserError
+from dayzero.targets.host import HOST_TARGET
 from dayzero.targets.json_file import read_json_file
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "mxfp4_fp8")
+BF16_BYTES, FP32_BYTES = 2, 4
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 CATEGORIES = (
     "embeddings",
@@ -279,8 +288,9 @@ def mtp_module_params(cfg: dict) -> int:
     return layer + 2 * h * h + 3 * h
 
 
-def count_parameters(cfg: dict) -> dict:
-    """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``."""
+def count_parameters(cfg: dict, dense_bytes: int = 2) -> dict:
+    """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``;
+    what a format does not store low-precision takes ``dense_bytes`` per value (bf16: 2, the host CPU: fp32, 4)."""
     params = dict.fromkeys(CATEGORIES, 0)
     nbytes = {fmt: dict.fromkeys(CATEGORIES, 0) for fmt in FORMATS}
     largest = {fmt: 0 for fmt in ("bf16", "fp8_block", "mxfp4")}  # bf16 bytes of the largest matrix stored as fmt
@@ -289,7 +299,7 @@ def count_parameters(cfg: dict) -> dict:
         matrix = _is_matrix(name, cat, shape)
         for fmt in FORMATS:
             pf = _param_format(fmt, cat, matrix)
-            nbytes[fmt][cat] += _bytes(shape, pf) if matrix else 2 * math.prod(shape)
+            nbytes[fmt][cat] += _bytes(shape, pf) if matrix and pf != "bf16" else dense_bytes * math.prod(shape)
             one = 2 * math.prod(shape[-2:]) if matrix else 0  # one expert's matrix, or the whole matrix
             largest[pf] = max(largest[pf], one)
     return {"params": params, "bytes": nbytes, "largest_matrix_bf16": largest}
@@ -417,7 +427,8 @@ def plan_capacity(
         raise UserError(f"weight format {weight_format!r}: choose auto or one of {', '.join(FORMATS)}")
     notes = []
 
-    counted = count_parameters(config)
+    host = target.name == HOST_TARGET
+    counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES)
     params = counted["params"]
     total = sum(params.values())
     _, n_exp = num_experts(config)
@@ -456,17 +467,24 @@ def plan_capacity(
     share["routed_experts"] = math.ceil(n_exp / devices) / n_exp if n_exp else 1.0
     weights_dev = int(sum(b * share[c] for c, b in counted["bytes"][fmt].items()))
 
-    # workspace: one step of step_tokens tokens
+    # workspace: one step of step_tokens tokens (host: one prefill of the whole context, in fp32)
+    if host:
+        step_tokens = context
     hidden, hd = config["hidden_size"], _head_dim(config)
     q_width = config["num_attention_heads"] * (
         (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0) or hd)
     ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
     ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
-    per_token = 2 * (2 * (config.get("hc_mult") or 1) * hidden + q_width + 2 * kv_heads * hd + max(ffn_moe, ffn_dense))
+    residual = (config.get("hc_mult") or 1) * hidden
+    if host:  # dayzero's fused MoE / MLP kernels keep no intermediates; the peak is at q's rotary embedding: the
+        # residual, its normed copy and the residual kept across layers, q and two rotated copies, cos and sin
+        per_token = FP32_BYTES * (3 * residual + 3 * q_width + 2 * hd)
+    else:
+        per_token = BF16_BYTES * (2 * residual + q_width + 2 * kv_heads * hd + max(ffn_moe, ffn_dense))
     activations = step_tokens * per_token
     logits = step_tokens * config["vocab_size"] * 4 // devices
     native = {"bf16": True, "fp8_block": target.fp8_compute, "mxfp4": target.fp4_compute}
-    dequant = 2 * max((b for f, b in counted["largest_matrix_bf16"].items() if not native[f]), default=0)
+    dequant = 0 if host else 2 * max((b for f, b in counted["largest_matrix_bf16"].items() if not native[f]), default=0)
     workspace = activations + logits + dequant
 
     # what fits

@@ -273,6 +273,41 @@ def _where(n) -> dict:
     return {"op": n.op, "layer": m.group(1) if m else None, "module": n.span.module, "source": n.span.source}
 
 
+def _artifact(artifact):
+    from dayzero.runtime import load
+
+    art = Path(artifact)
+    if not (art / "program.json").is_file():
+        raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
+    return art, load(art)
+
+
+def _prefill_program(rt, seq_len: int | None):
+    """(name, program, its program.json, longest input, compared length): a stateful artifact (prefill + decode
+    sharing a KV cache) is compared on its prefill."""
+    pname = "prefill" if "prefill" in rt.programs else next(iter(rt.programs))
+    pj = rt.program_json["programs"][pname]
+    max_seq = length_bound(pj)
+    if seq_len is not None and not 1 <= seq_len <= max_seq:
+        raise UserError(f"--seq-len {seq_len} is outside the artifact's range [1, {max_seq}]")
+    return pname, rt.programs[pname], pj, max_seq, min(seq_len or DEFAULT_SEQ, max_seq)
+
+
+def _from_empty_cache(rt, prog, pj, inputs: list) -> list:
+    """The program's inputs for a prefill from an empty cache: padded where the program pads, paged caches given
+    blocks 1, 2, ... in order, positions from 0."""
+    if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
+        inputs, _ = prog.pad(inputs)
+    if rt.kv is not None:
+        rt.kv.ensure(0, inputs[0].shape[-1])
+    for k, bid in enumerate(pj["inputs"]):
+        if pj["buffers"][bid]["name"] == "cache_position":
+            inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
+        if pj["buffers"][bid]["name"] in prog.table_inputs:
+            inputs[k] = rt.kv.table(pj["buffers"][bid]["name"], 0).clone()
+    return inputs
+
+
 def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rtol: float = 0.0,
             per_node: bool = False, images=()) -> dict:
     """Compare MODEL's upstream forward with the compiled ARTIFACT; see the module docstring. ``images`` (paths,
@@ -280,40 +315,21 @@ def compare(model, artifact, seq_len: int | None = None, atol: float = ATOL, rto
     from dayzero.passes.ir import ops
     from dayzero.passes.ir.interp import infer_env, run_graph
     from dayzero.passes.ir.ops import torch_dtype
-    from dayzero.runtime import load
     from dayzero.tools.driver import optimize
 
-    art = Path(artifact)
-    if not (art / "program.json").is_file():
-        raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
-    rt = load(art)
+    art, rt = _artifact(artifact)
     images = list(images or ())
     mm = getattr(rt, "multimodal", None)
     if images and mm is None:
         raise UserError(f"{artifact}: no vision program, so --image cannot be compared (compile a multimodal "
                         f"checkpoint, e.g. Qwen3-VL-MoE, to compare images)")
-    # a stateful artifact (prefill + decode sharing a KV cache) is compared on its prefill, from an empty cache
-    pname = "prefill" if "prefill" in rt.programs else next(iter(rt.programs))
-    prog = rt.programs[pname]
-    pj = rt.program_json["programs"][pname]
-    max_seq = length_bound(pj)
-    seq = min(seq_len or DEFAULT_SEQ, max_seq)
-    if seq_len is not None and not 1 <= seq_len <= max_seq:
-        raise UserError(f"--seq-len {seq_len} is outside the artifact's range [1, {max_seq}]")
+    pname, prog, pj, max_seq, seq = _prefill_program(rt, seq_len)
     inputs = fixed_inputs(pj, seq)
     if mm is not None:  # the request as the runtime prepares it (image tokens, 3D positions, vision features)
         request, up_kwargs, features = multimodal_request(rt, seq, images)
         inputs = [request.get(pj["buffers"][bid]["name"], t) for bid, t in zip(pj["inputs"], inputs)]
-    if hasattr(prog, "pad"):  # a length the program does not take (seq = 8*k, seq >= 4) runs padded, on all sides
-        inputs, _ = prog.pad(inputs)
+    inputs = _from_empty_cache(rt, prog, pj, inputs)
     pages = rt.program_json.get("kv_pages")
-    if rt.kv is not None:  # paged caches: blocks 1, 2, ... in order for the prompt
-        rt.kv.ensure(0, inputs[0].shape[-1])
-    for k, bid in enumerate(pj["inputs"]):  # the prefill of a stateful artifact fills the cache from position 0
-        if pj["buffers"][bid]["name"] == "cache_position":
-            inputs[k] = torch.arange(inputs[k].shape[0], dtype=inputs[k].dtype)
-        if pj["buffers"][bid]["name"] in prog.table_inputs:
-            inputs[k] = rt.kv.table(pj["buffers"][bid]["name"], 0).clone()
 
     if mm is not None:
         module, tensors, fe = upstream_multimodal(model, max_seq, mm.info["grids"])
@@ -523,14 +539,33 @@ def _human(r: dict) -> None:
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance (large magnitudes)")
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
               help="multimodal artifacts: an image file joining the prompt (repeat for several)")
-def compare_cmd(model, out, as_json, seq_len, per_node, atol, rtol, images):
+@click.option("--streamed", is_flag=True,
+              help="run upstream one decoder layer at a time (chosen by itself when the fp32 reference would not "
+                   "fit in the memory available)")
+def compare_cmd(model, out, as_json, seq_len, per_node, atol, rtol, images, streamed):
     """Compare the artifact OUT with MODEL run eagerly upstream on the same fixed-seed input; localise the first
     divergence layer by layer (exit 1 when outside tolerance)."""
+    from dayzero.tools import compare_streamed as cs
+
     if atol < 0 or rtol < 0:
         raise UserError("--atol and --rtol must be non-negative")
-    r = compare(model, out, seq_len=seq_len, atol=atol, rtol=rtol, per_node=per_node, images=images)
+    is_ckpt = Path(model).is_dir()
+    if streamed and not is_ckpt:
+        raise UserError(f"{model}: --streamed compares against a checkpoint directory")
+    if is_ckpt and not images and not streamed and cs.needs_streaming(model):
+        streamed = True
+        click.echo(f"{model}: the fp32 reference (~{cs.reference_bytes(model) / 1e9:.1f} GB) would not fit in the "
+                   "memory available: comparing layer by layer (streamed)", err=True)
+    if streamed and (per_node or images):
+        raise UserError("--per-node and --image compare the whole upstream model: not with --streamed")
+    if streamed:
+        r = cs.compare_streamed(model, out, seq_len=seq_len, atol=atol, rtol=rtol)
+    else:
+        r = compare(model, out, seq_len=seq_len, atol=atol, rtol=rtol, per_node=per_node, images=images)
     if as_json:
         click.echo(json.dumps(r, indent=1, sort_keys=True, default=str))
+    elif streamed:
+        cs.human(r, click.echo)
     else:
         _human(r)
     if not r["ok"]:

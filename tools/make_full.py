@@ -389,8 +389,8 @@ def make_full(model_type: str, out_dir, layers: int | None = None, experts: str 
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         c = cfg.to_dict()
-        c["architectures"] = [type_name(cfg)]  # no "dtype": dayzero traces the model as transformers builds it
-        # (fp32); the published torch_dtype bfloat16 would trace bf16 parameters, which it cannot bind yet
+        c["architectures"] = [type_name(cfg)]
+        c["dtype"] = DTYPE  # as published (the frontend traces in fp32 whatever it says)
         if qc:
             c["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")

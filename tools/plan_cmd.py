@@ -11,6 +11,7 @@ import json
 import click
 
 from dayzero import UserError
+from dayzero.targets.host import HOST_TARGET
 from dayzero.targets.spec import load_target_spec
 from dayzero.tools.capacity import FORMATS, KV_DTYPE_BYTES, load_config, parse_count, plan_capacity
 
@@ -82,7 +83,8 @@ def render(result: dict, console=None) -> None:
 @click.option("--batch", default=None, type=int, help="Sequences decoded together (default: report the largest).")
 @click.option("--format", "weight_format", default="auto", show_default=True,
               type=click.Choice(("auto",) + FORMATS), help="Weight storage format (auto: the config's quantization).")
-@click.option("--kv-dtype", default="bf16", show_default=True, type=click.Choice(tuple(KV_DTYPE_BYTES)))
+@click.option("--kv-dtype", default=None, type=click.Choice(tuple(KV_DTYPE_BYTES)),
+              help="KV cache element type (default: bf16; fp32 on --target host, as dayzero's CPU runtime keeps it)")
 @click.option("--attention", default="auto", show_default=True, type=click.Choice(("auto", "tp", "dp")),
               help="Attention parallelism: tensor (split KV heads) or data (split sequences).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -92,9 +94,12 @@ def plan(config, target, devices, context, batch, weight_format, kv_dtype, atten
         raise UserError(f"--devices must be >= 1, got {devices}")
     if batch is not None and batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
+    spec = load_target_spec(target)
+    if kv_dtype is None:
+        kv_dtype = "fp32" if spec.name == HOST_TARGET else "bf16"
     result = plan_capacity(
         load_config(config),
-        load_target_spec(target),
+        spec,
         devices=devices,
         context=parse_count(context, "--context"),
         batch=batch,

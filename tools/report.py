@@ -225,7 +225,7 @@ def build_report(artifact: str) -> dict:
         mem["planned_over_peak"] = round(planned / peak, 4) if peak and planned else None
         mem["buffers"] = len(m.get("buffers", []))
         programs[name] = {"steps": p.get("steps"), "kernels": p.get("kernels"), "memory": mem}
-    return {
+    out = {
         "artifact": os.path.abspath(artifact),
         "model_type": rep.get("model_type", ""),
         "target": rep.get("target"),
@@ -239,6 +239,48 @@ def build_report(artifact: str) -> dict:
                                     pj_top.get("max_seq")),
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
     }
+    out["plan"] = plan_agreement(artifact, out)
+    return out
+
+
+WEIGHT_ZONES = ("weights", "low_precision_weights")
+WORKSPACE_ZONES = ("activations", "io", "cross_layer_state", "dequant_workspace")
+_KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
+
+
+def plan_agreement(artifact: str, r: dict) -> dict | None:
+    """``dayzero plan --target host`` for the artifact's checkpoint config at its context (the cache length, one
+    sequence), against what the compiled memory plan holds: weights (zones weights + low_precision_weights), the
+    KV cache of one sequence, and the workspace (activations, io, cross-layer state, dequant workspace of the
+    largest program). None for an artifact without a checkpoint config or not for the host CPU."""
+    from dayzero.targets.host import host_spec
+    from dayzero.tools.capacity import plan_capacity
+
+    cfg = _checkpoint_config(artifact)
+    kv = r.get("kv_cache")
+    if not cfg or not kv or (r.get("target") or {}).get("kind") != "llvm":
+        return None
+    dtypes = {st["dtype"] for e in kv["layer_types"].values() for st in e["states"].values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _KV_DTYPES:
+        return None
+    try:
+        plan = plan_capacity(cfg, host_spec(), context=kv["max_length"], batch=1,
+                             kv_dtype=_KV_DTYPES[next(iter(dtypes))])
+    except UserError as e:
+        return {"error": str(e)}
+    zones = [p["memory"].get("zones", {}) for p in r["programs"].values()]
+    measured = {"weights": max(sum(z.get(k, 0) for k in WEIGHT_ZONES) for z in zones),
+                "kv_bytes_per_sequence": int(kv["bytes_per_token"] * kv["max_length"] + kv["fixed_bytes"]),
+                "workspace": max(sum(z.get(k, 0) for k in WORKSPACE_ZONES) for z in zones)}
+    planned = {"weights": plan["per_device"]["weights"], "kv_bytes_per_sequence": plan["kv_bytes_per_sequence"],
+               "workspace": plan["workspace_bytes"]["total"]}
+    out = {"context": kv["max_length"], "kv_dtype": plan["kv_dtype"]}
+    for k, m in measured.items():
+        out[k] = {"plan": planned[k], "measured": m, "measured_over_plan": round(m / planned[k], 4) if planned[k]
+                  else None}
+    out["total"] = {"plan": sum(planned.values()), "measured": sum(measured.values()),
+                    "measured_over_plan": round(sum(measured.values()) / sum(planned.values()), 4)}
+    return out
 
 
 def _state_replicas(pj: dict, steps: int) -> dict:
@@ -371,6 +413,12 @@ def _human(r: dict) -> None:
                    + ", ".join(f"{p} {'+'.join(ops) or '-'}" for p, ops in ex["routes"].items())
                    + f"; resident {zones.get('low_precision_weights', 0):,} B as stored + "
                      f"{zones.get('dequant_workspace', 0):,} B workspace")
+    pl = r.get("plan")
+    if pl and "error" not in pl:
+        click.echo(f"plan (dayzero plan --target host --context {pl['context']} --batch 1 --kv-dtype {pl['kv_dtype']}) "
+                   "vs compiled: " + ", ".join(f"{k} {pl[k]['plan']:,} vs {pl[k]['measured']:,} B "
+                                               f"(x{pl[k]['measured_over_plan']})"
+                                               for k in ("weights", "kv_bytes_per_sequence", "workspace", "total")))
     for name, p in r["programs"].items():
         m = p["memory"]
         click.echo(f"{name}: {p['steps']} steps, {p['kernels']} kernels, arena {m['arena_bytes']} B vs peak-live "

@@ -1,0 +1,161 @@
+"""The upstream model one module at a time: reference numerics for a checkpoint larger than memory.
+
+``StreamedUpstream(dir)`` builds transformers' model from ``config.json`` on the ``meta`` device (fp32, upstream's
+default attention and experts code) and materialises one submodule at a time on CPU (``materialised``), its
+parameters read from the same checkpoint, then returns it to ``meta``: a decoder layer of gpt-oss-20b in fp32 is
+~3.2 GB while the whole model is ~84 GB.
+
+Which checkpoint elements fill which parameter is transformers' own loader's answer (``learn_recipes`` on the
+checkpoint as transformers sees it dequantised, ``_Dequantised``), and low-precision tensors are dequantised the
+way transformers loads them: MXFP4 expert blocks through ``convert_moe_packed_tensors`` (gpt-oss's fused,
+input-major layout; other MXFP4 tensors through ``lowprec.dequant_mxfp4``), FP8 blocks through transformers'
+``_dequantize_fp8_weight`` with the published 128 x 128 block. Buffers the checkpoint does not hold (rotary
+inverse frequencies) come from the model's own ``_init_weights`` on their owning module, as transformers' loader
+computes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from dayzero import UserError
+from . import hf, lowprec
+from .checkpoint import Checkpoint, _Dequantised, learn_recipes, low_precision_groups
+
+
+CHUNK_ELEMENTS = 1 << 25  # decoded at a time: 128 MB of fp32
+
+
+def dequantised(ckpt: Checkpoint, groups: dict, key: str):
+    """Checkpoint tensor ``key`` as transformers' loader holds it, fp32, in slices along its first dimension:
+    yields (first flat element, flat fp32 slice), at most ``CHUNK_ELEMENTS`` at a time where the layout allows
+    (a published expert stack decodes one expert at a time). A low-precision group (by its dequantised name) is
+    decoded, any other tensor read and cast."""
+    g = groups.get(key)
+    if g is None:
+        info = ckpt.tensors[key]
+        if len(info.shape) < 2:
+            t = ckpt.get(key)
+            yield 0, (t.float() if t.is_floating_point() else t).reshape(-1)
+            return
+        row = math.prod(info.shape[1:])
+        step = max(1, CHUNK_ELEMENTS // max(1, row))
+        with safe_open(info.file, framework="pt") as f:  # rows read a slice at a time, never the whole tensor
+            sl = f.get_slice(key)
+            for a in range(0, info.shape[0], step):
+                part = sl[a:a + step]
+                yield a * row, (part.float() if part.is_floating_point() else part).reshape(-1)
+        return
+    data, scale = ckpt.get(g.data_key), ckpt.get(g.scale_key)
+    if g.fmt == "fp8":
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+        if data.dim() == 2:  # one matrix: whole row blocks at a time
+            rows = max(1, CHUNK_ELEMENTS // data.shape[1] // lowprec.FP8_BLOCK[0]) * lowprec.FP8_BLOCK[0]
+            for a in range(0, data.shape[0], rows):
+                w = _dequantize_fp8_weight(data[a:a + rows], scale[a // lowprec.FP8_BLOCK[0]:
+                                                                    -(-(a + rows) // lowprec.FP8_BLOCK[0])],
+                                           list(lowprec.FP8_BLOCK), torch.float32)
+                yield a * data.shape[1], w.reshape(-1)
+            return
+        for e in range(data.shape[0]):  # a stack: one matrix at a time
+            w = _dequantize_fp8_weight(data[e], scale[e], list(lowprec.FP8_BLOCK), torch.float32)
+            yield e * w.numel(), w.reshape(-1)
+        return
+    if g.in_major and data.dim() == 4:  # gpt-oss's fused experts: transformers' own decoder (transposes)
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        for e in range(data.shape[0]):
+            w = convert_moe_packed_tensors(data[e:e + 1], scale[e:e + 1], dtype=torch.float32)
+            yield e * w.numel(), w.reshape(-1)
+        return
+    w = torch.from_numpy(np.ascontiguousarray(lowprec.dequant_mxfp4(data.numpy(), scale.numpy(), name=key)))
+    yield 0, (w.transpose(-1, -2).contiguous() if g.in_major else w).reshape(-1)
+
+
+class StreamedUpstream:
+    """The upstream causal LM of checkpoint ``directory`` on ``meta``; ``materialised(name)`` holds one of its
+    submodules on CPU with the checkpoint's weights for the duration of a ``with`` block."""
+
+    def __init__(self, directory):
+        from transformers import AutoModelForCausalLM
+
+        self.ckpt = Checkpoint(directory)
+        self.groups = low_precision_groups(self.ckpt)
+        cfg = hf._config(self.ckpt)
+        if getattr(cfg, "quantization_config", None) is not None:
+            del cfg.quantization_config  # dequantised here, as transformers' loader would
+        try:
+            with hf._quiet(), torch.device("meta"):
+                self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        except (ValueError, KeyError) as e:
+            raise UserError(f"{directory}: transformers cannot build model_type "
+                            f"{self.ckpt.config.get('model_type')!r}: {str(e).splitlines()[0]}") from None
+        view = _Dequantised(self.ckpt, self.groups) if self.groups else self.ckpt
+        self.recipes, _ = learn_recipes(view, hf.load_for_recipes)
+        # tied parameters: the recipe may be under any of the names of one tensor
+        self._alias: dict[str, list[str]] = {}
+        by_id: dict[int, list[str]] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(n)
+        for names in by_id.values():
+            for n in names:
+                self._alias[n] = names
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _recipe(self, name: str):
+        for n in self._alias.get(name, [name]):
+            if n in self.recipes:
+                return self.recipes[n]
+        return None
+
+    @contextlib.contextmanager
+    def materialised(self, *names: str):
+        """Submodules ``names`` (module paths) on CPU with their checkpoint weights; back on ``meta`` after."""
+        mods = [(n, self.model.get_submodule(n)) for n in names]
+        try:
+            with torch.no_grad():
+                for n, m in mods:
+                    self._fill(n, m)
+            yield [m for _, m in mods]
+        finally:
+            for _, m in mods:
+                m.to("meta")
+
+    def _fill(self, prefix: str, module: torch.nn.Module) -> None:
+        module.to_empty(device="cpu")
+        tensors = [(f"{prefix}.{n}", t) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+        computed = []
+        for name, t in tensors:
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            if self._recipe(name) is None:
+                computed.append(name)
+        with hf._quiet():
+            for owner in sorted({n.rpartition(".")[0] for n in computed}):
+                self.model._init_weights(self.model.get_submodule(owner))
+        for name, t in tensors:
+            runs = self._recipe(name)
+            if runs is None:
+                if t.is_floating_point() and bool(torch.isnan(t).any()):
+                    raise UserError(f"{self.ckpt.dir}: the model reads {name}, which the checkpoint lacks and the "
+                                    "model's own initialisation does not compute")
+                continue
+            flat = t.view(-1)
+            by_key: dict[str, list] = {}
+            for run in runs:
+                by_key.setdefault(run[1], []).append(run)
+            for key, key_runs in by_key.items():  # each key decoded once, a slice at a time
+                for first, part in dequantised(self.ckpt, self.groups, key):
+                    last = first + part.numel()
+                    for d0, _, s0, n in key_runs:
+                        a, b = max(s0, first), min(s0 + n, last)
+                        if a < b:
+                            flat[d0 + a - s0:d0 + b - s0] = part[a - first:b - first].to(t.dtype)
