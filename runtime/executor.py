@@ -11,7 +11,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -602,26 +602,55 @@ class Runtime:
         prog = self.programs["decode_batch"]
         return len(prog.inputs) > 2 and prog.buffers[prog.inputs[1]]["name"] == "positions"
 
+    @cached_property
+    def _row_plan(self) -> list[tuple[str, str | None, int]]:
+        """Per state input of the row program: (state, its block-table class or None for a per-request state,
+        positions L of a paged one); checked against the decode program's states (program.json is untrusted)."""
+        prog, dec = self.programs["decode_batch"], self.programs["decode"]
+        table_of = {s: c["name"] for c in self.program_json["kv_pages"]["tables"] for s in c["states"]}
+        plan = []
+        for bid in prog.inputs[2:]:
+            b = prog.buffers[bid]
+            name, shape = b["name"], list(b["shape"])
+            own = dec.states.get(name, dec.shared_states.get(name))
+            want = None if own is None else list(dec.buffers[own]["shape"])
+            if want is not None and name in table_of:  # [1, H, blocks * bs, D] -> [B, H, L, D]
+                want[2] = self.program_json["kv_pages"]["length"]
+            if want is None or shape[1:] != want[1:] or b["dtype"] != dec.buffers[own]["dtype"] or \
+                    (name not in dec.states and name not in table_of):
+                raise UserError(f"program.json: decode_batch input {name!r} is no state of the decode program")
+            plan.append((name, table_of.get(name), int(shape[2]) if name in table_of else 0))
+        return plan
+
+    @cached_property
+    def _row_views(self) -> dict:
+        """(state, slot) -> its view in the decode program (slot None: a paged pool): the arena stays put."""
+        return {}
+
     def _decode_rows(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """One run of the row program: each input state is the requests' states stacked (a per-request state: the
         slots' copies; a paged K=V cache: the rows of positions [0, L) read through each request's block table,
         blocks handed back read the scratch block, behind the window the mask hides), and each output's new
         contents go back (a per-request state: whole; a paged cache: the one row each request wrote)."""
         dec = self.programs["decode"]
-        table_of = {s: c["name"] for c in self.program_json["kv_pages"]["tables"] for s in c["states"]}
+        views = self._row_views
         bs = self.kv.block_size
         rows = torch.arange(len(slots))
         inputs, back = [ids, pos], []
-        for bid in prog.inputs[2:]:
-            name = prog.buffers[bid]["name"]
-            if name in dec.states:
-                views = [dec.view(dec.states[name], (), k) for k in slots]
-                inputs.append(torch.cat(views))
-                back.append(views)
+        for name, table_name, length in self._row_plan:
+            if table_name is None:
+                for k in slots:
+                    if (name, k) not in views:
+                        views[name, k] = dec.view(dec.states[name], (), k)
+                own = [views[name, k] for k in slots]
+                inputs.append(torch.cat(own))
+                back.append(own)
                 continue
-            pool = dec.view(dec.shared_states[name], ())[0]  # [H, blocks * bs, D]
-            table = self.kv.batch_table(table_of[name], slots).long()  # [B, table_len]
-            p = torch.arange(int(prog.buffers[bid]["shape"][2]))
+            if (name, None) not in views:
+                views[name, None] = dec.view(dec.shared_states[name], ())[0]  # [H, blocks * bs, D]
+            pool = views[name, None]
+            table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
+            p = torch.arange(length)
             where = table[:, p // bs] * bs + p % bs  # [B, L]: pool row of each position
             inputs.append(pool.index_select(1, where.flatten()).view(pool.shape[0], len(slots), -1, pool.shape[2])
                           .transpose(0, 1))
