@@ -189,10 +189,17 @@ def cached_graph(root: Path | None, config: dict, name: str, trace: Callable[[],
         warnings.warn(f"trace cache entry {path} ignored ({str(e)[:200]}); tracing again", TraceCacheWarning,
                       stacklevel=2)
     t = trace()
-    text = print_graph(t.graph)
-    if structurally_equal(parse_graph(text), t.graph):
-        try:
-            _write_doc(path, {"format": FORMAT, "key": key, name: text})
-        except OSError as e:
-            warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
+    try:
+        text = print_graph(t.graph)
+        same = structurally_equal(parse_graph(text), t.graph)
+    except (UserError, TypeError, ValueError):
+        same = False
+    if not same:
+        warnings.warn(f"the {name} trace does not read back from its text form; not cached", TraceCacheWarning,
+                      stacklevel=2)
+        return t
+    try:
+        _write_doc(path, {"format": FORMAT, "key": key, name: text})
+    except OSError as e:
+        warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
     return t
