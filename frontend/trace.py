@@ -42,6 +42,7 @@ class Frontend:
     # DeepSeek-V4's batched decode step (decode_export.RowDecodeStep): batch row b is request b, its states
     # passed in and returned (inputs / outputs named after the states); None for every other architecture
     decode_rows: Traced | None = None
+    decode_rows_error: str = ""  # why it did not trace (the compile goes on without a batched decode program)
 
 
 
@@ -87,15 +88,20 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
         traced.weights = own
         if decode is not None:
             decode.weights = own
-        rows = None
+        rows, rows_error = None, ""
         if decode is not None and max_batch > 1 and _has_compressed_cache(ckpt):
-            rows = cached_graph(cache_root(trace_cache), ckpt.config, "decode_rows",
-                                lambda: _trace_rows(ckpt, max_seq, max_batch), max_seq=max_seq, max_batch=max_batch)
-            rows.weights = own
-            if lowp:
-                bind_low_precision(rows, lowp)
+            try:
+                rows = cached_graph(cache_root(trace_cache), ckpt.config, "decode_rows",
+                                    lambda: _trace_rows(ckpt, max_seq, max_batch), max_seq=max_seq,
+                                    max_batch=max_batch)
+            except UserError as e:  # the artifact still serves, one request per decode call
+                rows_error = str(e)
+            else:
+                rows.weights = own
+                if lowp:
+                    bind_low_precision(rows, lowp)
         return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode,
-                        cache_layout=cache_layout, decode_rows=rows)
+                        cache_layout=cache_layout, decode_rows=rows, decode_rows_error=rows_error)
     if isinstance(model, str):
         if ":" not in model:
             raise UserError(f"{model}: neither a checkpoint directory nor module.path:factory")

@@ -311,6 +311,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
         if why and fe.decode_rows is not None:  # DeepSeek-V4: its states pass through the batched step's rows
             decode = res.graphs["decode"]
             why = build("decode_batch", fe.decode_rows.graph, accept=lambda g: rows_refusal(g, decode))
+        elif why and fe.decode_rows_error:
+            why = f"{why}; the batched row step did not trace: {fe.decode_rows_error}"
         elif not why:
             gb, why = batched_decode_input(fe.traced.graph, options.max_batch)
             if gb is not None:
