@@ -40,6 +40,12 @@ Prefill of any length ``n`` at any start ``s`` works (no padding to the compress
 exports with ``seq`` in [1, max]): a second turn starts mid-window and continues from the pending ring. Right
 padding would *not* be harmless here (a padded tail would be taken for the open window's tokens and its overlap), so
 it must stay that way: tests/test_generate.py checks the compiled prefill's range.
+
+The batched decode step (``decode_export.RowDecodeStep``, the ``decode_batch`` program) batches requests along B:
+``RowCompressedAttentionCache``'s layers apply the same rules to one token per batch row, each row at its own
+position (a per-row scatter of the K=V row and the entry, per-row pending / overlap selects), and a pre-hook on
+the compressors' rotary embeddings gives each row's pooled entry its own window position (upstream passes one
+``first_window_position`` for the whole batch).
 """
 
 from __future__ import annotations
