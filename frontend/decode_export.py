@@ -80,7 +80,9 @@ positions (mask = ``kv_idx <= cache_position`` [and window, and top-k scatter]).
 
 Limits: all rows of a batch share ``cache_position`` (same-length prompts; different lengths need per-row
 positions and a padding mask: the batched decode step instead puts one token per request along ``seq``, each at its
-own position, passes/token_positions.py).
+own position, passes/token_positions.py). DeepSeek-V4, whose compressor states are per request, batches along
+``B`` instead: ``RowDecodeStep`` takes one token per row, each row at its own position, with the requests' states
+as inputs and outputs (v4_cache.py's row layers).
 ``cache_position`` must be contiguous ``arange(start, start+seq)`` (the write uses
 ``cache_position[0] + arange(seq)``), and ``start + seq <= max_cache_len`` (past the end, ``index_put`` raises IndexError).
 """
@@ -210,6 +212,46 @@ class CacheStep(torch.nn.Module):
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
                          position_ids=cache_position.unsqueeze(0).expand(input_ids.shape[0], -1))
         return out.logits
+
+
+class RowDecodeStep(torch.nn.Module):
+    """DeepSeek-V4's batched decode step: ``(input_ids [B, 1], positions [B], *states) -> (logits [B, 1, V],
+    *new states)``, batch row b is request b, its one token at ``positions[b]``.
+
+    ``states`` are the tensors of ``step`` (a :class:`CacheStep` of the same model: same names, order and shapes
+    but the batch dim), row b request b's, passed in and returned (the step is a function of them: the caller
+    gathers each request's state and scatters the new one back). The cache is
+    ``v4_cache.RowCompressedAttentionCache`` (the single-request step's rules row by row); the sliding-window
+    mask is built per row (``positions[b] - W < kv <= positions[b]``) and handed to the model as its prebuilt
+    mask; upstream's compressor, indexer and attention code runs unmodified."""
+
+    def __init__(self, step: CacheStep):
+        super().__init__()
+        from dayzero.frontend import v4_cache
+
+        self.model = step.model
+        cfg = self.model.config.get_text_config(decoder=True)
+        if not v4_cache.is_compressed_cache_config(cfg):
+            raise UserError(f"{cfg.model_type}: the per-row decode step is DeepSeek-V4's (compressed attention)")
+        self.cache = v4_cache.RowCompressedAttentionCache(cfg, step.max_cache_len)
+        self._hooks = self.cache.install_rope_offsets(self.model)
+        self.names = list(step.names)
+        self.window = int(cfg.sliding_window)
+        self.max_cache_len = step.max_cache_len
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *states: torch.Tensor):
+        states = tuple(t.clone() for t in states)  # the step writes its own copies and returns them
+        for (i, attr, _), t in zip(self.names, states):
+            setattr(self.cache.layers[i], attr, t)
+        self.cache.bind_positions(positions)
+        pos = positions.view(-1, 1)
+        kv = torch.arange(self.max_cache_len, device=positions.device).view(1, -1)
+        dtype = self.model.dtype
+        visible = (kv <= pos) & (kv > pos - self.window)  # [B, L]
+        mask = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, position_ids=pos,
+                         attention_mask={"sliding_attention": mask[:, None, None, :]})
+        return (out.logits, *states)
 
 
 def _decompose(ep: ExportedProgram) -> ExportedProgram:

@@ -23,7 +23,7 @@ from dayzero import UserError
 from dayzero.frontend import hf
 from dayzero.frontend.checkpoint import Checkpoint, check_coverage, learn_recipes_low_precision
 from dayzero.frontend.lowprec import bind_low_precision
-from dayzero.frontend.trace_cache import cache_root, cached
+from dayzero.frontend.trace_cache import cache_root, cached, cached_graph
 from dayzero.frontend.torch_export import Traced, export_module, symbol_names_from, to_graph
 from dayzero.passes.ir.node import Graph, rewrite
 
@@ -39,13 +39,18 @@ class Frontend:
     extra: dict[str, Traced] = field(default_factory=dict)  # more programs by name (vision_TxHxW: issue 9)
     multimodal: dict | None = None  # what the runtime needs to drive them (artifact multimodal.json)
     cache_layout: list = field(default_factory=list)  # per cache state: layer, layer type, position dim, rate
+    # DeepSeek-V4's batched decode step (decode_export.RowDecodeStep): batch row b is request b, its states
+    # passed in and returned (inputs / outputs named after the states); None for every other architecture
+    decode_rows: Traced | None = None
+    decode_rows_error: str = ""  # why it did not trace (the compile goes on without a batched decode program)
 
 
 
 def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
-                prefill_chunk: int | None = None, trace_cache: str | None = None) -> Frontend:
+                prefill_chunk: int | None = None, trace_cache: str | None = None, max_batch: int = 0) -> Frontend:
     """``prefill_chunk``: the longest prefill call of a model with a KV cache (default ``max_seq``); its cache
     still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``).
+    ``max_batch`` (> 1): also trace DeepSeek-V4's batched decode step for up to that many requests.
     ``trace_cache``: where a checkpoint's traces are kept (frontend/trace_cache.py; None: the default, "off")."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
@@ -83,8 +88,20 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
         traced.weights = own
         if decode is not None:
             decode.weights = own
+        rows, rows_error = None, ""
+        if decode is not None and max_batch > 1 and _has_compressed_cache(ckpt):
+            try:
+                rows = cached_graph(cache_root(trace_cache), ckpt.config, "decode_rows",
+                                    lambda: _trace_rows(ckpt, max_seq, max_batch), max_seq=max_seq,
+                                    max_batch=max_batch)
+            except UserError as e:  # the artifact still serves, one request per decode call
+                rows_error = str(e)
+            else:
+                rows.weights = own
+                if lowp:
+                    bind_low_precision(rows, lowp)
         return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode,
-                        cache_layout=cache_layout)
+                        cache_layout=cache_layout, decode_rows=rows, decode_rows_error=rows_error)
     if isinstance(model, str):
         if ":" not in model:
             raise UserError(f"{model}: neither a checkpoint directory nor module.path:factory")
@@ -212,6 +229,36 @@ def _trace_with_cache(ckpt: Checkpoint, max_seq: int, prefill_chunk: int
     for t in (prefill, decode):  # state names: the step's buffers, without the wrapper prefix
         t.graph = _rename_states(t.graph)
     return prefill, decode, cache_layout
+
+
+def _has_compressed_cache(ckpt: Checkpoint) -> bool:
+    from dayzero.frontend.v4_cache import is_compressed_cache_config
+
+    module, _ = hf.meta_model(ckpt)
+    return is_compressed_cache_config(module.config.get_text_config(decoder=True))
+
+
+def _trace_rows(ckpt: Checkpoint, max_seq: int, max_batch: int) -> Traced:
+    """DeepSeek-V4's batched decode step (``decode_export.RowDecodeStep``) for ``batch`` in [1, max_batch]
+    requests: ``(input_ids [batch, 1], positions [batch], <state> [batch, ...]...) -> (logits, <state>...)``,
+    the inputs after the first two and the outputs after the logits named after the states
+    (``cache_{layer}_{attribute}``, the prefill's and decode's state names)."""
+    from dayzero.frontend.decode_export import CacheStep, RowDecodeStep
+
+    model, _ = hf.meta_model(ckpt)
+    step = CacheStep(model, max_cache_len=max_seq)
+    rows = RowDecodeStep(step)
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    with torch.device("meta"):
+        states = tuple(torch.zeros((2, *getattr(step, n).shape[1:]), dtype=getattr(step, n).dtype)
+                       for _, _, n in step.names)
+        ep = export_module(rows, (torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), *states),
+                           ({0: batch}, {0: batch}, tuple({0: batch} for _ in states)))
+    names = {f"states_{k}": n for k, (_, _, n) in enumerate(step.names)}
+    t = to_graph(ep, symbol_names_from(ep, {"input_ids": {0: "batch"}}), strip_prefix="model.")
+    t.graph = rewrite(t.graph, lambda n: n.replace(attrs=dict(n.attr, name=names[n.attr["name"]]))
+                      if n.op == "input" and n.attr.get("name") in names else None)
+    return t
 
 
 def _rename_states(g: Graph) -> Graph:

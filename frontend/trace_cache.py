@@ -131,6 +131,11 @@ def _write(path: Path, key: str, prefill: Traced, decode: Traced, layout: list[d
             warnings.warn(f"the {name} trace does not read back from its text form; not cached", TraceCacheWarning,
                           stacklevel=3)
             return
+    _write_doc(path, doc)
+
+
+def _write_doc(path: Path, doc: dict) -> None:
+    """``doc`` as JSON at ``path``, atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
@@ -161,3 +166,40 @@ def cached(root: Path | None, config: dict, trace: Callable[[], tuple], **option
         except OSError as e:  # a read-only or full cache directory costs the next compile time, nothing else
             warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
     return prefill, decode, layout
+
+
+def cached_graph(root: Path | None, config: dict, name: str, trace: Callable[[], Traced], **options) -> Traced:
+    """One more trace of a checkpoint (``name``: the batched decode step's ``decode_rows``) through the cache at
+    ``root`` (None: straight through), in its own entry (key: ``name`` + the options); the same checks as
+    ``cached``: an unreadable entry is traced again, a graph that does not read back is not kept."""
+    if root is None:
+        return trace()
+    key = trace_key(config, graph=name, **options)
+    path = root / f"{key}.json"
+    try:
+        if path.stat().st_size <= MAX_ENTRY_BYTES:
+            doc = json.loads(path.read_text())
+            if isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("key") == key and \
+                    isinstance(doc.get(name), str):
+                return Traced(parse_graph(doc[name]))
+            raise ValueError("not an entry for this key")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, UserError) as e:
+        warnings.warn(f"trace cache entry {path} ignored ({str(e)[:200]}); tracing again", TraceCacheWarning,
+                      stacklevel=2)
+    t = trace()
+    try:
+        text = print_graph(t.graph)
+        same = structurally_equal(parse_graph(text), t.graph)
+    except (UserError, TypeError, ValueError):
+        same = False
+    if not same:
+        warnings.warn(f"the {name} trace does not read back from its text form; not cached", TraceCacheWarning,
+                      stacklevel=2)
+        return t
+    try:
+        _write_doc(path, {"format": FORMAT, "key": key, name: text})
+    except OSError as e:
+        warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
+    return t

@@ -40,6 +40,12 @@ Prefill of any length ``n`` at any start ``s`` works (no padding to the compress
 exports with ``seq`` in [1, max]): a second turn starts mid-window and continues from the pending ring. Right
 padding would *not* be harmless here (a padded tail would be taken for the open window's tokens and its overlap), so
 it must stay that way: tests/test_generate.py checks the compiled prefill's range.
+
+The batched decode step (``decode_export.RowDecodeStep``, the ``decode_batch`` program) batches requests along B:
+``RowCompressedAttentionCache``'s layers apply the same rules to one token per batch row, each row at its own
+position (a per-row scatter of the K=V row and the entry, per-row pending / overlap selects), and a pre-hook on
+the compressors' rotary embeddings gives each row's pooled entry its own window position (upstream passes one
+``first_window_position`` for the whole batch).
 """
 
 from __future__ import annotations
@@ -211,21 +217,129 @@ class CompressorCacheLayer(SharedKVSlidingLayer):
 class CompressedAttentionCache(Cache):
     """dayzero's static counterpart of the dynamic cache transformers builds for DeepSeek-V4's layer types."""
 
+    sliding_layer = SharedKVSlidingLayer
+    compressor_layer = CompressorCacheLayer
+
     def __init__(self, config, max_cache_len: int):
         layers = []
         window = config.sliding_window
         for lt in config.layer_types:
             if lt == SLIDING:
-                layers.append(SharedKVSlidingLayer(max_cache_len, window))
+                layers.append(self.sliding_layer(max_cache_len, window))
             elif lt == HCA:
-                layers.append(CompressorCacheLayer(max_cache_len, window, config.compress_rates[HCA],
-                                                   ("compressor",), overlap=False, layer_type=lt))
+                layers.append(self.compressor_layer(max_cache_len, window, config.compress_rates[HCA],
+                                                    ("compressor",), overlap=False, layer_type=lt))
             elif lt == CSA:
-                layers.append(CompressorCacheLayer(max_cache_len, window, config.compress_rates[CSA],
-                                                   ("compressor", "indexer"), overlap=True, layer_type=lt))
+                layers.append(self.compressor_layer(max_cache_len, window, config.compress_rates[CSA],
+                                                    ("compressor", "indexer"), overlap=True, layer_type=lt))
             else:
                 raise InternalError(f"no static compressed-cache layer for layer type {lt!r}")
         super().__init__(layers=layers)
+
+
+# ---- the batched decode step: B requests, one token each, each at its own position -----------------------------
+
+def _write_rows(keys: torch.Tensor, positions: torch.Tensor, key_states: torch.Tensor) -> None:
+    """keys [B, H, L, D]: row b's token (key_states [B, H, 1, D]) at its position ``positions[b]``."""
+    b, h, n, d = key_states.shape
+    if n != 1:
+        raise InternalError(f"the batched decode step takes one token per request, got {n}")
+    keys.scatter_(2, positions.view(b, 1, 1, 1).expand(b, h, 1, d), key_states)
+
+
+class RowSlidingLayer(SharedKVSlidingLayer):
+    """:class:`SharedKVSlidingLayer` whose batch rows are different requests, row b's token at ``positions[b]``
+    (bound every call by ``bind_positions``)."""
+
+    def bind_positions(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if value_states is not key_states:
+            raise InternalError("SharedKVSlidingLayer holds K = V: the model passed different keys and values")
+        _write_rows(self.keys, self.positions, key_states)
+        return self.keys, self.keys
+
+
+class RowCompressorLayer(CompressorCacheLayer):
+    """:class:`CompressorCacheLayer` for one decode token per batch row, row b at its own position
+    ``s_b = positions[b]`` (window ``a_b = s_b // R``, slot ``s_b - a_b * R``): the single-request step's rules
+    row by row. The chunk is the open window (pending slots before s_b, the new token from s_b on); the pending
+    ring becomes that chunk; the CSA overlap takes the chunk's ``Ca`` half in rows whose window the token closes;
+    entry ``a_b`` is written at its row. Upstream rotates the pooled entry at ``first_window_position``, one value
+    for the whole batch: it gets 0 here and the rope pre-hook of :class:`RowCompressedAttentionCache` adds each
+    row's ``a_b * R`` to the positions of that one rotary call."""
+
+    def bind_positions(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self.end_position = positions + 1
+
+    update = RowSlidingLayer.update
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        r = self.compress_rate
+        b, n, w = kv.shape
+        if n != 1:
+            raise InternalError(f"the batched decode step takes one token per request, got {n}")
+        a = torch.div(self.positions, r, rounding_mode="floor")
+        before = torch.arange(r, device=kv.device).view(1, r, 1) < (self.positions - a * r).view(b, 1, 1)
+        pend_kv, pend_gate = self._state(name, "pending_kv"), self._state(name, "pending_gate")
+        chunk_kv = torch.where(before, pend_kv, kv.expand(b, r, w))
+        chunk_gate = torch.where(before, pend_gate, gate.expand(b, r, w))
+        pend_kv.copy_(chunk_kv)
+        pend_gate.copy_(chunk_gate)
+        self._call[name] = (a, 1, n)
+        self.rope_offset = a * r  # taken by the next rotary call (the pooled entry's), see the class docstring
+        return chunk_kv, chunk_gate, 0
+
+    def take_rope_offset(self) -> torch.Tensor | None:
+        off, self.rope_offset = getattr(self, "rope_offset", None), None
+        return off
+
+    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
+        a = self._call[name][0]
+        r = self.compress_rate
+        ov_kv, ov_gate = self._state(name, "overlap_kv"), self._state(name, "overlap_gate")
+        first = (a == 0).view(-1, 1, 1)
+        prior_kv = torch.where(first, torch.zeros_like(ov_kv), ov_kv)
+        prior_gate = torch.where(first, torch.full_like(ov_gate, float("-inf")), ov_gate)
+        closed = (torch.div(self.end_position, r, rounding_mode="floor") > a).view(-1, 1, 1)
+        ov_kv.copy_(torch.where(closed, chunk_kv[:, 0, :, :head_dim], prior_kv))
+        ov_gate.copy_(torch.where(closed, chunk_gate[:, 0, :, :head_dim], ov_gate))
+        return prior_kv, prior_gate
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        a = self._call[name][0]
+        entries = self._state(name, "entries")
+        b, _, d = compressed.shape
+        rows = a.clamp(max=self.n_entries).view(b, 1, 1).expand(b, 1, d)
+        entries.scatter_(1, rows, compressed)
+        return entries
+
+
+class RowCompressedAttentionCache(CompressedAttentionCache):
+    """The cache of the batched decode step: batch row b is request b, one token at its own position (bound by
+    ``bind_positions``); its tensors are the requests' states stacked along the batch dim."""
+
+    sliding_layer = RowSlidingLayer
+    compressor_layer = RowCompressorLayer
+
+    def bind_positions(self, positions: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.bind_positions(positions)
+
+    def install_rope_offsets(self, model: torch.nn.Module) -> list:
+        """Forward pre-hooks on the compressors' and indexers' rotary embeddings: the call right after a
+        ``store_compression_weights`` (the pooled entry's) gets each row's window start added to its positions.
+        Returns the hook handles."""
+        def hook(module, args, kwargs):
+            for layer in self.layers:
+                off = layer.take_rope_offset() if isinstance(layer, RowCompressorLayer) else None
+                if off is not None:
+                    return args, dict(kwargs, position_ids=kwargs["position_ids"] + off.view(-1, 1))
+            return None
+        return [mod.rotary_emb.register_forward_pre_hook(hook, with_kwargs=True) for mod in model.modules()
+                if hasattr(mod, "compress_rate") and isinstance(getattr(mod, "rotary_emb", None), torch.nn.Module)]
 
 
 def install_decode_validity_bias(model: torch.nn.Module) -> list:

@@ -11,7 +11,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -537,8 +537,8 @@ class Runtime:
     def has_batched_decode(self) -> bool:
         """True when the artifact has a batched decode program (``decode_batch``): every architecture whose KV
         caches are fully paged, multimodal ones included (their text decode; runtime/multimodal.py gives the
-        M-RoPE positions). Not DeepSeek-V4 (its compressed caches are per-request states): it steps each request
-        with ``decode``."""
+        M-RoPE positions), and DeepSeek-V4, whose compressed caches are per-request states: its ``decode_batch``
+        takes them as inputs, one row per request (``_decode_rows``)."""
         return "decode_batch" in self.programs and self.kv is not None
 
     def decode_batch(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
@@ -580,14 +580,90 @@ class Runtime:
                 self.kv.ensure(s, n + 1)
             except UserError as e:  # a full pool: no step runs; blocks taken for the slots before stay theirs
                 raise UserError(f"slot {s}: {e}") from None
-        tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
         pos = torch.tensor(positions, dtype=torch.int64)
+        if self._row_batched:
+            out = self._decode_rows(prog, ids.view(-1, 1), pos, slots)
+            for s, n in zip(slots, positions):
+                self.lengths[s] = n + 1
+                self.kv.trim(s, n + 1)
+            return out.reshape(len(slots), -1)
+        tables = [self.kv.batch_table(t, slots) for t in prog.table_inputs]
         inputs = [ids, pos] if self.multimodal is None else self.multimodal.decode_inputs(ids, pos, slots)
         out = prog.run(inputs + tables)[0]
         for s, n in zip(slots, positions):
             self.lengths[s] = n + 1
             self.kv.trim(s, n + 1)
         return out.reshape(len(slots), -1)
+
+    @property
+    def _row_batched(self) -> bool:
+        """True when ``decode_batch`` is DeepSeek-V4's row program (frontend/decode_export.py ``RowDecodeStep``):
+        row b is request b, and its states are inputs and outputs rather than states of the program."""
+        prog = self.programs["decode_batch"]
+        return len(prog.inputs) > 2 and prog.buffers[prog.inputs[1]]["name"] == "positions"
+
+    @cached_property
+    def _row_plan(self) -> list[tuple[str, str | None, int]]:
+        """Per state input of the row program: (state, its block-table class or None for a per-request state,
+        positions L of a paged one); checked against the decode program's states (program.json is untrusted)."""
+        prog, dec = self.programs["decode_batch"], self.programs["decode"]
+        table_of = {s: c["name"] for c in self.program_json["kv_pages"]["tables"] for s in c["states"]}
+        plan = []
+        for bid in prog.inputs[2:]:
+            b = prog.buffers[bid]
+            name, shape = b["name"], list(b["shape"])
+            own = dec.states.get(name, dec.shared_states.get(name))
+            want = None if own is None else list(dec.buffers[own]["shape"])
+            if want is not None and name in table_of:  # [1, H, blocks * bs, D] -> [B, H, L, D]
+                want[2] = self.program_json["kv_pages"]["length"]
+            if want is None or shape[1:] != want[1:] or b["dtype"] != dec.buffers[own]["dtype"] or \
+                    (name not in dec.states and name not in table_of):
+                raise UserError(f"program.json: decode_batch input {name!r} is no state of the decode program")
+            plan.append((name, table_of.get(name), int(shape[2]) if name in table_of else 0))
+        return plan
+
+    @cached_property
+    def _row_views(self) -> dict:
+        """(state, slot) -> its view in the decode program (slot None: a paged pool): the arena stays put."""
+        return {}
+
+    def _decode_rows(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """One run of the row program: each input state is the requests' states stacked (a per-request state: the
+        slots' copies; a paged K=V cache: the rows of positions [0, L) read through each request's block table,
+        blocks handed back read the scratch block, behind the window the mask hides), and each output's new
+        contents go back (a per-request state: whole; a paged cache: the one row each request wrote)."""
+        dec = self.programs["decode"]
+        views = self._row_views
+        bs = self.kv.block_size
+        rows = torch.arange(len(slots))
+        inputs, back = [ids, pos], []
+        for name, table_name, length in self._row_plan:
+            if table_name is None:
+                for k in slots:
+                    if (name, k) not in views:
+                        views[name, k] = dec.view(dec.states[name], (), k)
+                own = [views[name, k] for k in slots]
+                inputs.append(torch.cat(own))
+                back.append(own)
+                continue
+            if (name, None) not in views:
+                views[name, None] = dec.view(dec.shared_states[name], ())[0]  # [H, blocks * bs, D]
+            pool = views[name, None]
+            table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
+            p = torch.arange(length)
+            where = table[:, p // bs] * bs + p % bs  # [B, L]: pool row of each position
+            inputs.append(pool.index_select(1, where.flatten()).view(pool.shape[0], len(slots), -1, pool.shape[2])
+                          .transpose(0, 1))
+            back.append((pool, table[rows, pos // bs] * bs + pos % bs))
+        out = prog.run(inputs)
+        for dest, new in zip(back, out[1:]):
+            if isinstance(dest, list):
+                for b, v in enumerate(dest):
+                    v.copy_(new[b:b + 1])
+            else:
+                pool, at = dest
+                pool[:, at] = new[rows, :, pos].transpose(0, 1)
+        return out[0]
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:

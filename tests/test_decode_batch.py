@@ -16,7 +16,7 @@ from dayzero.passes.ir import ops, reference_attention as ra
 from dayzero.runtime import load
 from conftest import SHARED_MAX_SEQ
 
-BATCHED = ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32"]
+BATCHED = ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "deepseek_v4"]
 STEPS = 12
 
 
@@ -96,16 +96,18 @@ def test_bad_steps_raise_and_change_nothing(served):
 
 
 @pytest.mark.slow
-def test_deepseek_v4_has_no_batched_step(tiny_compiled):
-    """Its compressed entries, pending rings and overlaps are per-request states (not paged): it steps each
-    request with decode()."""
+def test_deepseek_v4_steps_rows_of_requests(tiny_compiled):
+    """Its compressed entries, pending rings and overlaps are per-request states: its decode_batch is the row
+    program (frontend/decode_export.RowDecodeStep), which takes every state of the decode program as an input,
+    one row per request, and returns each new one; it keeps no state of its own."""
     _, art, report = tiny_compiled("deepseek_v4")
     rt = load(art)
-    assert not rt.has_batched_decode and "decode_batch" not in rt.programs
-    assert report["decode_batch"]["built"] is False and "per request slot" in report["decode_batch"]["reason"]
-    rt.prefill([1, 2, 3], slot=0)
-    with pytest.raises(UserError, match="no batched decode program"):
-        rt.decode_batch([4], [0])
+    assert rt.has_batched_decode and rt._row_batched
+    prog, dec = rt.programs["decode_batch"], rt.programs["decode"]
+    names = [prog.buffers[b]["name"] for b in prog.inputs]
+    assert names[:2] == ["input_ids", "positions"] and not prog.states and not prog.table_inputs
+    assert set(names[2:]) == set(dec.states) | {n for n in dec.shared_states if n.endswith("_keys")}
+    assert len(prog.user_outputs) == len(names) - 1
 
 
 @pytest.mark.slow

@@ -189,3 +189,42 @@ def test_deepseek_v4_single_query_needs_the_hca_validity_bias(tiny):
     for h in step._hooks:
         h.remove()
     assert float((_v4_logits(step, ids, (13,)) - ref).abs().max()) > 1e-2
+
+
+@pytest.mark.slow
+def test_deepseek_v4_row_step_is_each_request_alone(tiny):
+    """The batched decode step (``RowDecodeStep``, run eagerly): three requests whose states were filled alone
+    (prompts of 13, 21 and 7 tokens), stacked as batch rows, then stepped together 12 times at their own positions
+    (across CSA / HCA window boundaries at different steps): every row's logits equal upstream's cache-less forward
+    of that request alone. Upstream rotates a pooled entry at one position for the whole batch: without the
+    per-row rope offset the rows whose windows start elsewhere move."""
+    from dayzero.frontend.decode_export import RowDecodeStep
+
+    model, step = _v4_step(tiny)
+    rows = RowDecodeStep(step)
+    gen = torch.Generator().manual_seed(3)
+    lens = [13, 21, 7]
+    seqs = [torch.randint(0, model.config.vocab_size, (1, 40), generator=gen) for _ in lens]
+    states = []
+    with torch.no_grad():
+        for s, n in zip(seqs, lens):
+            _zero(step)
+            step(s[:, :n], torch.arange(n))
+            states.append([getattr(step, name).clone() for _, _, name in step.names])
+        stacked = [torch.cat(ts) for ts in zip(*states)]
+
+        def run(steps, hooks=True):
+            batch, pos, worst = list(stacked), list(lens), 0.0
+            for _ in range(steps):
+                ids = torch.stack([s[0, p] for s, p in zip(seqs, pos)]).view(-1, 1)
+                out, *batch = rows(ids, torch.tensor(pos), *batch)
+                for b, (s, p) in enumerate(zip(seqs, pos)):
+                    ref = model(input_ids=s[:, :p + 1], attention_mask=torch.ones(1, p + 1, dtype=torch.long),
+                                use_cache=False).logits[0, -1]
+                    worst = max(worst, float((out[b, 0] - ref).abs().max()))
+                pos = [p + 1 for p in pos]
+            return worst
+        assert run(12) < 1e-4
+        for h in rows._hooks:
+            h.remove()
+        assert run(4) > 1e-2

@@ -325,9 +325,11 @@ def test_chunked_prefill_equals_one_prefill(tiny_compiled, arch):
 
 
 @pytest.mark.slow
-def test_running_requests_step_in_one_batched_decode(tiny_compiled):
-    """With a batched decode program, one engine iteration is one ``decode_batch`` call over every running request."""
-    _, art, _ = tiny_compiled("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_running_requests_step_in_one_batched_decode(tiny_compiled, arch):
+    """With a batched decode program, one engine iteration is one ``decode_batch`` call over every running request
+    (DeepSeek-V4: its row program, the requests' states gathered in and scattered back)."""
+    _, art, _ = tiny_compiled(arch)
     rt, ref = load(art), load(art)
     if batched_decode(rt) is None:
         pytest.skip("this artifact has no batched decode program")

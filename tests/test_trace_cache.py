@@ -152,3 +152,25 @@ def test_a_cached_trace_compiles_the_same_artifact(tiny_compiled, tmp_path, monk
     compile_model(str(ckpt), again, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
     for name in ("program.json", "weights.json", "kernels.so", "final.ir"):
         assert (again / name).read_bytes() == (art / name).read_bytes(), name
+
+
+def test_one_more_graph_has_its_own_entry(tmp_path):
+    """``cached_graph`` (DeepSeek-V4's batched decode step): its own key beside the prefill/decode entry, a hit
+    skips the trace, a damaged entry is traced again with a warning and rewritten."""
+    calls = []
+
+    def rows():
+        calls.append(1)
+        return Traced(_graph(FLOOR))
+
+    def get():
+        return trace_cache.cached_graph(tmp_path, {"model_type": "t"}, "decode_rows", rows, max_seq=64, max_batch=4)
+    _cached(tmp_path, _Tracer())
+    first, again = get(), get()
+    assert len(calls) == 1 and structurally_equal(first.graph, again.graph)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    path = next(p for p in tmp_path.glob("*.json") if "decode_rows" in json.loads(p.read_text()))
+    path.write_text(path.read_text()[:50])
+    with pytest.warns(trace_cache.TraceCacheWarning, match="ignored"):
+        get()
+    assert len(calls) == 2 and structurally_equal(get().graph, first.graph) and len(calls) == 2

@@ -3,7 +3,8 @@
     trace            frontend/trace.py: MODEL -> Frontend (the traced prefill, decode and vision_* graphs, the
                      checkpoint and its recipes); a checkpoint's non-finite weights are refused here
     programs         prefill, decode (a model whose KV cache dayzero owns), decode_batch (the prefill graph with
-                     one token per request), vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
+                     one token per request; DeepSeek-V4: the traced row step, its states as inputs and outputs),
+                     vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
                      canonicalize -> identify patterns (cache writes made in place first: the attention
                      patterns read them) -> specialise -> lay out state (``dayzero dump-ir`` writes the graph
                      after every step as <program>/NNN_<step>.ir)
@@ -47,7 +48,7 @@ from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
 from dayzero.passes.memory_plan import PER_REQUEST_ZONES
 from dayzero.passes.moe import moe
-from dayzero.passes.paged_kv import paged_kv
+from dayzero.passes.paged_kv import ZONE as PAGED_ZONE, paged_kv
 from dayzero.passes.pipeline import Found
 from dayzero.passes.sparse_attention import sparse_attention
 from dayzero.passes.token_positions import first_position_reads, token_positions
@@ -253,6 +254,20 @@ def batched_refusal(g: Graph) -> str:
     return ""
 
 
+def rows_refusal(g: Graph, decode: Graph) -> str:
+    """Why ``g`` (after its steps) cannot be the row-batched ``decode_batch`` program of the decode program
+    ``decode`` ("" if it can): it must keep no state, take ``input_ids``, ``positions`` and then exactly the
+    decode program's states (the runtime gathers each request's into its row) and return one new value each."""
+    if any(n.op == "state" for n in g.nodes()):
+        return "the batched step keeps states of its own"
+    names = [n.attr.get("name") for n in g.inputs]
+    states = sorted(n.attr["name"] for n in decode.nodes()
+                    if n.op == "state" and n.attr.get("zone", "kv_cache") in (*PER_REQUEST_ZONES, PAGED_ZONE))
+    if names[:2] != ["input_ids", "positions"] or sorted(names[2:]) != states or len(g.outputs) != len(names) - 1:
+        return "the batched step's inputs are not the decode program's states"
+    return ""
+
+
 @dataclass
 class Programs:
     """The compiler's programs after their graph steps and lowering, in build order."""
@@ -293,7 +308,12 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
         build("decode", fe.decode.graph, cfg)
     if fe.decode is not None and cfg:
         why = per_request_states(res.graphs["decode"])  # the decode step's own states already tell (DeepSeek-V4)
-        if not why:
+        if why and fe.decode_rows is not None:  # DeepSeek-V4: its states pass through the batched step's rows
+            decode = res.graphs["decode"]
+            why = build("decode_batch", fe.decode_rows.graph, accept=lambda g: rows_refusal(g, decode))
+        elif why and fe.decode_rows_error:
+            why = f"{why}; the batched row step did not trace: {fe.decode_rows_error}"
+        elif not why:
             gb, why = batched_decode_input(fe.traced.graph, options.max_batch)
             if gb is not None:
                 why = build("decode_batch", gb, cfg, per_token=True, accept=batched_refusal)
@@ -308,7 +328,7 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
 def trace(model: Any, options: CompileOptions) -> Frontend:
     """MODEL -> Frontend; refuses a checkpoint whose float weights hold NaN/Inf unless ``allow_nonfinite``."""
     fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk,
-                     trace_cache=options.trace_cache)
+                     trace_cache=options.trace_cache, max_batch=options.max_batch)
     if fe.checkpoint is not None and not options.allow_nonfinite:
         bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
         if bad is not None:
