@@ -352,6 +352,15 @@ def test_running_requests_step_in_one_batched_decode(tiny_compiled, arch):
         toks, ev = _collect(q)
         assert ev.kind == "done" and toks == ref.generate(p, 10, stop_ids=ref.eos_ids)
     assert max(sizes) == len(prompts) and eng.decode_steps == len(sizes)
+    batched_steps = len(sizes)
+    q = queue.Queue()  # a lone request takes the decode program
+    eng.submit(Request(prompts[1], q.put, max_tokens=4))
+    eng._drain(block=False)
+    while eng.active or eng.waiting:
+        eng.step()
+    toks, ev = _collect(q)
+    assert ev.kind == "done" and toks == ref.generate(prompts[1], 4, stop_ids=ref.eos_ids)
+    assert len(sizes) == batched_steps and eng.decode_steps > batched_steps
 
 
 def test_engine_queue_bound_timeout_and_budget(tiny_compiled):
