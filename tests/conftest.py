@@ -1,22 +1,38 @@
-"""Shared fixtures: models compiled once per session (compiling is the slow part), GPU marker handling."""
+"""Shared fixtures: models compiled once per run (compiling is the slow part), GPU marker handling.
+
+The suite runs on pytest-xdist workers (``-n auto``, files kept whole per worker: module fixtures are built once).
+What every worker shares is built once per *run*, not per worker: the tiny checkpoints and their compiled artifacts
+(``tiny_compiled``, ``lowprec_tiny``, ``lowprec_compiled``) live in the run's shared folder, each built under a file
+lock by the first worker that needs it and read back by the others, and the trace cache is one folder for all."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from filelock import FileLock
+
+
+def _run_root(tmp_path_factory) -> Path:
+    """The folder every worker of this run shares (the workers' base temp's parent under xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_caches(tmp_path_factory):
-    """Tests never read or write the user's tuning database or trace cache (~/.cache/dayzero/...): each session
-    has its own, shared by its tests and the CLI processes they start (the trace cache is what lets two tests
-    that compile the same config skip the second torch.export)."""
-    import os
-
-    env = {"DAYZERO_TUNING_DIR": "tuning", "DAYZERO_TRACE_CACHE": "traces"}
+    """Tests never read or write the user's tuning database or trace cache (~/.cache/dayzero/...): each run has its
+    own trace cache, shared by its workers and the CLI processes they start (the trace cache is what lets two tests
+    that compile the same config skip the second torch.export), and each worker its own tuning database."""
+    traces = _run_root(tmp_path_factory) / "traces"
+    traces.mkdir(exist_ok=True)
+    env = {"DAYZERO_TUNING_DIR": str(tmp_path_factory.mktemp("tuning")), "DAYZERO_TRACE_CACHE": str(traces)}
     old = {k: os.environ.get(k) for k in env}
-    for k, sub in env.items():
-        os.environ[k] = str(tmp_path_factory.mktemp(sub))
+    os.environ.update(env)
     yield
     for k, v in old.items():
         if v is None:
@@ -43,6 +59,36 @@ class _Once:
                 self.failed[key] = err
                 raise
         return self.done[key]
+
+
+class _OncePerRun:
+    """``get(name, build)``: ``build(folder)`` fills ``<run root>/<name>`` once per run, whichever worker comes first
+    (under a file lock; the others wait, then read the folder), and returns what it made; ``read(folder)`` gives the
+    same from the folder for a worker that did not build it. A failed build leaves its error for the others."""
+
+    def __init__(self, tmp_path_factory, read):
+        self.root, self.read, self.once = _run_root(tmp_path_factory), read, _Once()
+
+    def get(self, name: str, build):
+        return self.once.get(name, lambda: self._get(name, build))
+
+    def _get(self, name: str, build):
+        folder = self.root / name
+        with FileLock(str(folder) + ".lock"):
+            failed = folder / ".failed"
+            if failed.exists():
+                raise RuntimeError(f"{name} failed to build on another worker: {failed.read_text()}")
+            if (folder / ".done").exists():
+                return self.read(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            try:
+                made = build(folder)
+            except Exception as err:
+                failed.write_text(f"{type(err).__name__}: {err}"[:2000])
+                raise
+            (folder / ".done").touch()
+            return made
 
 
 # the session fixtures below that compile (or write) tiny checkpoints: a test using one is end-to-end
@@ -87,21 +133,20 @@ SHARED_MAX_BATCH = 3
 @pytest.fixture(scope="session")
 def tiny_compiled(tmp_path_factory):
     """tiny_compiled("gpt_oss") -> (checkpoint dir, artifact dir, report): every make-tiny architecture is written
-    (seed 0) and compiled (max_seq 128, max_batch 3) once per session, shared by every test that needs it
-    (compiling is the slow part of the suite)."""
-    import json
-
+    (seed 0) and compiled (max_seq 128, max_batch 3) once per run, shared by every test that needs it (compiling
+    is the slow part of the suite)."""
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
-    cache = _Once()
-
-    def build(model_type: str):
-        d = tmp_path_factory.mktemp(f"shared_{model_type}")
-        ckpt = make_tiny(model_type, d / "ckpt", seed=0)
+    def build(d: Path):
+        ckpt = make_tiny(d.name.removeprefix("shared_"), d / "ckpt", seed=0)
         compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
-        return ckpt, d / "art", json.loads((d / "art" / "report.json").read_text())
-    return lambda model_type: cache.get(model_type, lambda: build(model_type))
+        return read(d)
+
+    def read(d: Path):
+        return d / "ckpt", d / "art", json.loads((d / "art" / "report.json").read_text())
+    cache = _OncePerRun(tmp_path_factory, read)
+    return lambda model_type: cache.get(f"shared_{model_type}", build)
 
 
 LOWPREC_MAX_SEQ = 64
@@ -110,27 +155,31 @@ LOWPREC_MAX_SEQ = 64
 @pytest.fixture(scope="session")
 def lowprec_tiny(tmp_path_factory):
     """lowprec_tiny("qwen3_moe", "fp8") -> checkpoint dir: make-tiny (seed 0) with the routed experts stored in that
-    format (mxfp4 | fp8 | bf16), written once per session. Tests that damage it work on a copy."""
+    format (mxfp4 | fp8 | bf16), written once per run. Tests that damage it work on a copy."""
     from dayzero.tools.make_tiny import make_tiny
 
-    cache = _Once()
+    cache = _OncePerRun(tmp_path_factory, lambda d: d / "ckpt")
 
-    def build(model_type: str, experts: str):
-        d = tmp_path_factory.mktemp(f"lowprec_{model_type}_{experts}")
-        return make_tiny(model_type, d / "ckpt", experts=experts, seed=0)
-    return lambda model_type, experts: cache.get((model_type, experts), lambda: build(model_type, experts))
+    def get(model_type: str, experts: str):
+        return cache.get(f"lowprec_{model_type}_{experts}",
+                         lambda d: make_tiny(model_type, d / "ckpt", experts=experts, seed=0))
+    return get
 
 
 @pytest.fixture(scope="session")
 def lowprec_compiled(lowprec_tiny, tmp_path_factory):
     """lowprec_compiled("qwen3_moe", "fp8") -> (checkpoint dir, artifact dir, report): lowprec_tiny's checkpoint
-    compiled (max_seq 64, default max_batch) once per session, shared by every test of that model and format."""
+    compiled (max_seq 64, default max_batch) once per run, shared by every test of that model and format."""
     from dayzero.tools.driver import compile_model
 
-    cache = _Once()
-
-    def build(model_type: str, experts: str):
+    def get(model_type: str, experts: str):
         ckpt = lowprec_tiny(model_type, experts)
-        art = tmp_path_factory.mktemp(f"lowprec_art_{model_type}_{experts}") / "a.dz"
-        return ckpt, art, compile_model(str(ckpt), art, max_seq=LOWPREC_MAX_SEQ)
-    return lambda model_type, experts: cache.get((model_type, experts), lambda: build(model_type, experts))
+
+        def build(d: Path):
+            compile_model(str(ckpt), d / "a.dz", max_seq=LOWPREC_MAX_SEQ)
+            return read(d)
+
+        def read(d: Path):
+            return ckpt, d / "a.dz", json.loads((d / "a.dz" / "report.json").read_text())
+        return _OncePerRun(tmp_path_factory, read).get(f"lowprec_art_{model_type}_{experts}", build)
+    return get
