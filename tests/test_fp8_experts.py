@@ -12,12 +12,12 @@ Spec:
 - moe_experts_fp8's kernel (E4M3 x block scale decoded in registers) matches its reference (dequantise, then the
   moe reference) on random bytes covering every finite E4M3 code, layouts nk and kn, row blocks below 128, for a
   decode-sized (1 token) and a prefill-sized call; it compiles for CUDA sm_90.
-- slow: tiny DeepSeek-V3.2 written by ``make-tiny --experts fp8`` (DeepSeek's published FP8 layout) compiles with
-  every MoE layer on the fused moe_experts_fp8 kernel (hand-scheduled, listed by ``dayzero report``), experts
-  resident at ~1 byte per weight (zone low_precision_weights), prefill logits match the upstream eager model on the
-  dequantised weights, and greedy decoding matches upstream ``generate``. (Per-expert low-precision keys on
-  Qwen3-MoE run end to end in test_dequant_pass.py, as MXFP4; the same checkpoint here as FP8 feeds the
-  bad-checkpoint cases.)
+- slow: tiny Qwen3-MoE written by ``make-tiny --experts fp8`` (DeepSeek's published FP8 layout, as Qwen3's own
+  FP8 releases use it) compiles with every MoE layer on the fused moe_experts_fp8 kernel (hand-scheduled, listed
+  by ``dayzero report``), experts resident at ~1 byte per weight (zone low_precision_weights), prefill logits
+  match the upstream eager model on the dequantised weights, and greedy decoding matches upstream ``generate``.
+  The same checkpoint feeds the bad-checkpoint cases below. DeepSeek with this layout runs end to end in the demo
+  (tests/test_cli.py: tiny DeepSeek-V4, FP8 experts, equal to transformers' own FP8 loader).
 """
 
 from __future__ import annotations
@@ -195,20 +195,20 @@ def test_moe_fp8_node_kernel_compiles_for_sm90():
 # ---- end to end (slow) -------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_tiny_deepseek_v32_with_fp8_experts_runs_on_the_fused_kernel(lowprec_compiled):
+def test_tiny_qwen3_moe_with_fp8_experts_runs_on_the_fused_kernel(lowprec_compiled):
     from dayzero.tools.cli import main
 
-    ckpt, art, report = lowprec_compiled("deepseek_v32", "fp8")  # compiled once per session (conftest)
+    ckpt, art, report = lowprec_compiled("qwen3_moe", "fp8")  # compiled once per session (conftest)
     check_fused_experts(report, ckpt, "moe_experts_fp8", (1.0, 1.03))  # fp8 bytes + block scales (+ alignment)
     shown = CliRunner().invoke(main, ["report", str(art)])
     assert shown.exit_code == 0 and "moe_experts_fp8" in shown.output and "hand-scheduled" in shown.output
 
 
 @pytest.mark.slow
-def test_tiny_deepseek_v32_with_fp8_experts_matches_eager(lowprec_compiled, tmp_path):
+def test_tiny_qwen3_moe_with_fp8_experts_matches_eager(lowprec_compiled, tmp_path):
     from dayzero.runtime.executor import load
 
-    ckpt, art, _ = lowprec_compiled("deepseek_v32", "fp8")
+    ckpt, art, _ = lowprec_compiled("qwen3_moe", "fp8")
     ref = dequantized_upstream(ckpt, tmp_path)
     rt = load(art)
     gen = assert_prefill_matches(rt, ref, (1, 16, 40))
