@@ -34,7 +34,10 @@ from tvm.ir.expr import Call, TensorLoad
 
 logger = logging.getLogger(__name__)
 
-NR_CHOICES = (8, 4, 2, 1)  # w rows per tile: NR accumulators of LANES floats (the widest dividing N)
+MR = 4  # x rows per register tile (GEMM)
+NR_GEMM = (4, 2, 1)  # w rows per register tile: MR x NR accumulators of LANES floats (the widest dividing N)
+NR_GEMV = (8, 4, 2, 1)  # w rows per tile of a one-row GEMV: NR accumulators, every x vector shared by NR FMAs
+NB_CHOICES = (16, 8, 4, 2, 1)  # w tiles per parallel task: the x tile stays in L1 across them
 LANE_CHOICES = (16, 8, 4)
 INPUT_DTYPES = ("float32", "bfloat16")
 
@@ -92,6 +95,15 @@ def _dense_block(sch, block_rv):
     return int(iters[-2].dom.extent), int(iters[-1].dom.extent)
 
 
+def _tile(m_extent, n_extent: int) -> tuple[int, int, int]:
+    """(MR x rows, NR w rows, NB w tiles per task) for a dense block of ``m_extent`` rows (an int, or a symbolic
+    expression) and ``n_extent`` output features."""
+    mr = 1 if isinstance(m_extent, int) and m_extent == 1 else MR
+    nr = next(v for v in (NR_GEMV if mr == 1 else NR_GEMM) if n_extent % v == 0)
+    nb = next(v for v in NB_CHOICES if (n_extent // nr) % v == 0)
+    return mr, nr, nb
+
+
 def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     """GEMM / GEMV of the ``linear`` form, register-tiled and vectorised along k (module docstring); None when
     the kernel is not one block of that form plus elementwise epilogues."""
@@ -108,20 +120,35 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     others = [b for b in blocks if not b.same_as(block)]
     if any(sch.get(b).init is not None for b in others):  # only elementwise epilogues
         return None
+    iters = sch.get(block).iter_vars
+    m_dom = iters[-3].dom.extent
+    m_extent = int(m_dom) if isinstance(m_dom, tvm.tirx.IntImm) else m_dom
+    mr, nr, nb = _tile(m_extent, n_extent)
+    padded = mr > 1 and not (isinstance(m_extent, int) and m_extent % mr == 0)
+    if padded:  # rows padded to a multiple of MR: X_pad (zero rows), C_pad (tail rows dropped), no predicate
+        sch.pad_einsum(block, [1] * (len(iters) - 3) + [mr, 1, 1])
     k = sch.get_loops(block)[-1]
     ko, ki = sch.split(k, [None, lanes])
-    rf = sch.rfactor(ki, factor_axis=0)
-    *_, m, n, ko, ki = sch.get_loops(rf)
-    nr = next(v for v in NR_CHOICES if n_extent % v == 0)
-    no, ni = sch.split(n, [None, nr])
-    sch.reorder(no, m, ko, ni, ki)
+    rf = sch.rfactor(ki, factor_axis=len(iters) - 1)  # the partial sums [.., m, n, lanes]: lanes contiguous
+    *outer, m, n, ko, ki = sch.get_loops(rf)
+    nbo, nbi, ni = sch.split(n, [None, nb, nr])
+    mo, mi = sch.split(m, [None, mr])
+    sch.reorder(nbo, *outer, mo, nbi, ko, mi, ni, ki)
     sch.vectorize(ki)
+    sch.unroll(mi)
     sch.unroll(ni)
-    sch.reverse_compute_at(block, m)
-    lanes_loop, *outputs = _below(sch, block, m)
+    sch.reverse_compute_at(block, nbi)
+    lanes_loop, *outputs = _below(sch, block, nbi)
     sch.reorder(*outputs, lanes_loop)  # each output sums its lanes at once
     sch.set_scope(rf, 0, "local")
-    sch.parallel(no)
+    if padded:
+        x_pad = sch.get_producers(rf)[0]
+        sch.compute_at(x_pad, mo)  # the tile's MR x rows, copied once and reused by the NB w tiles
+        copy_k = sch.get_loops(x_pad)[-1]
+        sch.vectorize(sch.split(copy_k, [None, lanes])[1])
+        c_pad = sch.get_consumers(block)[0]
+        sch.reverse_compute_at(c_pad, nbi)
+    sch.parallel(nbo)
     sch.decompose_reduction(rf, ko)  # the accumulators' zeroing, before the k loop
     for epi in others:
         ls = sch.get_loops(epi)
