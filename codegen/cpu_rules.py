@@ -32,12 +32,16 @@ import logging
 import tvm
 from tvm.ir.expr import Call, TensorLoad
 
+from .parallel import either
+
 logger = logging.getLogger(__name__)
 
 MR = 4  # x rows per register tile (GEMM)
 NR_GEMM = (4, 2, 1)  # w rows per register tile: MR x NR accumulators of LANES floats (the widest dividing N)
 NR_GEMV = (8, 4, 2, 1)  # w rows per tile of a one-row GEMV: NR accumulators, every x vector shared by NR FMAs
-NB_CHOICES = (16, 8, 4, 2, 1)  # w tiles per parallel task: the x tile stays in L1 across them
+NB_CHOICES = (16, 8, 4, 2, 1)
+PACK_MR, PACK_NW, PACK_KB = 12, 32, 256  # packed GEMM: x rows x w columns per register tile, k block
+PACK_MIN_ROWS = 64  # rows from which the packed GEMM pays for its packing
 LANE_CHOICES = (16, 8, 4)
 INPUT_DTYPES = ("float32", "bfloat16")
 
@@ -58,7 +62,7 @@ def _same(a, b) -> bool:
 
 
 def _dense_block(sch, block_rv):
-    """(N, K) when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16 inputs
+    """(N, K, W buffer) when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16 inputs
     and a fp32 accumulator and static N and K; else None."""
     block = sch.get(block_rv)
     iters = list(block.iter_vars)
@@ -92,7 +96,7 @@ def _dense_block(sch, block_rv):
         return None
     if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters[-2:]):
         return None
-    return int(iters[-2].dom.extent), int(iters[-1].dom.extent)
+    return int(iters[-2].dom.extent), int(iters[-1].dom.extent), w.source
 
 
 def _tile(m_extent, n_extent: int) -> tuple[int, int, int]:
@@ -104,32 +108,56 @@ def _tile(m_extent, n_extent: int) -> tuple[int, int, int]:
     return mr, nr, nb
 
 
-def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
-    """GEMM / GEMV of the ``linear`` form, register-tiled and vectorised along k (module docstring); None when
-    the kernel is not one block of that form plus elementwise epilogues."""
-    sch = tvm.s_tir.Schedule(mod)
+def _match(sch):
+    """(dense block, epilogue blocks, N, K, lanes, W buffer) when the kernel is one dense block of the ``linear``
+    form plus elementwise epilogues and K takes a lane width; else None."""
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
     dense = [(b, _dense_block(sch, b)) for b in blocks]
     dense = [(b, d) for b, d in dense if d is not None]
     if len(dense) != 1:
         return None
-    block, (n_extent, k_extent) = dense[0]
+    block, (n_extent, k_extent, w_buf) = dense[0]
     lanes = next((v for v in LANE_CHOICES if k_extent % v == 0), None)
     if lanes is None:
         return None
     others = [b for b in blocks if not b.same_as(block)]
     if any(sch.get(b).init is not None for b in others):  # only elementwise epilogues
         return None
-    iters = sch.get(block).iter_vars
-    m_dom = iters[-3].dom.extent
-    m_extent = int(m_dom) if isinstance(m_dom, tvm.tirx.IntImm) else m_dom
-    mr, nr, nb = _tile(m_extent, n_extent)
-    padded = mr > 1 and not (isinstance(m_extent, int) and m_extent % mr == 0)
-    if padded:  # rows padded to a multiple of MR: X_pad (zero rows), C_pad (tail rows dropped), no predicate
-        sch.pad_einsum(block, [1] * (len(iters) - 3) + [mr, 1, 1])
+    return block, others, n_extent, k_extent, lanes, w_buf
+
+
+def _rows(sch, block):
+    """The dense block's row count (its last leading iterator's extent): an int, or a symbolic expression."""
+    dom = sch.get(block).iter_vars[-3].dom.extent
+    return int(dom) if isinstance(dom, tvm.tirx.IntImm) else dom
+
+
+def _pad_rows(sch, block, mr: int) -> bool:
+    """Rows padded to a multiple of ``mr`` (X_pad with zero rows, C_pad whose tail rows are dropped), so no loop
+    of the tile has a predicate; False when they already are one."""
+    rows = _rows(sch, block)
+    if mr == 1 or (isinstance(rows, int) and rows % mr == 0):
+        return False
+    sch.pad_einsum(block, [1] * (len(sch.get(block).iter_vars) - 3) + [mr, 1, 1])
+    return True
+
+
+def _parallel_epilogues(sch, blocks) -> None:
+    for b in blocks:
+        ls = sch.get_loops(b)
+        sch.parallel(sch.fuse(*ls) if len(ls) > 1 else ls[0])
+
+
+def _dot_tiles(mod: tvm.IRModule) -> tvm.IRModule:
+    """The dot-product tiles (GEMV, small GEMM): k vectorised in LANES partial sums, an MR x NR register tile."""
+    sch = tvm.s_tir.Schedule(mod)
+    block, others, n_extent, _, lanes, _ = _match(sch)
+    mr, nr, nb = _tile(_rows(sch, block), n_extent)
+    padded = _pad_rows(sch, block, mr)
+    n_lead = len(sch.get(block).iter_vars) - 3
     k = sch.get_loops(block)[-1]
     ko, ki = sch.split(k, [None, lanes])
-    rf = sch.rfactor(ki, factor_axis=len(iters) - 1)  # the partial sums [.., m, n, lanes]: lanes contiguous
+    rf = sch.rfactor(ki, factor_axis=n_lead + 2)  # the partial sums [.., m, n, lanes]: lanes contiguous
     *outer, m, n, ko, ki = sch.get_loops(rf)
     nbo, nbi, ni = sch.split(n, [None, nb, nr])
     mo, mi = sch.split(m, [None, mr])
@@ -144,16 +172,58 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     if padded:
         x_pad = sch.get_producers(rf)[0]
         sch.compute_at(x_pad, mo)  # the tile's MR x rows, copied once and reused by the NB w tiles
-        copy_k = sch.get_loops(x_pad)[-1]
-        sch.vectorize(sch.split(copy_k, [None, lanes])[1])
-        c_pad = sch.get_consumers(block)[0]
-        sch.reverse_compute_at(c_pad, nbi)
+        sch.vectorize(sch.split(sch.get_loops(x_pad)[-1], [None, lanes])[1])
+        sch.reverse_compute_at(sch.get_consumers(block)[0], nbi)
     sch.parallel(nbo)
     sch.decompose_reduction(rf, ko)  # the accumulators' zeroing, before the k loop
-    for epi in others:
-        ls = sch.get_loops(epi)
-        sch.parallel(sch.fuse(*ls) if len(ls) > 1 else ls[0])
+    _parallel_epilogues(sch, others)
     return sch.mod
+
+
+def _packed_tiles(mod: tvm.IRModule) -> tvm.IRModule:
+    """The packed GEMM (many rows): per task and k block, w packed into ``Wp[KB, PACK_NW]`` (n contiguous); each
+    of PACK_MR x rows broadcast against the PACK_NW / LANES vectors of a Wp row; the PACK_MR x PACK_NW tile of
+    C stays in registers across the k block."""
+    sch = tvm.s_tir.Schedule(mod)
+    block, others, n_extent, k_extent, lanes, w_buf = _match(sch)
+    padded = _pad_rows(sch, block, PACK_MR)
+    kb = max(d for d in range(1, PACK_KB + 1) if k_extent % d == 0)
+    w_read = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(w_buf))
+    wp = sch.cache_read(block, w_read, "global")
+    sch.transform_layout(wp, ("write", 0), lambda n, k: (n // PACK_NW, k, n % PACK_NW))
+    *outer, m, n, k = sch.get_loops(block)
+    no, ni = sch.split(n, [None, PACK_NW])
+    mo, mi = sch.split(m, [None, PACK_MR])
+    ko, ki = sch.split(k, [None, kb])
+    sch.reorder(no, *outer, ko, mo, ki, mi, ni)
+    sch.vectorize(ni)
+    sch.unroll(mi)
+    sch.compute_at(wp, ko)
+    sch.parallel(no)
+    if padded:
+        x_pad, c_pad = sch.get_producers(block)[0], sch.get_consumers(block)[0]
+        _parallel_epilogues(sch, [x_pad])
+        sch.reverse_compute_at(c_pad, no)
+    sch.decompose_reduction(block, ko)
+    _parallel_epilogues(sch, others)
+    return sch.mod
+
+
+def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
+    """GEMM / GEMV of the ``linear`` form (module docstring): the dot-product tiles below PACK_MIN_ROWS rows, the
+    packed GEMM from there (a symbolic row count gets both, chosen at run time); None when the kernel is not one
+    block of that form plus elementwise epilogues."""
+    sch = tvm.s_tir.Schedule(mod)
+    found = _match(sch)
+    if found is None:
+        return None
+    block, _, n_extent, *_ = found
+    rows = _rows(sch, block)
+    if n_extent % PACK_NW or (isinstance(rows, int) and rows < PACK_MIN_ROWS):
+        return _dot_tiles(mod)
+    if isinstance(rows, int):
+        return _packed_tiles(mod)
+    return tvm.IRModule({"main": either(rows >= PACK_MIN_ROWS, _packed_tiles(mod)["main"], _dot_tiles(mod)["main"])})
 
 
 def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
