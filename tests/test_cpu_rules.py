@@ -63,6 +63,43 @@ def test_dense_linear_matches_the_reference(lead, n, k, seqs):
         check_linear(node, lib, seq)
 
 
+@pytest.mark.parametrize("lead,n,k,seqs", [
+    ((SEQ,), 96, 80, (1, 13, 63, 64, 67, 100)),  # both variants of one kernel (at 64 rows); pad tails of 4 and 12
+    ((2, SEQ), 64, 48, (5, 70)),                  # leading dims: rows are the last one; k takes the 16 lanes
+    ((67,), 32, 20, (67,)),                       # static rows >= 64: the packed GEMM alone; k = 20 (4 lanes)
+])
+def test_dense_linear_packed_gemm_matches_the_reference(lead, n, k, seqs):
+    node = linear_node(lead, n, k)
+    lib, mod = compile_linear(node)
+    assert "_global" in mod.script()  # the packed w (cache_read)
+    for seq in seqs:
+        check_linear(node, lib, seq)
+
+
+def test_dense_linear_picks_its_schedule_by_rows():
+    """GEMV / small GEMM: the dot-product tiles; many rows: the packed GEMM; a symbolic row count: both, behind
+    one run-time check on the rows."""
+    def scheduled(lead, n, k):
+        return cpu_rules.dense_linear(normalize(program.make_prim_func(linear_node(lead, n, k), "k")), TARGET).script()
+
+    few = scheduled((16,), 64, 64)
+    assert "matmul_rf" in few and "_global" not in few
+    many = scheduled((128,), 64, 64)
+    assert "_global" in many and "matmul_rf" not in many
+    both = scheduled((SEQ,), 64, 64)
+    assert "_global" in both and "matmul_rf" in both and f"if seq >= T.int64({cpu_rules.PACK_MIN_ROWS})" in both
+    # N not a multiple of the packed tile's width: the dot-product tiles at every row count
+    assert "_global" not in scheduled((SEQ,), 40, 64)
+
+
+def test_dense_linear_bf16_packed_gemm_with_bias():
+    node = linear_node((SEQ,), 64, 32, dtype="bfloat16", bias=True)
+    lib, mod = compile_linear(node)
+    assert "_global" in mod.script()
+    for seq in (3, 77):
+        check_linear(node, lib, seq, tol=2e-2)
+
+
 def test_dense_linear_bf16_with_bias_accumulates_in_fp32():
     node = linear_node((SEQ,), 19, 32, dtype="bfloat16", bias=True)
     lib, mod = compile_linear(node)
