@@ -274,9 +274,9 @@ def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 CPU_DEFAULT_RULES = (dense_linear, dlight_reduction, parallel_loops)
 
 
-def cpu_default(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """The first of ``CPU_DEFAULT_RULES`` that takes the (normalised) kernel; a rule that trips on an unusual
-    kernel counts as not applying."""
+def cpu_default_rule(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[str, tvm.IRModule]:
+    """(name, scheduled module) of the first of ``CPU_DEFAULT_RULES`` that takes the (normalised) kernel; a rule
+    that trips on an unusual kernel counts as not applying (("none", mod) when none does)."""
     for rule in CPU_DEFAULT_RULES:
         try:
             out = rule(mod, target)
@@ -284,8 +284,13 @@ def cpu_default(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
             logger.debug("cpu rule %s failed: %s", rule.__name__, err)
             continue
         if out is not None:
-            return out
-    return mod
+            return rule.__name__, out
+    return "none", mod
+
+
+def cpu_default(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The module of ``cpu_default_rule``."""
+    return cpu_default_rule(mod, target)[1]
 
 
 def _has_root(sch) -> bool:
