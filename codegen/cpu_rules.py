@@ -42,6 +42,7 @@ NR_GEMV = (8, 4, 2, 1)  # w rows per tile of a one-row GEMV: NR accumulators, ev
 NB_CHOICES = (16, 8, 4, 2, 1)
 PACK_MR, PACK_NW, PACK_KB = 12, 32, 256  # packed GEMM: x rows x w columns per register tile, k block
 PACK_MIN_ROWS = 64  # rows from which the packed GEMM pays for its packing
+KN_MR, KN_WIDTHS = 12, (32, 16)  # batched_matmul: rows x columns (the widest dividing N) per register tile
 LANE_CHOICES = (16, 8, 4)
 INPUT_DTYPES = ("float32", "bfloat16")
 
@@ -226,6 +227,84 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     return tvm.IRModule({"main": either(rows >= PACK_MIN_ROWS, _packed_tiles(mod)["main"], _dot_tiles(mod)["main"])})
 
 
+def _kn_block(sch, block_rv):
+    """N when the block is ``C[lead.., m, n] += cast(A[lead'.., m, k]) * cast(B[lead''.., k, n])`` (mm / bmm /
+    matmul: B's rows along k, n contiguous; A's and B's leading indices the block's or 0, broadcast) with fp32 /
+    bf16 inputs, a fp32 accumulator and a static N that a vector width divides; else None."""
+    block = sch.get(block_rv)
+    iters = list(block.iter_vars)
+    kinds = [iv.iter_type for iv in iters]
+    if len(iters) < 3 or kinds[-1] != tvm.tirx.IterVar.CommReduce or any(
+            k != tvm.tirx.IterVar.DataPar for k in kinds[:-1]):
+        return None
+    body = block.body
+    if not isinstance(body, tvm.tirx.BufferStore) or block.init is None or body.buffer.dtype != "float32":
+        return None
+    if not isinstance(body.value, tvm.tirx.Add) or not isinstance(body.value.b, tvm.tirx.Mul):
+        return None
+    acc, prod = body.value.a, body.value.b
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
+        return None
+    a, b = _strip_cast(prod.a), _strip_cast(prod.b)
+    if not (isinstance(a, TensorLoad) and isinstance(b, TensorLoad)):
+        return None
+    if a.source.dtype not in INPUT_DTYPES or b.source.dtype not in INPUT_DTYPES:
+        return None
+    lead, m, n, k = [iv.var for iv in iters[:-3]], iters[-3].var, iters[-2].var, iters[-1].var
+    if len(a.indices) < 2 or len(b.indices) < 2:
+        return None
+    if not (_same(_var_of(a.indices[-2]), m) and _same(_var_of(a.indices[-1]), k)
+            and _same(_var_of(b.indices[-2]), k) and _same(_var_of(b.indices[-1]), n)):
+        return None
+    for t in (a, b):
+        extra = list(t.indices[:-2])
+        if len(extra) > len(lead):
+            return None
+        for i, v in zip(extra, lead[len(lead) - len(extra):]):
+            if not (_same(_var_of(i), v) or (isinstance(i, tvm.tirx.IntImm) and i.value == 0)):
+                return None
+    if not isinstance(iters[-2].dom.extent, tvm.tirx.IntImm):
+        return None
+    n_extent = int(iters[-2].dom.extent)
+    return n_extent if n_extent % min(KN_WIDTHS) == 0 else None
+
+
+def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
+    """mm / bmm / matmul with B laid out [k, n] (attention's scores against a transposed K, its weighted sum of
+    V): B's rows are already n contiguous, so no packing: a KN_MR x KN_NW tile of C in registers across the whole
+    k loop, each A element broadcast against KN_NW / LANES vectors of a B row; rows padded to KN_MR (no
+    predicate); the batch and column tiles are the parallel loop. None for any other kernel."""
+    sch = tvm.s_tir.Schedule(mod)
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    found = [(blk, _kn_block(sch, blk)) for blk in blocks]
+    found = [(blk, n) for blk, n in found if n is not None]
+    if len(found) != 1:
+        return None
+    block, n_extent = found[0]
+    others = [blk for blk in blocks if not blk.same_as(block)]
+    if any(sch.get(blk).init is not None for blk in others):  # only elementwise epilogues
+        return None
+    nw = next(v for v in KN_WIDTHS if n_extent % v == 0)
+    padded = _pad_rows(sch, block, KN_MR)
+    *outer, m, n, k = sch.get_loops(block)
+    no, ni = sch.split(n, [None, nw])
+    mo, mi = sch.split(m, [None, KN_MR])
+    sch.reorder(*outer, no, mo, k, mi, ni)
+    sch.vectorize(ni)
+    sch.unroll(mi)
+    task = sch.fuse(*outer, no) if outer else no
+    sch.parallel(task)
+    if padded:
+        x_pad, c_pad = sch.get_producers(block)[0], sch.get_consumers(block)[0]
+        if len(sch.get_producers(block)) > 1:  # B padded too? (only rows are): not expected
+            return None
+        sch.compute_at(x_pad, mo)
+        sch.reverse_compute_at(c_pad, mo)
+    sch.decompose_reduction(block, k)
+    _parallel_epilogues(sch, others)
+    return sch.mod
+
+
 def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     """dlight's CPU reduction rule (row reductions: softmax, norms). Not ``dl.cpu.GEMV``: it vectorises across
     strided rows with a 256-step unroll, LLVM then spends 10-40 s on one small expert bmm, and the code is no
@@ -271,7 +350,7 @@ def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 
 
 # the CPU default tier, in order: the first that returns a module schedules the kernel
-CPU_DEFAULT_RULES = (dense_linear, dlight_reduction, parallel_loops)
+CPU_DEFAULT_RULES = (dense_linear, batched_matmul, dlight_reduction, parallel_loops)
 
 
 def cpu_default_rule(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[str, tvm.IRModule]:

@@ -131,3 +131,64 @@ def test_a_linear_the_dense_rule_declines_still_matches_through_the_generic_rule
     lib, mod = compile_linear(node)
     assert "matmul_rf" not in mod.script()
     check_linear(node, lib, 3)
+
+
+def mm_node(op, a_shape, b_shape, out_shape, dtype="float32") -> Node:
+    """mm / bmm / matmul(a, b) as the frontend builds it; shapes may hold the symbol ``seq``."""
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType(dtype, s)]) for i, s in enumerate((a_shape, b_shape))]
+    return Node.make(op, ins, {}, [TensorType(dtype, out_shape)])
+
+
+def compile_node(node: Node):
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), TARGET, None)
+    return tvm.compile(mod, target=TARGET)["main"], mod
+
+
+def check_node(node: Node, lib, seq: int, tol=1e-4):
+    """The kernel against the op's reference (the ATen call on the same inputs) at seq."""
+    tdt = getattr(torch, node.types[0].dtype)
+    ins = [torch.randn(*[seq if d == SEQ else d for d in i.type.shape], generator=g).to(tdt) for i in node.inputs]
+    ref = ops.get(node.op).call(ins, node.attr)
+    out = torch.empty_like(ref)
+    lib(*ins, out)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("op,a,b,out,seqs", [
+    ("bmm", (3, SEQ, 37), (3, 37, 48), (3, SEQ, 48), (1, 12, 13, 29)),    # scores: rows padded to 12, k prime
+    ("bmm", (2, 5, SEQ), (2, SEQ, 64), (2, 5, 64), (1, 17)),              # weighted sum: k = seq, symbolic
+    ("matmul", (2, 3, SEQ, 16), (3, 16, 32), (2, 3, SEQ, 32), (7,)),      # b broadcast over a's leading dim
+    ("mm", (24, 8), (8, 16), (24, 16), (1,)),                              # static rows, a multiple of 12
+])
+def test_batched_matmul_matches_the_reference(op, a, b, out, seqs):
+    node = mm_node(op, a, b, out)
+    lib, mod = compile_node(node)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "batched_matmul"
+    for seq in seqs:
+        check_node(node, lib, seq)
+
+
+def test_batched_matmul_bf16_accumulates_in_fp32():
+    node = mm_node("bmm", (2, SEQ, 32), (2, 32, 16), (2, SEQ, 16), dtype="bfloat16")
+    lib, _ = compile_node(node)
+    check_node(node, lib, 5, tol=2e-2)
+
+
+def test_batched_matmul_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # n not a multiple of 16 lanes: declined, and the generic rules still compute it
+    odd = mm_node("bmm", (2, 5, 8), (2, 8, 20), (2, 5, 20))
+    assert cpu_rules.batched_matmul(mod_of(odd), TARGET) is None
+    lib, _ = compile_node(odd)
+    check_node(odd, lib, 1)
+    # a linear (w [n, k]) is dense_linear's, a row reduction and an elementwise op no one's here
+    assert cpu_rules.batched_matmul(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    a = te.placeholder((4, 32), name="a")
+    kk = te.reduce_axis((0, 32), "k")
+    row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
+    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, row])), TARGET) is None
+    ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
+    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, ew])), TARGET) is None
