@@ -62,9 +62,9 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.same_as(b)
 
 
-def _dense_block(sch, block_rv):
-    """(N, K, W buffer) when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16 inputs
-    and a fp32 accumulator and static N and K; else None."""
+def _product_reduction(sch, block_rv):
+    """(iterators, a load, b load) when the block is ``C[..] += cast(a[..]) * cast(b[..])`` over spatial
+    iterators and one reduction iterator, last, with fp32 / bf16 inputs and a fp32 accumulator; else None."""
     block = sch.get(block_rv)
     iters = list(block.iter_vars)
     kinds = [iv.iter_type for iv in iters]
@@ -74,11 +74,10 @@ def _dense_block(sch, block_rv):
     body = block.body
     if not isinstance(body, tvm.tirx.BufferStore) or block.init is None:
         return None
-    out = body.buffer
-    if out.dtype != "float32" or not isinstance(body.value, tvm.tirx.Add):
+    if body.buffer.dtype != "float32" or not isinstance(body.value, tvm.tirx.Add):
         return None
     acc, prod = body.value.a, body.value.b
-    if not (isinstance(acc, TensorLoad) and acc.source.same_as(out)):
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
         return None
     if isinstance(prod, Call) and prod.op.name == "tirx.if_then_else":  # a masked reduction (extent 0)
         return None
@@ -89,6 +88,16 @@ def _dense_block(sch, block_rv):
         return None
     if x.source.dtype not in INPUT_DTYPES or w.source.dtype not in INPUT_DTYPES:
         return None
+    return iters, x, w
+
+
+def _dense_block(sch, block_rv):
+    """(N, K, W buffer) when the block is ``C[lead.., n] += cast(X[lead.., k]) * cast(W[n, k])`` with fp32/bf16
+    inputs and a fp32 accumulator and static N and K; else None."""
+    found = _product_reduction(sch, block_rv)
+    if found is None:
+        return None
+    iters, x, w = found
     lead, n, k = [iv.var for iv in iters[:-2]], iters[-2].var, iters[-1].var
     xi, wi = [_var_of(i) for i in x.indices], [_var_of(i) for i in w.indices]
     if len(wi) != 2 or not (_same(wi[0], n) and _same(wi[1], k)):
@@ -231,25 +240,10 @@ def _kn_block(sch, block_rv):
     """N when the block is ``C[lead.., m, n] += cast(A[lead'.., m, k]) * cast(B[lead''.., k, n])`` (mm / bmm /
     matmul: B's rows along k, n contiguous; A's and B's leading indices the block's or 0, broadcast) with fp32 /
     bf16 inputs, a fp32 accumulator and a static N that a vector width divides; else None."""
-    block = sch.get(block_rv)
-    iters = list(block.iter_vars)
-    kinds = [iv.iter_type for iv in iters]
-    if len(iters) < 3 or kinds[-1] != tvm.tirx.IterVar.CommReduce or any(
-            k != tvm.tirx.IterVar.DataPar for k in kinds[:-1]):
+    found = _product_reduction(sch, block_rv)
+    if found is None:
         return None
-    body = block.body
-    if not isinstance(body, tvm.tirx.BufferStore) or block.init is None or body.buffer.dtype != "float32":
-        return None
-    if not isinstance(body.value, tvm.tirx.Add) or not isinstance(body.value.b, tvm.tirx.Mul):
-        return None
-    acc, prod = body.value.a, body.value.b
-    if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
-        return None
-    a, b = _strip_cast(prod.a), _strip_cast(prod.b)
-    if not (isinstance(a, TensorLoad) and isinstance(b, TensorLoad)):
-        return None
-    if a.source.dtype not in INPUT_DTYPES or b.source.dtype not in INPUT_DTYPES:
-        return None
+    iters, a, b = found
     lead, m, n, k = [iv.var for iv in iters[:-3]], iters[-3].var, iters[-2].var, iters[-1].var
     if len(a.indices) < 2 or len(b.indices) < 2:
         return None
