@@ -1,33 +1,44 @@
 """The rule-based default tier for CPU: ordered schedule rules, each returning None where it does not apply.
 
-    dense_linear (GEMM / GEMV, x[..., k] . w[n, k])  ->  dlight_reduction  ->  parallel_loops (the generic, last)
+    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])  ->  dlight_reduction
+    ->  parallel_loops (the generic, last)
 
 A rule takes the normalised kernel (an ``IRModule`` with ``main``) and the target and returns a scheduled module,
 or None: "not mine". Whether a loop a rule marks parallel really runs on the thread pool is decided afterwards,
-from the kernel's work, by ``parallel.py``.
+from the kernel's work, by ``parallel.py``. Vector width and register count come from the target (``Simd``:
+AVX-512 16 fp32 lanes and 32 registers, AVX2 8 and 16), and the register tiles from them.
 
-``dense_linear`` takes the ``linear`` lowering (``codegen/lower/linear.py``): a block ``C[m.., n] += cast(X[m.., k])
-* cast(W[n, k])`` with float32 or bfloat16 inputs and a float32 accumulator, optionally followed by an elementwise
-epilogue (bias, cast). Both operands are contiguous along k, so the reduction is vectorised along k: each output
-keeps ``LANES`` partial sums (an rfactor over the inner k lanes) and sums them once at the end. A tile of ``NR``
-rows of w (NR accumulators, every loaded x vector shared by NR FMAs) is the parallel loop, and every row of x
-(T, a symbol in prefill) runs through it while the tile stays in cache:
+``dense_linear`` takes the ``linear`` lowering (``codegen/lower/linear.py``): a block ``C[.., m, n] +=
+cast(X[.., m, k]) * cast(W[n, k])`` with float32 or bfloat16 inputs and a float32 accumulator, optionally followed
+by elementwise epilogues (bias, cast). Two schedules, by the row count M (T; a symbol in prefill):
 
-    for no in parallel(N / NR):
-        for m in range(M):                                       # no tail, no predicate: any T, one kernel
-            acc[LANES, NR] = 0                                   # local: registers
-            for ko in range(K / LANES):
-                for ni (unrolled):  acc[:, ni] += X[m, ko*LANES : +LANES] * W[no*NR + ni, ko*LANES : +LANES]
-            C[m, no*NR + ni] = sum(acc[:, ni])
+* few rows (GEMV, small GEMM): dot-product tiles. X and W are both contiguous along k, so k is vectorised: an
+  MR x NR tile (4 x 4 on AVX-512; 1 x 8 for one row) keeps MR x NR vectors of partial sums, every loaded vector
+  shared by 4 FMAs, summed across lanes once at the end; NB tiles of w per parallel task reuse the x tile::
 
-LANES is the widest of 16 / 8 / 4 dividing K (K not a multiple of 4: the rule does not apply), NR the widest of
-8 / 4 / 2 / 1 dividing N, so no loop has a tail. Not done yet: several x rows per tile (register reuse of the w
-vectors in GEMM), k blocking for L1, packing.
+    for nbo in parallel(N / (NB*NR)):  for mo in range(M / MR):  for nbi in range(NB):
+        acc[MR, NR, LANES] = 0                                            # registers
+        for ko in range(K / LANES):  acc[mi, ni, :] += X[mo*MR+mi, ko*LANES:+LANES] * W[.., ko*LANES:+LANES]
+        C[mo*MR+mi, ..] = sum(acc[mi, ni, :])
+
+* many rows (M >= PACK_MIN_ROWS): the packed GEMM. Per parallel task (NW = two vectors of output features) and k
+  block of 256, w is packed to ``Wp[256, NW]`` (n contiguous, L1) and each of 12 x rows is broadcast against the
+  two vectors of a Wp row; the 12 x NW tile of C stays in registers across the k block (the dot-product tile
+  reads 4x the bytes per FMA from L2 and topped out at ~95 GFLOP/s a core here; this one at ~120, torch ~160).
+
+Rows are padded to a multiple of the tile's MR (``pad_einsum``: a padded copy of the x tile, the tail rows of C
+dropped), so no loop in the k loop has a predicate (a predicated split ran at half speed). A symbolic M gets both
+schedules in one kernel, chosen at run time on M (``parallel.either``). K must take a lane width (4 at least) and
+N, for the packed GEMM, a multiple of NW; otherwise the rule falls back to fewer lanes / the dot-product tiles / None.
+
+``batched_matmul`` takes mm / bmm / matmul (attention's scores and weighted sum when not hand-scheduled): B is
+[.., k, n], already n contiguous, so the broadcast tile of the packed GEMM runs without packing.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import tvm
 from tvm.ir.expr import Call, TensorLoad
@@ -36,15 +47,55 @@ from .parallel import either
 
 logger = logging.getLogger(__name__)
 
-MR = 4  # x rows per register tile (GEMM)
-NR_GEMM = (4, 2, 1)  # w rows per register tile: MR x NR accumulators of LANES floats (the widest dividing N)
+NR_GEMM = (4, 2, 1)  # w rows per dot-product tile: MR x NR accumulators of LANES floats (the widest dividing N)
 NR_GEMV = (8, 4, 2, 1)  # w rows per tile of a one-row GEMV: NR accumulators, every x vector shared by NR FMAs
-NB_CHOICES = (16, 8, 4, 2, 1)
-PACK_MR, PACK_NW, PACK_KB = 12, 32, 256  # packed GEMM: x rows x w columns per register tile, k block
-PACK_MIN_ROWS = 64  # rows from which the packed GEMM pays for its packing
-KN_MR, KN_WIDTHS = 12, (32, 16)  # batched_matmul: rows x columns (the widest dividing N) per register tile
-LANE_CHOICES = (16, 8, 4)
+NB_CHOICES = (16, 8, 4, 2, 1)  # w tiles per parallel task (dot-product tiles): the x tile stays in L1 across them
+PACK_KB = 256  # packed GEMM: k block (Wp[256, NW] fp32 = 32 KiB at NW = 32: L1)
+PACK_MIN_ROWS = 64  # rows from which the packed GEMM pays for its packing (measured: 0.89x eager at 64 rows)
 INPUT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Simd:
+    """The target's fp32 vector width and vector register count, and the register tiles they give."""
+    lanes: int  # fp32 lanes per vector: 16 (AVX-512), 8 (AVX2), 4 (SSE / NEON)
+    regs: int  # vector registers: 32 (AVX-512, NEON), 16 (AVX2)
+
+    @staticmethod
+    def of(target: tvm.target.Target) -> Simd:
+        from tvm.target.codegen import target_has_features
+
+        def has(feature):
+            try:
+                return bool(target_has_features([feature], target))
+            except Exception:  # noqa: BLE001 - a target LLVM knows no x86 features of (aarch64): none
+                return False
+        if has("avx512f"):
+            return Simd(16, 32)
+        if has("avx2") or has("avx"):
+            return Simd(8, 16)
+        return Simd(4, 32 if "aarch64" in str(target.attrs.get("mtriple", "")) else 16)
+
+    @property
+    def lane_choices(self) -> tuple[int, ...]:
+        """Lane widths for k-vectorised partial sums, widest first (the widest dividing K is taken)."""
+        return tuple(v for v in (16, 8, 4) if v <= self.lanes)
+
+    @property
+    def dot_mr(self) -> int:
+        """x rows per dot-product tile: 4 x 4 accumulators + 8 loaded vectors fit 32 registers, 2 x 4 + 6 fit 16."""
+        return 4 if self.regs >= 32 else 2
+
+    @property
+    def bcast_mr(self) -> int:
+        """x rows per broadcast tile (packed GEMM, batched_matmul): 2 accumulators a row, plus 2 w vectors and the
+        broadcast x: 12 rows in 32 registers, 6 in 16."""
+        return 12 if self.regs >= 32 else 6
+
+    @property
+    def bcast_widths(self) -> tuple[int, int]:
+        """Columns per broadcast tile: two vectors (the packed width), or one."""
+        return 2 * self.lanes, self.lanes
 
 
 def _strip_cast(e):
@@ -109,16 +160,16 @@ def _dense_block(sch, block_rv):
     return int(iters[-2].dom.extent), int(iters[-1].dom.extent), w.source
 
 
-def _tile(m_extent, n_extent: int) -> tuple[int, int, int]:
+def _tile(m_extent, n_extent: int, simd: Simd) -> tuple[int, int, int]:
     """(MR x rows, NR w rows, NB w tiles per task) for a dense block of ``m_extent`` rows (an int, or a symbolic
     expression) and ``n_extent`` output features."""
-    mr = 1 if isinstance(m_extent, int) and m_extent == 1 else MR
+    mr = 1 if isinstance(m_extent, int) and m_extent == 1 else simd.dot_mr
     nr = next(v for v in (NR_GEMV if mr == 1 else NR_GEMM) if n_extent % v == 0)
     nb = next(v for v in NB_CHOICES if (n_extent // nr) % v == 0)
     return mr, nr, nb
 
 
-def _match(sch):
+def _match(sch, simd: Simd):
     """(dense block, epilogue blocks, N, K, lanes, W buffer) when the kernel is one dense block of the ``linear``
     form plus elementwise epilogues and K takes a lane width; else None."""
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
@@ -127,7 +178,7 @@ def _match(sch):
     if len(dense) != 1:
         return None
     block, (n_extent, k_extent, w_buf) = dense[0]
-    lanes = next((v for v in LANE_CHOICES if k_extent % v == 0), None)
+    lanes = next((v for v in simd.lane_choices if k_extent % v == 0), None)
     if lanes is None:
         return None
     others = [b for b in blocks if not b.same_as(block)]
@@ -158,11 +209,11 @@ def _parallel_epilogues(sch, blocks) -> None:
         sch.parallel(sch.fuse(*ls) if len(ls) > 1 else ls[0])
 
 
-def _dot_tiles(mod: tvm.IRModule) -> tvm.IRModule:
+def _dot_tiles(mod: tvm.IRModule, simd: Simd) -> tvm.IRModule:
     """The dot-product tiles (GEMV, small GEMM): k vectorised in LANES partial sums, an MR x NR register tile."""
     sch = tvm.s_tir.Schedule(mod)
-    block, others, n_extent, _, lanes, _ = _match(sch)
-    mr, nr, nb = _tile(_rows(sch, block), n_extent)
+    block, others, n_extent, _, lanes, _ = _match(sch, simd)
+    mr, nr, nb = _tile(_rows(sch, block), n_extent, simd)
     padded = _pad_rows(sch, block, mr)
     n_lead = len(sch.get(block).iter_vars) - 3
     k = sch.get_loops(block)[-1]
@@ -190,20 +241,21 @@ def _dot_tiles(mod: tvm.IRModule) -> tvm.IRModule:
     return sch.mod
 
 
-def _packed_tiles(mod: tvm.IRModule) -> tvm.IRModule:
-    """The packed GEMM (many rows): per task and k block, w packed into ``Wp[KB, PACK_NW]`` (n contiguous); each
-    of PACK_MR x rows broadcast against the PACK_NW / LANES vectors of a Wp row; the PACK_MR x PACK_NW tile of
-    C stays in registers across the k block."""
+def _packed_tiles(mod: tvm.IRModule, simd: Simd) -> tvm.IRModule:
+    """The packed GEMM (many rows): per task and k block, w packed into ``Wp[KB, NW]`` (n contiguous, NW two
+    vectors); each of MR x rows (``simd.bcast_mr``) broadcast against the two vectors of a Wp row; the MR x NW
+    tile of C stays in registers across the k block."""
     sch = tvm.s_tir.Schedule(mod)
-    block, others, n_extent, k_extent, lanes, w_buf = _match(sch)
-    padded = _pad_rows(sch, block, PACK_MR)
+    block, others, n_extent, k_extent, lanes, w_buf = _match(sch, simd)
+    mr, nw = simd.bcast_mr, simd.bcast_widths[0]
+    padded = _pad_rows(sch, block, mr)
     kb = max(d for d in range(1, PACK_KB + 1) if k_extent % d == 0)
     w_read = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(w_buf))
     wp = sch.cache_read(block, w_read, "global")
-    sch.transform_layout(wp, ("write", 0), lambda n, k: (n // PACK_NW, k, n % PACK_NW))
+    sch.transform_layout(wp, ("write", 0), lambda n, k: (n // nw, k, n % nw))
     *outer, m, n, k = sch.get_loops(block)
-    no, ni = sch.split(n, [None, PACK_NW])
-    mo, mi = sch.split(m, [None, PACK_MR])
+    no, ni = sch.split(n, [None, nw])
+    mo, mi = sch.split(m, [None, mr])
     ko, ki = sch.split(k, [None, kb])
     sch.reorder(no, *outer, ko, mo, ki, mi, ni)
     sch.vectorize(ni)
@@ -223,20 +275,22 @@ def dense_linear(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule |
     """GEMM / GEMV of the ``linear`` form (module docstring): the dot-product tiles below PACK_MIN_ROWS rows, the
     packed GEMM from there (a symbolic row count gets both, chosen at run time); None when the kernel is not one
     block of that form plus elementwise epilogues."""
+    simd = Simd.of(target)
     sch = tvm.s_tir.Schedule(mod)
-    found = _match(sch)
+    found = _match(sch, simd)
     if found is None:
         return None
     block, _, n_extent, *_ = found
     rows = _rows(sch, block)
-    if n_extent % PACK_NW or (isinstance(rows, int) and rows < PACK_MIN_ROWS):
-        return _dot_tiles(mod)
+    if n_extent % simd.bcast_widths[0] or (isinstance(rows, int) and rows < PACK_MIN_ROWS):
+        return _dot_tiles(mod, simd)
     if isinstance(rows, int):
-        return _packed_tiles(mod)
-    return tvm.IRModule({"main": either(rows >= PACK_MIN_ROWS, _packed_tiles(mod)["main"], _dot_tiles(mod)["main"])})
+        return _packed_tiles(mod, simd)
+    packed, dot = _packed_tiles(mod, simd)["main"], _dot_tiles(mod, simd)["main"]
+    return tvm.IRModule({"main": either(rows >= PACK_MIN_ROWS, packed, dot)})
 
 
-def _kn_block(sch, block_rv):
+def _kn_block(sch, block_rv, widths: tuple[int, ...]):
     """N when the block is ``C[lead.., m, n] += cast(A[lead'.., m, k]) * cast(B[lead''.., k, n])`` (mm / bmm /
     matmul: B's rows along k, n contiguous; A's and B's leading indices the block's or 0, broadcast) with fp32 /
     bf16 inputs, a fp32 accumulator and a static N that a vector width divides; else None."""
@@ -260,17 +314,18 @@ def _kn_block(sch, block_rv):
     if not isinstance(iters[-2].dom.extent, tvm.tirx.IntImm):
         return None
     n_extent = int(iters[-2].dom.extent)
-    return n_extent if n_extent % min(KN_WIDTHS) == 0 else None
+    return n_extent if n_extent % min(widths) == 0 else None
 
 
 def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     """mm / bmm / matmul with B laid out [k, n] (attention's scores against a transposed K, its weighted sum of
-    V): B's rows are already n contiguous, so no packing: a KN_MR x KN_NW tile of C in registers across the whole
-    k loop, each A element broadcast against KN_NW / LANES vectors of a B row; rows padded to KN_MR (no
-    predicate); the batch and column tiles are the parallel loop. None for any other kernel."""
+    V): B's rows are already n contiguous, so no packing: an MR x NW tile of C in registers across the whole
+    k loop (``simd.bcast_mr`` rows, NW one or two vectors), each A element broadcast against a B row; rows
+    padded to MR (no predicate); the batch and column tiles are the parallel loop. None for any other kernel."""
+    simd = Simd.of(target)
     sch = tvm.s_tir.Schedule(mod)
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
-    found = [(blk, _kn_block(sch, blk)) for blk in blocks]
+    found = [(blk, _kn_block(sch, blk, simd.bcast_widths)) for blk in blocks]
     found = [(blk, n) for blk, n in found if n is not None]
     if len(found) != 1:
         return None
@@ -278,11 +333,11 @@ def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
     others = [blk for blk in blocks if not blk.same_as(block)]
     if any(sch.get(blk).init is not None for blk in others):  # only elementwise epilogues
         return None
-    nw = next(v for v in KN_WIDTHS if n_extent % v == 0)
-    padded = _pad_rows(sch, block, KN_MR)
+    nw, mr = next(v for v in simd.bcast_widths if n_extent % v == 0), simd.bcast_mr
+    padded = _pad_rows(sch, block, mr)
     *outer, m, n, k = sch.get_loops(block)
     no, ni = sch.split(n, [None, nw])
-    mo, mi = sch.split(m, [None, KN_MR])
+    mo, mi = sch.split(m, [None, mr])
     sch.reorder(*outer, no, mo, k, mi, ni)
     sch.vectorize(ni)
     sch.unroll(mi)

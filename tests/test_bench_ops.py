@@ -14,7 +14,7 @@ from dayzero.tools.cli import main
 def test_bench_ops_json_one_case():
     r = CliRunner().invoke(main, ["bench", "ops", "--json", "--quick", "--case", "rms_norm"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)  # progress lines go to stderr
     assert out["suite"] == "ops" and out["machine"]["peak_GFLOPs"] > 0
     (row,) = out["results"]
     assert row["case"] == "rms_norm_16x2880" and row["unit"] == "s"

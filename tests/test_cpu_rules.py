@@ -192,3 +192,31 @@ def test_batched_matmul_returns_none_where_it_does_not_apply():
     assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, row])), TARGET) is None
     ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
     assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, ew])), TARGET) is None
+
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+
+
+def test_simd_widths_come_from_the_target():
+    assert cpu_rules.Simd.of(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == cpu_rules.Simd(16, 32)
+    avx2 = cpu_rules.Simd.of(AVX2)
+    assert avx2 == cpu_rules.Simd(8, 16) and avx2.bcast_mr * 2 + 3 <= 16 and avx2.lane_choices == (8, 4)
+    assert cpu_rules.Simd.of(tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"})).lanes == 4  # SSE only
+
+
+@pytest.mark.skipif(not tvm.target.codegen.target_has_features(["avx2"], TARGET), reason="host without AVX2")
+def test_an_avx2_target_gets_avx2_tiles_that_compute_the_reference():
+    """Both contraction rules on an AVX2 target (this host runs its code): 8 lanes, 2 x rows per dot-product
+    tile, 6 per broadcast tile, against the reference."""
+    node = linear_node((SEQ,), 32, 24)
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", "linear", func, "key", node=node), AVX2, None)
+    script = mod.script()
+    assert "T.vectorized(T.int64(8))" in script and "T.vectorized(T.int64(16))" in script  # 8 lanes; NW = 16
+    assert "T.unroll(T.int64(6))" in script and "T.unroll(T.int64(2))" in script
+    lib = tvm.compile(mod, target=AVX2)["main"]
+    for seq in (5, 70):
+        check_linear(node, lib, seq)
+    node = mm_node("bmm", (2, SEQ, 24), (2, 24, 8), (2, SEQ, 8))
+    mod = schedule_kernel(Kernel("k", "bmm", program.make_prim_func(node, "k"), "key", node=node), AVX2, None)
+    check_node(node, tvm.compile(mod, target=AVX2)["main"], 7)

@@ -175,13 +175,13 @@ def run_bench(quick: bool = False, only: str | None = None) -> dict:
         out = torch.empty_like(ref)
         lib(*xs, out)
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
-        work = case.flops
-        rep = 3 if work > 10 ** 9 else 10
-        inner = 1 if work > 10 ** 7 else 20
+        once = best_time(lambda: lib(*xs, out), 1)  # the timing loops' sizes from one call: ~20 ms a timing
+        rep, inner = (3, 1) if once > 0.05 else (10, max(1, min(20, int(0.02 / max(once, 1e-6)))))
         now = best_time(lambda: lib(*xs, out), rep, inner)
         eager, eager_threads = best_torch_time(lambda: case.eager(xs), rep, timer=lambda fn, n: best_time(fn, n, inner))
         bw = read_bandwidth(max(int(case.nbytes), 1 << 20))
         t_flops, t_bytes = case.flops / peak, case.nbytes / bw
+        click.echo(f"{case.name}: {now * 1e3:.3f} ms, eager {eager * 1e3:.3f} ms", err=True)
         results.append({
             "case": case.name, "family": case.family, "unit": "s", "dayzero": now,
             "baselines": {"torch_eager": eager}, "bound": max(t_flops, t_bytes),
