@@ -41,9 +41,11 @@ import logging
 from dataclasses import dataclass
 
 import tvm
+import tvm.sym
+import tvm_ffi
 from tvm.ir.expr import Call, TensorLoad
 
-from .parallel import either
+from .parallel import either, work
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ NB_CHOICES = (16, 8, 4, 2, 1)  # w tiles per parallel task (dot-product tiles): 
 PACK_KB = 256  # packed GEMM: k block (Wp[256, NW] fp32 = 32 KiB at NW = 32: L1)
 PACK_MIN_ROWS = 64  # rows from which the packed GEMM pays for its packing (measured: 0.89x eager at 64 rows)
 INPUT_DTYPES = ("float32", "bfloat16")
+# what a schedule primitive raises on a kernel it cannot take (TVM's errors arrive as these Python types); a rule
+# that raises one does not apply. (``tvm.error.TVMError``, named here before, does not exist in TVM 0.27: the
+# except clause itself raised, and the kernel fell past every later rule to the generic loops.)
+RULE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, tvm.error.InternalError)
 
 
 @dataclass(frozen=True)
@@ -360,10 +366,28 @@ def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModu
     faster than parallel loops."""
     from tvm.s_tir import dlight as dl
 
+    before = _work_at(mod["main"])  # first: dlight's rule rewrites the module it is given in place
     with target:
         out = dl.ApplyDefaultSchedule(dl.cpu.Reduction())(mod)
     attrs = out["main"].attrs
-    return out if attrs is not None and "tirx.is_scheduled" in attrs else None
+    if attrs is None or "tirx.is_scheduled" not in attrs:
+        return None
+    after = _work_at(out["main"])
+    if before is not None and after is not None and after > 2 * before:
+        return None  # a schedule may only reorder work: e.g. one row's reductions recomputed for every column
+    return out
+
+
+def _work_at(func: tvm.tirx.PrimFunc, symbol_size: int = 1024) -> int | None:
+    """The innermost iterations of ``func`` (``parallel.work``) with every symbol at ``symbol_size``; None where
+    they cannot be counted. (dlight's reduction rule put a one-row softmax's max and sum inside the loop over the
+    row's columns: 201,088^2 iterations for a vocabulary, minutes a call.)"""
+    w = work(func.body)
+    if w is None:
+        return None
+    w = tvm.sym.Analyzer().simplify(tvm_ffi.structural_mutate(
+        w, [(tvm.tirx.Var, lambda v, mutator: tvm.tirx.const(symbol_size, v.ty.dtype))]))
+    return w.value if isinstance(w, tvm.tirx.IntImm) else None
 
 
 def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
@@ -408,7 +432,7 @@ def cpu_default_rule(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[str,
     for rule in CPU_DEFAULT_RULES:
         try:
             out = rule(mod, target)
-        except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:
+        except RULE_ERRORS as err:
             logger.debug("cpu rule %s failed: %s", rule.__name__, err)
             continue
         if out is not None:

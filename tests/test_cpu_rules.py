@@ -220,3 +220,24 @@ def test_an_avx2_target_gets_avx2_tiles_that_compute_the_reference():
     node = mm_node("bmm", (2, SEQ, 24), (2, 24, 8), (2, SEQ, 8))
     mod = schedule_kernel(Kernel("k", "bmm", program.make_prim_func(node, "k"), "key", node=node), AVX2, None)
     check_node(node, tvm.compile(mod, target=AVX2)["main"], 7)
+
+
+def softmax_node(shape) -> Node:
+    x = Node.make("input", (), {"name": "x0"}, [TensorType("float32", shape)])
+    return Node.make("softmax.int", [x], {"dim": -1, "dtype": None}, [TensorType("float32", shape)])
+
+
+def test_dlight_reduction_declines_a_schedule_that_multiplies_the_work():
+    """One row: dlight's rule recomputed the row's max and sum for every column (width^2 iterations: minutes for
+    a 201K vocabulary); the rule declines it and the kernel still matches through the generic rule. Several
+    rows, and a symbolic row count, keep dlight's schedule."""
+    def rule_of(node):
+        return cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0]
+
+    one = softmax_node((1, 1000))
+    assert cpu_rules.dlight_reduction(normalize(program.make_prim_func(one, "k")), TARGET) is None
+    assert rule_of(one) == "parallel_loops"
+    lib, _ = compile_node(one)
+    check_node(one, lib, 1)
+    assert rule_of(softmax_node((16, 1000))) == "dlight_reduction"
+    assert rule_of(softmax_node((SEQ, 1000))) == "dlight_reduction"
