@@ -241,3 +241,10 @@ def test_dlight_reduction_declines_a_schedule_that_multiplies_the_work():
     check_node(one, lib, 1)
     assert rule_of(softmax_node((16, 1000))) == "dlight_reduction"
     assert rule_of(softmax_node((SEQ, 1000))) == "dlight_reduction"
+
+
+def test_a_declined_dlight_schedule_leaves_the_kernel_to_the_next_rule_untouched():
+    mod = normalize(program.make_prim_func(softmax_node((1, 64)), "k"))
+    before = mod.script()
+    assert cpu_rules.dlight_reduction(mod, TARGET) is None
+    assert mod.script() == before  # dlight rewrote it in place: parallel_loops got the quadratic schedule
