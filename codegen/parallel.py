@@ -111,6 +111,12 @@ def _serial_copy(loop, defined: dict, shared: dict) -> tuple:
     and the fresh copies of the ``shared`` buffers (root allocations only this loop uses) it uses: each variant
     gets its own, so a buffer's accesses stay under one loop nest and lowering compacts it there (one shared by
     both branches stays a root allocation of the full, possibly symbolic, shape)."""
+    return _fresh_copy(_serial(loop), defined, shared)
+
+
+def _fresh_copy(stmt, defined: dict, shared: dict) -> tuple:
+    """(``stmt`` with fresh copies of the variables ``defined`` in it and of the ``shared`` buffers, the fresh
+    copies of the shared buffers it uses)."""
     fresh = {h: tvm.tirx.Var(v.name, v.ty) for h, v in {**defined, **shared}.items()}
     used = {}
 
@@ -120,7 +126,21 @@ def _serial_copy(loop, defined: dict, shared: dict) -> tuple:
             used[h] = fresh[h]
         return fresh.get(h, v)
 
-    return tvm_ffi.structural_mutate(_serial(loop), [(tvm.tirx.Var, on_var)]), list(used.values())
+    return tvm_ffi.structural_mutate(stmt, [(tvm.tirx.Var, on_var)]), list(used.values())
+
+
+def either(cond: tvm.tirx.PrimExpr, a: tvm.tirx.PrimFunc, b: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """One kernel from two schedules of the same function (same parameters): ``a`` where ``cond`` holds at run
+    time, else ``b`` (a schedule for many rows and one for few, with a symbolic row count). ``b``'s own
+    variables and root allocations are copied fresh (the two branches may not share a binding)."""
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    ra, rb = a.body.block, b.body.block
+    allocs = {x.__chandle__(): x for x in rb.alloc_buffers}
+    b_body, fresh = _fresh_copy(rb.body, _defined_inside(rb.body), allocs)
+    root = SBlock(ra.iter_vars, ra.reads, ra.writes, ra.name_hint, tvm.tirx.IfThenElse(cond, ra.body, b_body),
+                  ra.init, list(ra.alloc_buffers) + fresh, ra.match_buffers, ra.annotations, ra.span)
+    return a.with_body(SBlockRealize(a.body.iter_values, a.body.predicate, root, a.body.span))
 
 
 def _uses(stmt, buffers: dict) -> dict:

@@ -24,7 +24,7 @@ from typing import Callable
 import tvm
 
 from dayzero import InternalError
-from .cpu_rules import cpu_default
+from .cpu_rules import RULE_ERRORS, cpu_default
 from .kernels.table import KERNELS
 from .parallel import cores_of, parallel_by_work
 from .program import Kernel, make_prim_func
@@ -71,7 +71,7 @@ def default_schedule(prim_func, target) -> tvm.IRModule:
         with t:
             return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                            dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
-    except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
+    except RULE_ERRORS as err:  # a rule that trips on this kernel
         logger.debug("dlight rules failed on %s: %s", kernel_name(prim_func), err)
         return normalize(prim_func)
 

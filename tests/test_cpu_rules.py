@@ -63,6 +63,43 @@ def test_dense_linear_matches_the_reference(lead, n, k, seqs):
         check_linear(node, lib, seq)
 
 
+@pytest.mark.parametrize("lead,n,k,seqs", [
+    ((SEQ,), 96, 80, (1, 13, 63, 64, 67, 100)),  # both variants of one kernel (at 64 rows); pad tails of 4 and 12
+    ((2, SEQ), 64, 48, (5, 70)),                  # leading dims: rows are the last one; k takes the 16 lanes
+    ((67,), 32, 20, (67,)),                       # static rows >= 64: the packed GEMM alone; k = 20 (4 lanes)
+])
+def test_dense_linear_packed_gemm_matches_the_reference(lead, n, k, seqs):
+    node = linear_node(lead, n, k)
+    lib, mod = compile_linear(node)
+    assert "_global" in mod.script()  # the packed w (cache_read)
+    for seq in seqs:
+        check_linear(node, lib, seq)
+
+
+def test_dense_linear_picks_its_schedule_by_rows():
+    """GEMV / small GEMM: the dot-product tiles; many rows: the packed GEMM; a symbolic row count: both, behind
+    one run-time check on the rows."""
+    def scheduled(lead, n, k):
+        return cpu_rules.dense_linear(normalize(program.make_prim_func(linear_node(lead, n, k), "k")), TARGET).script()
+
+    few = scheduled((16,), 64, 64)
+    assert "matmul_rf" in few and "_global" not in few
+    many = scheduled((128,), 64, 64)
+    assert "_global" in many and "matmul_rf" not in many
+    both = scheduled((SEQ,), 64, 64)
+    assert "_global" in both and "matmul_rf" in both and f"if seq >= T.int64({cpu_rules.PACK_MIN_ROWS})" in both
+    # N not a multiple of the packed tile's width: the dot-product tiles at every row count
+    assert "_global" not in scheduled((SEQ,), 40, 64)
+
+
+def test_dense_linear_bf16_packed_gemm_with_bias():
+    node = linear_node((SEQ,), 64, 32, dtype="bfloat16", bias=True)
+    lib, mod = compile_linear(node)
+    assert "_global" in mod.script()
+    for seq in (3, 77):
+        check_linear(node, lib, seq, tol=2e-2)
+
+
 def test_dense_linear_bf16_with_bias_accumulates_in_fp32():
     node = linear_node((SEQ,), 19, 32, dtype="bfloat16", bias=True)
     lib, mod = compile_linear(node)
@@ -94,3 +131,120 @@ def test_a_linear_the_dense_rule_declines_still_matches_through_the_generic_rule
     lib, mod = compile_linear(node)
     assert "matmul_rf" not in mod.script()
     check_linear(node, lib, 3)
+
+
+def mm_node(op, a_shape, b_shape, out_shape, dtype="float32") -> Node:
+    """mm / bmm / matmul(a, b) as the frontend builds it; shapes may hold the symbol ``seq``."""
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType(dtype, s)]) for i, s in enumerate((a_shape, b_shape))]
+    return Node.make(op, ins, {}, [TensorType(dtype, out_shape)])
+
+
+def compile_node(node: Node):
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), TARGET, None)
+    return tvm.compile(mod, target=TARGET)["main"], mod
+
+
+def check_node(node: Node, lib, seq: int, tol=1e-4):
+    """The kernel against the op's reference (the ATen call on the same inputs) at seq."""
+    tdt = getattr(torch, node.types[0].dtype)
+    ins = [torch.randn(*[seq if d == SEQ else d for d in i.type.shape], generator=g).to(tdt) for i in node.inputs]
+    ref = ops.get(node.op).call(ins, node.attr)
+    out = torch.empty_like(ref)
+    lib(*ins, out)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("op,a,b,out,seqs", [
+    ("bmm", (3, SEQ, 37), (3, 37, 48), (3, SEQ, 48), (1, 12, 13, 29)),    # scores: rows padded to 12, k prime
+    ("bmm", (2, 5, SEQ), (2, SEQ, 64), (2, 5, 64), (1, 17)),              # weighted sum: k = seq, symbolic
+    ("matmul", (2, 3, SEQ, 16), (3, 16, 32), (2, 3, SEQ, 32), (7,)),      # b broadcast over a's leading dim
+    ("mm", (24, 8), (8, 16), (24, 16), (1,)),                              # static rows, a multiple of 12
+])
+def test_batched_matmul_matches_the_reference(op, a, b, out, seqs):
+    node = mm_node(op, a, b, out)
+    lib, mod = compile_node(node)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "batched_matmul"
+    for seq in seqs:
+        check_node(node, lib, seq)
+
+
+def test_batched_matmul_bf16_accumulates_in_fp32():
+    node = mm_node("bmm", (2, SEQ, 32), (2, 32, 16), (2, SEQ, 16), dtype="bfloat16")
+    lib, _ = compile_node(node)
+    check_node(node, lib, 5, tol=2e-2)
+
+
+def test_batched_matmul_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # n not a multiple of 16 lanes: declined, and the generic rules still compute it
+    odd = mm_node("bmm", (2, 5, 8), (2, 8, 20), (2, 5, 20))
+    assert cpu_rules.batched_matmul(mod_of(odd), TARGET) is None
+    lib, _ = compile_node(odd)
+    check_node(odd, lib, 1)
+    # a linear (w [n, k]) is dense_linear's, a row reduction and an elementwise op no one's here
+    assert cpu_rules.batched_matmul(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    a = te.placeholder((4, 32), name="a")
+    kk = te.reduce_axis((0, 32), "k")
+    row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
+    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, row])), TARGET) is None
+    ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
+    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, ew])), TARGET) is None
+
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+
+
+def test_simd_widths_come_from_the_target():
+    assert cpu_rules.Simd.of(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == cpu_rules.Simd(16, 32)
+    avx2 = cpu_rules.Simd.of(AVX2)
+    assert avx2 == cpu_rules.Simd(8, 16) and avx2.bcast_mr * 2 + 3 <= 16 and avx2.lane_choices == (8, 4)
+    assert cpu_rules.Simd.of(tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"})).lanes == 4  # SSE only
+
+
+@pytest.mark.skipif(not tvm.target.codegen.target_has_features(["avx2"], TARGET), reason="host without AVX2")
+def test_an_avx2_target_gets_avx2_tiles_that_compute_the_reference():
+    """Both contraction rules on an AVX2 target (this host runs its code): 8 lanes, 2 x rows per dot-product
+    tile, 6 per broadcast tile, against the reference."""
+    node = linear_node((SEQ,), 32, 24)
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", "linear", func, "key", node=node), AVX2, None)
+    script = mod.script()
+    assert "T.vectorized(T.int64(8))" in script and "T.vectorized(T.int64(16))" in script  # 8 lanes; NW = 16
+    assert "T.unroll(T.int64(6))" in script and "T.unroll(T.int64(2))" in script
+    lib = tvm.compile(mod, target=AVX2)["main"]
+    for seq in (5, 70):
+        check_linear(node, lib, seq)
+    node = mm_node("bmm", (2, SEQ, 24), (2, 24, 8), (2, SEQ, 8))
+    mod = schedule_kernel(Kernel("k", "bmm", program.make_prim_func(node, "k"), "key", node=node), AVX2, None)
+    check_node(node, tvm.compile(mod, target=AVX2)["main"], 7)
+
+
+def softmax_node(shape) -> Node:
+    x = Node.make("input", (), {"name": "x0"}, [TensorType("float32", shape)])
+    return Node.make("softmax.int", [x], {"dim": -1, "dtype": None}, [TensorType("float32", shape)])
+
+
+def test_dlight_reduction_declines_a_schedule_that_multiplies_the_work():
+    """One row: dlight's rule recomputed the row's max and sum for every column (width^2 iterations: minutes for
+    a 201K vocabulary); the rule declines it and the kernel still matches through the generic rule. Several
+    rows, and a symbolic row count, keep dlight's schedule."""
+    def rule_of(node):
+        return cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0]
+
+    one = softmax_node((1, 1000))
+    assert cpu_rules.dlight_reduction(normalize(program.make_prim_func(one, "k")), TARGET) is None
+    assert rule_of(one) == "parallel_loops"
+    lib, _ = compile_node(one)
+    check_node(one, lib, 1)
+    assert rule_of(softmax_node((16, 1000))) == "dlight_reduction"
+    assert rule_of(softmax_node((SEQ, 1000))) == "dlight_reduction"
+
+
+def test_a_declined_dlight_schedule_leaves_the_kernel_to_the_next_rule_untouched():
+    mod = normalize(program.make_prim_func(softmax_node((1, 64)), "k"))
+    before = mod.script()
+    assert cpu_rules.dlight_reduction(mod, TARGET) is None
+    assert mod.script() == before  # dlight rewrote it in place: parallel_loops got the quadratic schedule

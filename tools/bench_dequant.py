@@ -84,12 +84,13 @@ def _best_of_threads(fn, repeats: int, set_threads, counts) -> tuple[float, int]
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Streaming read bandwidth in bytes/s: best of `repeats` torch sums over an nbytes fp32 array."""
+    """Streaming read bandwidth in bytes/s: best of `repeats` torch sums over an nbytes fp32 array, on all of
+    torch's threads or one, the better (``best_torch_time``: a core taken by another job stalls the threaded sum)."""
     import torch
 
     a = torch.ones(nbytes // 4, dtype=torch.float32)
     a.sum()
-    return nbytes / best_time(lambda: a.sum(), repeats)
+    return nbytes / best_torch_time(lambda: a.sum(), repeats)[0]
 
 
 def _torch_dequant_mxfp4(blocks, scales):

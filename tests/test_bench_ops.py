@@ -1,0 +1,33 @@
+"""``dayzero bench ops --json``: the suite's JSON contract (DESIGN.md's bench object) on one small case, the
+kernel checked against torch eager in the same run."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from dayzero.tools.bench_ops import cases
+from dayzero.tools.cli import main
+
+
+def test_bench_ops_json_one_case():
+    r = CliRunner().invoke(main, ["bench", "ops", "--json", "--quick", "--case", "rms_norm"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)  # progress lines go to stderr
+    assert out["suite"] == "ops" and out["machine"]["peak_GFLOPs"] > 0
+    (row,) = out["results"]
+    assert row["case"] == "rms_norm_16x2880" and row["unit"] == "s"
+    assert row["dayzero"] > 0 and row["baselines"]["torch_eager"] > 0
+    assert row["bound"] > 0 and row["bound_name"] in ("flops/peak", "bytes/read_bandwidth")
+    assert row["route"] in ("hand-scheduled", "tuned", "default", "generic")
+    assert row["max_rel_err"] < 1e-4  # the kernel computed what torch does
+
+
+def test_bench_ops_covers_each_family_at_model_shapes():
+    names = [c.name for c in cases()]
+    for t in (1, 16, 512):  # projections 2880-7168 wide at T = 1, 16, 512, fp32 and bf16
+        assert f"linear_float32_2880x2880_T{t}" in names and f"linear_float32_7168x2048_T{t}" in names
+        assert f"linear_bfloat16_2880x2880_T{t}" in names
+    assert "softmax_16x201088" in names and "softmax_512x4096" in names and "rms_norm_512x7168" in names
+    assert any(n.startswith("bmm_") for n in names)
