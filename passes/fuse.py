@@ -11,7 +11,10 @@ and a producer joins its users' group when
 * it is fusible: element-wise (``ELEMENTWISE``), an index remap (``INJECTIVE``), a view (``VIEWS``), or a row
   reduction (``REDUCTIONS``; at most one per group, so a kernel has one reduction for its schedule to tile),
 * every one of its users is in that one group (a value read elsewhere is materialised: never duplicated), and
-* it is not a graph output.
+* it is not a graph output, and
+* it was traced from the same repeated block (decoder layer, ``Span.layer``) as the group's root: a layer's
+  output (its last residual add) stays a value of its own, which ``dayzero compare --streamed`` and the per-layer
+  reports read, even where only the next layer or the final norm reads it.
 
 A group built this way is convex (every member's users lie in the group, so no path leaves and re-enters it),
 has one output (its root) and reads its external values as inputs. A group of one kernel op (with or without
@@ -61,20 +64,21 @@ def fuse(g: Graph) -> tuple[Graph, Found]:
     outputs = {id(o) for o in g.outputs}
     group: dict[int, int] = {}  # node id -> its group's root id
     reductions: dict[int, int] = {}  # root id -> reductions in the group
+    layer: dict[int, tuple | None] = {}  # root id -> the repeated block it was traced from
     for n in reversed(nodes):
         if not _fusible(n):
             continue
         us = use.get(id(n), [])
         roots = {group.get(id(u)) for u in us}
         red = n.op in REDUCTIONS
-        if (id(n) not in outputs and us and len(roots) == 1 and None not in roots
-                and not (red and reductions[next(iter(roots))])):
-            root = roots.pop()
-        elif n.op in VIEWS:
-            continue  # a view alone is an alias of its source: no kernel
-        else:
+        root = next(iter(roots)) if len(roots) == 1 else None
+        joins = (root is not None and id(n) not in outputs and not (red and reductions[root])
+                 and n.span.layer == layer[root])
+        if not joins:
+            if n.op in VIEWS:
+                continue  # a view alone is an alias of its source: no kernel
             root = id(n)
-            reductions[root] = 0
+            reductions[root], layer[root] = 0, n.span.layer
         group[id(n)] = root
         reductions[root] += red
     members: dict[int, list[Node]] = {}

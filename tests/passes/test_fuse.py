@@ -267,3 +267,31 @@ def test_the_verifier_refuses_a_malformed_body(bad, why):
     n = Node.make("fused", (x,), {"body": body}, [TensorType("float32", (seq, 32))])
     with pytest.raises(VerifyError, match=why):
         verify(Graph("main", (x,), (n,), (("seq", 1, 64),)))
+
+
+def test_a_layer_output_stays_a_value():
+    """The last residual add of decoder layer 1, read only by the final norm (outside the layers), is not fused
+    into the norm: the layer's output stays a value of its own (``compare --streamed`` reads it)."""
+    before = HEAD + """
+      %0 = input {name="h"} : float32[seq, 64]
+      %1 = input {name="r"} : float32[seq, 64]
+      %2 = add.Tensor(%0, %1) {alpha=1} : float32[seq, 64] loc("model.layers.1", "m.py:9", "layers", 1)
+      %3 = pow.Tensor_Scalar(%2) {exponent=2} : float32[seq, 64] loc("model.norm", "m.py:5")
+      %4 = mean.dim(%3) {dim=[-1], dtype=null, keepdim=true} : float32[seq, 1] loc("model.norm", "m.py:5")
+      %5 = rsqrt(%4) : float32[seq, 1] loc("model.norm", "m.py:6")
+      %6 = mul.Tensor(%2, %5) : float32[seq, 64] loc("model.norm", "m.py:6")
+      return %6
+    }
+    """
+    _fused(before, HEAD + """
+      %0 = input {name="h"} : float32[seq, 64]
+      %1 = input {name="r"} : float32[seq, 64]
+      %2 = add.Tensor(%0, %1) {alpha=1} : float32[seq, 64] loc("model.layers.1", "m.py:9", "layers", 1)
+      %3 = fused(%2) {body=[
+        ["pow.Tensor_Scalar", [0], [["exponent", 2]], "float32", [`seq`, 64]],
+        ["mean.dim", [1], [["dim", [-1]], ["dtype", null], ["keepdim", true]], "float32", [`seq`, 1]],
+        ["rsqrt", [2], [], "float32", [`seq`, 1]],
+        ["mul.Tensor", [0, 3], [], "float32", [`seq`, 64]]]} : float32[seq, 64] loc("model.norm", "m.py:6")
+      return %3
+    }
+    """)
