@@ -126,27 +126,25 @@ def test_softmax_with_its_scale_mask_prologue_and_cast_epilogue():
     """)
 
 
+GLU_HEAD = HEAD + """
+  %0 = input {name="x"} : float32[seq, 64]
+  %1 = weight {name="gate.weight"} : float32[128, 64]
+  %2 = weight {name="up.weight"} : float32[128, 64]
+  %3 = weight {name="down.weight"} : float32[64, 128]
+  %4 = linear(%0, %1) {bias=false} : float32[seq, 128]
+  %5 = linear(%0, %2) {bias=false} : float32[seq, 128]
+"""
+
+
 def test_silu_glu_between_the_projections():
     """silu(gate) * up: the two projections stay their own kernels, the gating is one."""
-    _fused(HEAD + """
-      %0 = input {name="x"} : float32[seq, 64]
-      %1 = weight {name="gate.weight"} : float32[128, 64]
-      %2 = weight {name="up.weight"} : float32[128, 64]
-      %3 = weight {name="down.weight"} : float32[64, 128]
-      %4 = linear(%0, %1) {bias=false} : float32[seq, 128]
-      %5 = linear(%0, %2) {bias=false} : float32[seq, 128]
+    _fused(GLU_HEAD + """
       %6 = silu(%4) : float32[seq, 128]
       %7 = mul.Tensor(%6, %5) : float32[seq, 128]
       %8 = linear(%7, %3) {bias=false} : float32[seq, 64]
       return %8
     }
-    """, HEAD + """
-      %0 = input {name="x"} : float32[seq, 64]
-      %1 = weight {name="gate.weight"} : float32[128, 64]
-      %2 = weight {name="up.weight"} : float32[128, 64]
-      %3 = weight {name="down.weight"} : float32[64, 128]
-      %4 = linear(%0, %1) {bias=false} : float32[seq, 128]
-      %5 = linear(%0, %2) {bias=false} : float32[seq, 128]
+    """, GLU_HEAD + """
       %6 = fused(%4, %5) {body=[["silu", [0], [], "float32", [`seq`, 128]],
                                 ["mul.Tensor", [2, 1], [], "float32", [`seq`, 128]]]} : float32[seq, 128]
       %7 = linear(%6, %3) {bias=false} : float32[seq, 64]
