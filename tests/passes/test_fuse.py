@@ -71,9 +71,7 @@ def _fused(before: str, expected: str, count: int = 1) -> None:
 HEAD = "graph main symbols(seq in [1, 64]) {\n"
 
 
-def test_rms_norm_with_the_view_it_reads_is_one_kernel():
-    """Qwen3's q_norm: a view of the projection, pow / mean / add eps / rsqrt / mul / mul by the weight."""
-    _fused(HEAD + """
+RMS_NORM = HEAD + """
       %0 = input {name="h"} : float32[1, seq, 64]
       %1 = weight {name="q_norm.weight"} : float32[16]
       %2 = weight {name="eps"} : float32[]
@@ -86,7 +84,12 @@ def test_rms_norm_with_the_view_it_reads_is_one_kernel():
       %9 = mul.Tensor(%1, %8) : float32[1, seq, 4, 16]
       return %9
     }
-    """, HEAD + """
+    """
+
+
+def test_rms_norm_with_the_view_it_reads_is_one_kernel():
+    """Qwen3's q_norm: a view of the projection, pow / mean / add eps / rsqrt / mul / mul by the weight."""
+    _fused(RMS_NORM, HEAD + """
       %0 = input {name="h"} : float32[1, seq, 64]
       %1 = weight {name="q_norm.weight"} : float32[16]
       %2 = weight {name="eps"} : float32[]
@@ -293,3 +296,15 @@ def test_a_layer_output_stays_a_value():
       return %3
     }
     """)
+
+
+def test_fused_kernels_compile_for_cuda_sm90():
+    """The fused kernel goes through dlight's GPU rules like any other (compiled here; run on the lent GPU)."""
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    after, _ = fuse(ir(RMS_NORM))
+    (n,) = [m for m in after.nodes() if m.op == "fused"]
+    k = program.Kernel("k", n.op, program.make_prim_func(n, "k"), "", node=n)
+    mod = schedule.schedule_kernel(k, target, None, {"seq": (1, 64)})
+    assert k.route == "default"
+    lib = tvm.compile(tvm.IRModule({"k": mod["main"].with_attr("global_symbol", "k")}), target=target)
+    assert "rsqrt" in lib.mod.imports[0].inspect_source()
