@@ -136,6 +136,8 @@ def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tv
     bare = {str(d) for t in phs + outs for d in t.shape if isinstance(d, tvm.tirx.Var)}
     extra = [v for s, v in sorted(ctx.vars.items()) if s not in bare]
     f = te.create_prim_func(phs + outs + extra)
+    if n.op == "fused":
+        f = lower.fused.inline_members(f)
     return f.with_attr("global_symbol", name).with_attr("dayzero.scalar_symbols", [v.name for v in extra])
 
 

@@ -75,3 +75,27 @@ def test_checkpoint_directory_end_to_end(tiny_compiled):
         with torch.no_grad():
             expected = ref(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         assert (rt.prefill(ids) - expected).abs().max().item() <= TOL
+
+
+def test_fused_kernels_and_call_arguments_made_at_load(compiled_factory):
+    """The prefill runs fused kernels (passes/fuse.py: no lone norm or element-wise step left where a group took
+    it), and every call's tensor arguments are TVM tensors made once per binding (a torch tensor would be converted
+    on every call); the loop over them computes what the torch-argument loop does."""
+    import tvm
+
+    out, module, _ = compiled_factory("tiny_moe")
+    pj = json.loads((out / "program.json").read_text())["programs"]["prefill"]
+    kernel_ops = {k["op"] for k in pj["kernels"].values()}
+    assert "fused" in kernel_ops and not {"rsqrt", "pow.Tensor_Scalar", "mean.dim"} & kernel_ops
+    rt = load(out)
+    prog = rt.programs["prefill"]
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(7))
+    want = prog.run([ids])[0]
+    calls, fast, _, (logits,) = prog._cache(prog.bind([ids]), 0)
+    assert len(fast) == len(calls) == len(pj["steps"])
+    assert all(isinstance(a, (tvm.runtime.Tensor, int)) for _, args in fast for a in args)
+    for loop in (calls, fast):
+        logits.zero_()
+        for f, args in loop:
+            f(*args)
+        assert torch.equal(logits, want)

@@ -294,7 +294,10 @@ def test_plan_for_the_host_agrees_with_the_compiled_memory(tiny_compiled, lowpre
     assert 0.98 <= pl["weights"]["measured_over_plan"] <= 1.02, pl
     if model_type == "qwen3_moe":  # gpt-oss's tiny sliding window (8) is below one KV block (16): pages hold more
         assert 0.98 <= pl["kv_bytes_per_sequence"]["measured_over_plan"] <= 1.02, pl
-    assert 0.9 <= pl["workspace"]["measured_over_plan"] <= 1.1, pl
+    # the lower bound is 0.85, not 0.9, since fusion (passes/fuse.py): the rotation of q is one fused kernel, so
+    # its rotated copies are no buffers and the tiny gpt-oss prefill's workspace is x0.90 of the plan, which still
+    # models the unfused peak (re-measure the full-width figures of test_capacity fused, then update the plan)
+    assert 0.85 <= pl["workspace"]["measured_over_plan"] <= 1.1, pl
     r = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--context", str(pl["context"]),
                                   "--batch", "1", "--kv-dtype", "fp32", "--json"])
     assert r.exit_code == 0, r.output

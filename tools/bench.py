@@ -87,8 +87,11 @@ def bench_e2e(repeat: int = 20) -> dict:
                     "baselines": {"torch_eager": _median_time(eager_step, repeat)}, "bound": None,
                     "bound_name": None, "tokens": 1})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # kernel launches per run of each program (steps), and the distinct kernels they call
+    launches = {name: {"steps": len(p.steps), "kernels": len({s[0] for s in p.steps})}
+                for name, p in rt.programs.items()}
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
-            "model": BENCH_MODEL}
+            "model": BENCH_MODEL, "launches": launches}
 
 
 BATCH_SIZES = (1, 2, 4, 8)

@@ -6,8 +6,8 @@
                      one token per request; DeepSeek-V4: the traced row step, its states as inputs and outputs),
                      vision_TxHxW (multimodal): each goes through GRAPH_STEPS, the phases
                      canonicalize -> identify patterns (cache writes made in place first: the attention
-                     patterns read them) -> specialise -> lay out state (``dayzero dump-ir`` writes the graph
-                     after every step as <program>/NNN_<step>.ir)
+                     patterns read them) -> specialise -> lay out state -> fuse (``dayzero dump-ir`` writes
+                     the graph after every step as <program>/NNN_<step>.ir)
     lower            codegen/program.py: graph -> Program (kernel nodes, steps, buffers)
     schedule         codegen/schedule.py + build.py, per kernel the first that applies: hand-scheduled -> tuned
                      (a tuning record; ``--tune`` makes missing ones) -> default; one compiled library
@@ -41,6 +41,7 @@ from dayzero.passes.compressed_attention import compressed_attention
 from dayzero.passes.dequant import dequant
 from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.fold_empty import fold_empty
+from dayzero.passes.fuse import fuse
 from dayzero.passes.inplace_state import inplace_state
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph
@@ -201,6 +202,8 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     # decode_batch only: each token at its own position
     ("token_positions", lambda g, env: token_positions(g, env.token_positions)),
     ("paged_kv", lambda g, env: paged_kv(g, env.kv_pages, env.token_positions)),  # after the attention ops exist
+    # -- fuse: one kernel per element-wise / reduction group ------------------------------------------------------
+    ("fuse", lambda g, env: fuse(g)),  # last: every pattern pass above matches the unfused ops
 )
 
 

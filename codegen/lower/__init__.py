@@ -18,6 +18,7 @@ express have hand-written kernels instead (``codegen/kernels/table.py``).
     attention.py    scaled_dot_product_attention (the generic form)
     nn.py           rms_norm, layer_norm, convolution, pooling
     dequant.py      the typed dequant op (MXFP4 / FP8 blocks -> float32) where no consumer fused it
+    fused.py        a ``fused`` group (passes/fuse.py): its members' computes composed, then inlined
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from typing import Callable
 from tvm import te
 
 from dayzero import InternalError
-from . import attention, dequant, elementwise, index, linear, nn, reduce, shape
+from . import attention, dequant, elementwise, fused, index, linear, nn, reduce, shape
 from .common import Ctx  # noqa: F401 (the kernel builder's interface: codegen/program.py)
 
-_FAMILIES = (elementwise, shape, index, reduce, linear, attention, nn, dequant)
+_FAMILIES = (elementwise, shape, index, reduce, linear, attention, nn, dequant, fused)
 
 
 def _merge(families) -> dict[str, Callable]:

@@ -23,6 +23,7 @@ from .opdef import ATTR, OPT_TENSOR, TENSOR, OpDef
 from .reference_attention import (by_token, compressed_reference, dense_reference, indexer_reference,
                                   mla_dense_reference, mla_sparse_reference, paged_write_reference, sparse_reference)
 from .reference_dequant import dequant_reference, linear_reference
+from .reference_fused import fused_reference
 from .reference_moe import moe_fp8_reference, moe_mxfp4_reference, moe_reference, moe_workspace_reference
 
 
@@ -113,6 +114,11 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
           doc="state[.., table[idx // bs] * bs + idx % bs, ..] = values in place (dim = the position dim, bs = "
               "block_size): a KV-cache write into a paged pool; output aliases the state. A per-token table "
               "[S, NT] (attr per_token) maps values[.., s, ..] through its row s"),
+    # ---- a group of element-wise / injective ops with at most one row reduction (passes/fuse.py) -------------
+    OpDef("fused", args=(("body", ATTR),), reference=fused_reference,
+          doc="one kernel for a group of ops: inputs are the group's external values; attr body = ((op, args, "
+              "attrs, dtype, shape), ...) in topological order, args indexing the inputs then earlier entries; "
+              "the output is the last entry's value"),
     # ---- routed experts (passes/moe.py, passes/dequant.py, passes/expert_workspace.py) ------------------------
     OpDef("moe_experts", args=(*_ROUTING, ("w_gate_up", TENSOR), ("b_gate_up", OPT_TENSOR), ("w_down", TENSOR),
                                ("b_down", OPT_TENSOR), ("layout", ATTR), *_MOE_ATTRS),

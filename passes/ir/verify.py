@@ -71,6 +71,8 @@ def verify(g: Graph) -> None:
             if n.types[0] != n.inputs[0].types[idx]:
                 raise VerifyError(n, "getitem type differs from the output it picks")
             continue
+        if n.op == "fused":
+            _verify_body(n)
         if od.aten is not None:
             try:
                 od.unflatten([None] * len(n.inputs), n.attr)  # type: ignore[list-item]
@@ -82,6 +84,26 @@ def verify(g: Graph) -> None:
         if od.view and n.op != "getitem":
             if sympy.simplify(_numel(n.inputs[0].shape) - _numel(n.shape)) != 0:
                 raise VerifyError(n, "view changes the number of elements")
+
+
+def _verify_body(n: Node) -> None:
+    """A ``fused`` body (passes/fuse.py): registered ops, each reading only the inputs and earlier entries, the
+    last entry typed as the node."""
+    body = n.attr.get("body")
+    if not isinstance(body, tuple) or not body:
+        raise VerifyError(n, "fused node without a body")
+    for k, entry in enumerate(body):
+        if not (isinstance(entry, tuple) and len(entry) == 5):
+            raise VerifyError(n, f"fused body entry {k} is not (op, args, attrs, dtype, shape)")
+        op, args, _attrs, dtype, shape = entry
+        try:
+            ops.get(op)
+        except InternalError as e:
+            raise VerifyError(n, f"fused body entry {k}: {e}") from None
+        if any(not isinstance(a, int) or not 0 <= a < len(n.inputs) + k for a in args):
+            raise VerifyError(n, f"fused body entry {k} ({op}) reads a value not defined before it")
+    if (body[-1][3], tuple(body[-1][4])) != (n.dtype, tuple(n.shape)):
+        raise VerifyError(n, "fused body's last entry is not typed as the node")
 
 
 def _count_inputs(od: ops.OpDef, attrs) -> int:
