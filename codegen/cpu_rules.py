@@ -183,7 +183,7 @@ def cpu_default(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     for rule in CPU_DEFAULT_RULES:
         try:
             out = rule(mod, target)
-        except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:
+        except (tvm.error.InternalError, tvm.s_tir.schedule.ScheduleError) as err:
             logger.debug("cpu rule %s failed: %s", rule.__name__, err)
             continue
         if out is not None:

@@ -71,7 +71,7 @@ def default_schedule(prim_func, target) -> tvm.IRModule:
         with t:
             return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                            dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
-    except (tvm.error.TVMError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
+    except (tvm.error.InternalError, tvm.s_tir.schedule.ScheduleError) as err:  # a rule that trips on this kernel
         logger.debug("dlight rules failed on %s: %s", kernel_name(prim_func), err)
         return normalize(prim_func)
 
