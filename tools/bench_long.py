@@ -3,12 +3,12 @@
 Per model: make-tiny (seed 0), compile once with ``--max-seq`` (default 1M = 10^6 tokens, ``tools/capacity.py``'s
 count rule) and ``--prefill-chunk`` (default 32), then for each context C (default 4k, 64k, 256k, 1M):
 
-* prefill: a random prompt of C tokens through ``Runtime.prefill`` (chunk by chunk); tokens/s. A context whose
+* prefill: a random prompt of C - 1 tokens through ``Runtime.prefill`` (chunk by chunk); tokens/s. A context whose
   prefill would outlast ``--prefill-budget`` seconds is prefilled for that long only, then its remaining chunks are
-  skipped: the request's length is set to C so that decode runs at position C over a cache whose rows past the
+  skipped: the request's length is set to C - 1 so that decode runs at position C - 1 over a cache whose rows past the
   prefilled ones are zero (a decode step's cost depends on the position, not on the values); the result says so
-  (``prefilled_tokens`` < ``context``) and the prefill rate is the measured one.
-* decode: ``--steps`` steps at position C (after one warm-up), each timed kernel by kernel through the runtime's
+  (``prefilled_tokens`` < ``context`` - 1) and the prefill rate is the measured one.
+* decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
   per-step hook (``Program.run(observe=...)``): ``indexer`` (the steps of the indexer modules: V4's CSA indexer with
   its compressor, V3.2's ``dsa_indexer_topk``), ``attention`` (the attention kernels: ``compressed_attention``,
   ``cache_attention``, ``sparse_attention``, ``mla_*``) and ``rest`` (everything else: projections, MoE, norms, mHC).
@@ -109,22 +109,23 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
             rt = load(art)
             smallest = None
             for c in sorted(contexts):
-                prompt = torch.randint(0, 256, (c,), generator=torch.Generator().manual_seed(c)).tolist()
+                # a prompt of c - 1 tokens, then the decode step that makes the context c tokens
+                prompt = torch.randint(0, 256, (c - 1,), generator=torch.Generator().manual_seed(c)).tolist()
                 rt.reset(0)
                 t0 = time.perf_counter()
                 done = 0
                 ids = torch.tensor([prompt])
-                while done < c and (done == 0 or time.perf_counter() - t0 < prefill_budget):
-                    n = min(rt.prefill_chunk, c - done)
+                while done < c - 1 and (done == 0 or time.perf_counter() - t0 < prefill_budget):
+                    n = min(rt.prefill_chunk, c - 1 - done)
                     if done == 0:
                         rt.prefill(ids[:, :n])
                     else:
                         rt.prefill(ids[:, done:done + n], append=True)
                     done += n
                 prefill_s = time.perf_counter() - t0
-                rt.lengths[0] = c  # decode at position c (rows past the prefilled ones stay zero, see the docstring)
-                if rt.kv is not None:
-                    rt.kv.trim(0, c)  # a skipped tail: window blocks are handed out from position c's window on
+                rt.lengths[0] = c - 1  # decode at position c - 1 (rows past the prefilled ones stay zero, see the
+                if rt.kv is not None:  # module docstring)
+                    rt.kv.trim(0, c - 1)  # a skipped tail: window blocks are handed out from position c's window on
                 d = _timed_decode(rt, prompt[-1], steps)
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d
@@ -167,8 +168,8 @@ def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefi
 
     ctx = [parse_count(x, "--contexts") for x in contexts.split(",") if x.strip()]
     top = parse_count(max_seq, "--max-seq")
-    if not ctx or max(ctx) >= top:
-        raise UserError(f"--contexts must be non-empty and below --max-seq {top} (a decode step follows each)")
+    if not ctx or max(ctx) > top or min(ctx) < 2:
+        raise UserError(f"--contexts must be non-empty, each in [2, --max-seq {top}]")
     if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0:
         raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive")
     out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work)
