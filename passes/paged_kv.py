@@ -31,8 +31,9 @@ of token s's request; the write of token s and every read for query s go through
 Sliding windows: a cache whose every reader looks back at most W positions (gpt-oss's sliding layers, DeepSeek-V4's
 K=V state) gets its own table ``block_table_w{W}`` and pool. The runtime hands its blocks behind the window back
 after each call, so between calls a request holds ceil(W / bs) + 1 of them; during its prefill it holds the whole
-prompt (every prompt row is written before the attention reads it). The pool: (max_batch - 1) windows + one
-full-length request + the scratch block.
+prompt chunk (every row of a call is written before the attention reads it) and the W - 1 positions before it. The
+pool: (max_batch - 1) windows + one prefill chunk with its window + the scratch block, so it is sized by the window
+and ``cfg["chunk"]`` (the prefill chunk), never by the maximum length.
 """
 
 from __future__ import annotations
@@ -146,10 +147,13 @@ def paged_kv(g: Graph, cfg: dict | None, per_token: bool = False) -> tuple[Graph
     batch = int(cfg.get("max_batch", 1))
     full = int(cfg.get("blocks") or batch * nt + 1)
     tables, classes = {}, []
+    chunk = int(cfg.get("chunk") or length)  # the most tokens one call writes (the prefill chunk)
     for w in sorted(set(cls_of.values())):
-        # a windowed request holds ceil(W / bs) + 1 blocks between calls, all of a prompt during its prefill (one
-        # prefill at a time): (batch - 1) windows + one full-length request + the scratch block
-        blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + nt + 1)
+        # a windowed request holds ceil(W / bs) + 1 blocks between calls, and during a call of n <= chunk tokens
+        # the W - 1 positions before it plus its own, ceil((W - 1 + chunk) / bs) + 1 (one prefill at a time; the
+        # runtime trims after every chunk): (batch - 1) windows + one call's + the scratch block
+        in_call = min(nt, -(-(w - 1 + chunk) // bs) + 1)
+        blocks = full if w == 0 else min(full, (batch - 1) * (-(-w // bs) + 1) + in_call + 1)
         name = TABLE if w == 0 else f"{TABLE}_w{w}"
         tables[w] = (Node.make("input", (), {"name": name, "kind": BLOCK_TABLE}, (TensorType("int32", rows + (nt,)),)),
                     blocks)

@@ -93,12 +93,20 @@ def _int(dtype: str) -> bool:
 
 
 def arange_row(L: str = "L") -> Pat:
-    """A folded constant arange(m[L]) (leading unit axes allowed)."""
+    """arange(m[L]) (leading unit axes allowed): a folded constant, or, when it is longer than fold_constants folds
+    (a long ``--max-seq``), the ``arange.start_step(0, L, 1)`` node itself, plus a zero offset, under views."""
     def where(n: Node, m: Match) -> bool:
         t = m.value(n)
         return t is not None and t.shape[-1] == m[L] and t.numel() == m[L] and \
             torch.equal(t.reshape(-1), torch.arange(m[L], dtype=t.dtype))
-    return P("weight", where=where)
+
+    def unfolded(n: Node, m: Match) -> bool:
+        a = n.attr
+        return a.get("start") == 0 and a.get("step") == 1 and a.get("end") == m[L] and tuple(n.shape) == (m[L],) \
+            and _int(n.dtype)
+    arange = P("arange.start_step", where=unfolded)
+    return Alt(P("weight", where=where),
+               V(Alt(arange, P("add.Tensor", arange, scalar_is(lambda v: float(v) == 0), attrs=ALPHA1))))
 
 
 def positions(name: str) -> Pat:

@@ -461,15 +461,17 @@ class Runtime:
             self.lengths[k] = 0
             self.pending[k] = None
 
-    def run_program(self, name: str, inputs: list[torch.Tensor], slot: int, tokens: int) -> list[torch.Tensor]:
+    def run_program(self, name: str, inputs: list[torch.Tensor], slot: int, tokens: int,
+                    observe=None) -> list[torch.Tensor]:
         """Run a program of the request in ``slot``, which holds ``tokens`` positions once it ran: their KV blocks
         are taken first (runtime/kv_pages.py; a full pool is a UserError for this request), and the slot's block
-        table is passed to a program that reads paged caches."""
+        table is passed to a program that reads paged caches. ``observe``: as ``Program.run``'s (per-step timing,
+        tools/bench_long.py)."""
         prog = self.programs[name]
         if self.kv is None or not prog.table_inputs:
-            return prog.run(inputs, slot=slot)
+            return prog.run(inputs, observe=observe, slot=slot)
         self.kv.ensure(slot, tokens)
-        out = prog.run(list(inputs) + [self.kv.table(t, slot) for t in prog.table_inputs], slot=slot)
+        out = prog.run(list(inputs) + [self.kv.table(t, slot) for t in prog.table_inputs], observe=observe, slot=slot)
         self.kv.trim(slot, tokens)  # sliding-window pools: blocks the next query cannot see go back
         return out
 

@@ -104,6 +104,22 @@ def test_prefill_memory_is_sized_by_the_chunk(chunked, tiny_compiled):
     assert per_call(report) * 4 < per_call(full)
 
 
+@pytest.mark.slow
+def test_sliding_window_pool_is_sized_by_the_chunk(chunked):
+    """A sliding-window K/V pool (gpt-oss's sliding layers, DeepSeek-V4's K = V state) holds, for the one request
+    (--max-batch 1), the W - 1 positions before a call plus the call's chunk, ceil((W - 1 + chunk) / 16) + 1
+    blocks, and the scratch block: not --max-seq's 128 / 16 blocks; the prompts of the test above ran through it."""
+    model_type, rt, _, report = chunked
+    windowed = [t for t in report["kv_pages"]["tables"] if t["window"]]
+    if model_type not in ("gpt_oss", "deepseek_v4"):
+        assert not windowed
+        return
+    assert windowed and report["kv_pages"]["table_len"] == MAX_SEQ // 16
+    for t in windowed:
+        assert t["blocks"] == -(-(t["window"] - 1 + CHUNK) // 16) + 1 + 1 < MAX_SEQ // 16 + 1
+        assert rt.kv.by_name[t["name"]].blocks == t["blocks"]
+
+
 @pytest.mark.parametrize("chunk", ["0", "65"])
 def test_bad_prefill_chunk(chunk, tmp_path):
     r = CliRunner().invoke(main, ["compile", "no/such/dir", "-o", str(tmp_path / "o"), "--max-seq", "64",

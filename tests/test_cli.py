@@ -21,6 +21,33 @@ def test_help(cmd):
     assert r.exit_code == 0 and "Usage" in r.output
 
 
+@pytest.mark.parametrize("args, needle", [
+    # counts with a suffix (capacity.parse_count: k = 10^3, M = 10^6) reach the compile options, checked there
+    (["--max-seq", "1M", "--prefill-chunk", "2M"], "--prefill-chunk must be in [1, --max-seq=1000000], got 2000000"),
+    (["--max-seq", "64k", "--prefill-chunk", "64001"], "--prefill-chunk must be in [1, --max-seq=64000]"),
+    (["--max-seq", "1Q"], "--max-seq: expected a number like 1000, 128k or 1M, got '1Q'"),
+    (["--max-seq", "0"], "--max-seq: must be positive"),
+])
+def test_compile_counts_take_suffixes(args, needle, tmp_path):
+    r = CliRunner().invoke(main, ["compile", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), *args])
+    assert r.exit_code == 2 and needle in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_long_kinds():
+    """bench long splits a decode step by the step's node (op, module path): the indexer's modules, the attention
+    kernels, the rest."""
+    from dayzero.tools.bench_long import _kind
+
+    assert _kind("dsa_indexer_topk at model.layers.0.self_attn.indexer (x.py:1)") == "indexer"
+    assert _kind("bmm at model.layers.1.self_attn.compressor.indexer.scorer (x.py:467)") == "indexer"
+    assert _kind("compressed_attention at model.layers.0.self_attn (x.py:857)") == "attention"
+    assert _kind("mla_sparse_attention at model.layers.0.self_attn (x.py:9)") == "attention"
+    assert _kind("linear at model.layers.0.self_attn.q_b_proj (x.py:9)") == "rest"
+    r = CliRunner().invoke(main, ["bench", "long", "--contexts", "2M"])
+    assert r.exit_code == 2 and "--contexts must be non-empty, each in [2, --max-seq 1000000]" in r.output
+
+
 def _dayzero(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "dayzero.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)

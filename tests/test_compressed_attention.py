@@ -72,6 +72,31 @@ def test_pattern_fires_on_every_compressed_layer(v4_programs, which):
 
 
 @pytest.mark.slow
+def test_pattern_fires_when_the_position_arange_is_too_long_to_fold(tmp_path_factory, monkeypatch):
+    """At a long --max-seq (1M) the mask's arange(L) is longer than fold_constants folds (MAX_ELEMENTS), so it
+    stays an ``arange.start_step`` node (plus a zero offset, under views): the attention patterns still fire, else
+    prefill attends densely over all L rows (bmm [.., chunk, L + E]). Shrinking MAX_ELEMENTS below L = 128 gives
+    the same graph without a 1M-row trace."""
+    from dayzero.passes import fold_constants
+    from dayzero.tools.compiler import run_pipeline
+    from dayzero.tools.driver import trace_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("deepseek_v4", tmp_path_factory.mktemp("v4long") / "ckpt", seed=0)
+    fe = trace_model(str(ckpt), MAX_SEQ)
+    monkeypatch.setattr(fold_constants, "MAX_ELEMENTS", 16)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    types = cfg["layer_types"]
+    for graph in (fe.traced.graph, fe.decode.graph):  # the mask's positions: an arange of L rows (not folded)
+        assert any(n.op == "arange.start_step" and n.attr.get("end") == MAX_SEQ for n in graph.nodes())
+        g, found = run_pipeline(graph, verify=True)
+        assert found.patterns.get(f"{ca.OP}.csa") == types.count("compressed_sparse_attention")
+        assert found.patterns.get(f"{ca.OP}.hca") == types.count("heavily_compressed_attention")
+        assert found.patterns.get("sparse_attention.cache_attention") == types.count("sliding_attention")
+        assert not [m for m in g.nodes() if m.op == "bmm" and MAX_SEQ in m.shape[-1:]]
+
+
+@pytest.mark.slow
 def test_compiled_programs_run_the_hand_scheduled_kernel(tiny_compiled):
     """In the compiled tiny V4 artifact (the session's shared one), every CSA and HCA layer of the prefill and the
     decode program is one compressed_attention step, through the hand-scheduled kernel."""

@@ -109,7 +109,7 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
     ckpt, art, _ = tiny_compiled(model_type)
     c = _config(ckpt)
     kv = _report(art)["kv_cache"]
-    assert kv["max_length"] == 128 and kv["slots"] == 3 and kv["fixed_bytes"] == 0
+    assert kv["max_length"] == 128 and kv["slots"] == 3
     assert kv["described"]  # read with the compile's cache layout (position dim, layer type, window)
     types = kv["layer_types"]
     if model_type == "deepseek_v32":
@@ -119,15 +119,21 @@ def test_kv_cache_bytes_per_token_match_the_architecture(tiny_compiled, model_ty
     else:
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         per_layer = 2 * c["num_key_value_heads"] * head_dim * 4
-        assert all(e["bytes_per_token"] == per_layer for e in types.values())
     assert sum(e["layers"] for e in types.values()) == c["num_hidden_layers"]
-    assert kv["bytes_per_token"] == c["num_hidden_layers"] * per_layer
     if model_type == "gpt_oss":
         assert set(types) == {"sliding_attention", "full_attention"}
         sliding = types["sliding_attention"]
-        # a sliding layer's pool hands back the blocks behind the window: a request holds the window's blocks
+        # a sliding layer's pool hands back the blocks behind the window: a request holds the window's blocks,
+        # a per-sequence constant that does not grow with the context
         held = (-(-c["sliding_window"] // 16) + 1) * 16
         assert sliding["window"] == c["sliding_window"] <= sliding["rows"] == held < 128
+        assert (sliding["bytes_per_token"], sliding["fixed_bytes"]) == (0, held * per_layer)
+        assert types["full_attention"]["bytes_per_token"] == per_layer
+        assert kv["bytes_per_token"] == types["full_attention"]["layers"] * per_layer
+        assert kv["fixed_bytes"] == sliding["layers"] * held * per_layer
+    else:
+        assert all(e["bytes_per_token"] == per_layer for e in types.values())
+        assert kv["bytes_per_token"] == c["num_hidden_layers"] * per_layer and kv["fixed_bytes"] == 0
 
 
 @pytest.mark.slow
@@ -151,18 +157,49 @@ def test_kv_cache_of_deepseek_v4_compressed_layers(tiny_compiled):
     assert kv["described"] and kv["max_length"] == 128
     got = {t: (e["layers"], e["bytes_per_token"], e["fixed_bytes"]) for t, e in kv["layer_types"].items()}
     n = {t: c["layer_types"].count(t) for t in set(c["layer_types"])}
+    window = (-(-win // 16) + 1) * 16 * hd * 4  # K = V rows of the window's blocks: constant per sequence
     assert got == {
-        "sliding_attention": (n["sliding_attention"], hd * 4, 0),
-        "compressed_sparse_attention": (n["compressed_sparse_attention"], hd * 4 + (hd + ihd) * 4 / csa,
-                                        csa * (2 * 2 * hd + 2 * hd) * 4 + csa * (2 * 2 * ihd + 2 * ihd) * 4),
-        "heavily_compressed_attention": (n["heavily_compressed_attention"], hd * 4 + hd * 4 / hca,
-                                         hca * 2 * hd * 4),
+        "sliding_attention": (n["sliding_attention"], 0, window),
+        "compressed_sparse_attention": (n["compressed_sparse_attention"], (hd + ihd) * 4 / csa,
+                                        window + csa * (2 * 2 * hd + 2 * hd) * 4 + csa * (2 * 2 * ihd + 2 * ihd) * 4),
+        "heavily_compressed_attention": (n["heavily_compressed_attention"], hd * 4 / hca,
+                                         window + hca * 2 * hd * 4),
     }
     plan = kv_layout(c, "fp32")
-    assert {t: e["state_bytes"] for t, e in plan.items()} == {t: g[2] for t, g in got.items()}
+    assert {t: e["state_bytes"] + window for t, e in plan.items()} == {t: g[2] for t, g in got.items()}
     for e in kv["layer_types"].values():
         kv_state = e["states"]["cache_*_keys"]  # K = V, paged in the window's class: the window's blocks
         assert e["window"] == kv_state["window"] == win <= kv_state["rows"] == (-(-win // 16) + 1) * 16 < 128
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v32",
+                                        pytest.param("deepseek_v4", marks=pytest.mark.slow)])
+def test_kv_bytes_equal_the_capacity_arithmetic(tiny_compiled, model_type):
+    """The compiled artifact's KV bytes (report) are tools/capacity.py's ``kv_layout`` for the same config and the
+    artifact's storage (fp32 values, indexer keys kept in fp32): per token, over all layers and per layer type where
+    capacity names the type the same way; per sequence, its ``state_bytes`` plus the windowed rows, which the
+    paged cache holds as whole blocks, ceil(W / 16) + 1 of them (passes/paged_kv.py), where capacity counts W."""
+    from dayzero.tools.capacity import kv_bytes_per_sequence, kv_layout
+
+    ckpt, art, _ = tiny_compiled(model_type)
+    c = _config(ckpt)
+    kv = _report(art)["kv_cache"]
+    plan = kv_layout(c, "fp32", index_dtype="fp32")
+    assert kv["bytes_per_token"] == sum(e["layers"] * e["bytes_per_token"] for e in plan.values())
+    held = {t: (-(-e["window"] // 16) + 1) * 16 if e["window"] else 0 for t, e in plan.items()}
+    assert kv["fixed_bytes"] == sum(e["layers"] * (e["state_bytes"] + held[t] * e["window_bytes_per_token"])
+                                    for t, e in plan.items())
+    for t, e in plan.items():
+        if t in kv["layer_types"]:
+            got = kv["layer_types"][t]
+            assert (got["layers"], got["bytes_per_token"]) == (e["layers"], e["bytes_per_token"])
+            assert got["fixed_bytes"] == e["state_bytes"] + held[t] * e["window_bytes_per_token"]
+    assert model_type == "deepseek_v32" or set(kv["layer_types"]) == set(plan)
+    # per sequence at the compiled length: the report's figure minus the block rounding of the windows is the plan's
+    rounding = sum(e["layers"] * (held[t] - e["window"]) * e["window_bytes_per_token"] for t, e in plan.items()
+                   if e["window"])
+    length = kv["max_length"]
+    assert kv["bytes_per_token"] * length + kv["fixed_bytes"] - rounding == kv_bytes_per_sequence(plan, length)
 
 
 def _cross_layer_buffers(art, rep):

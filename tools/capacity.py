@@ -312,8 +312,11 @@ def _head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
-def _index_key_bytes(cfg: dict) -> int:
-    """One indexer key: ``index_head_dim`` fp8 values + one fp32 scale per 128 of them."""
+def _index_key_bytes(cfg: dict, index_dtype: str = "fp8") -> int:
+    """One indexer key: ``index_head_dim`` fp8 values + one fp32 scale per 128 of them (DeepSeek's layout), or
+    ``index_head_dim`` values of another ``index_dtype`` (a cache that keeps the keys unquantised, e.g. fp32)."""
+    if index_dtype != "fp8":
+        return cfg["index_head_dim"] * KV_DTYPE_BYTES[index_dtype]
     return cfg["index_head_dim"] + 4 * math.ceil(cfg["index_head_dim"] / 128)
 
 
@@ -323,12 +326,14 @@ def _kv_entry(layers, entry_bytes=0.0, rate=1, window=None, window_bytes=0, stat
             "state_bytes": state, "formula": formula}
 
 
-def kv_layout(cfg: dict, kv_dtype: str = "bf16") -> dict:
+def kv_layout(cfg: dict, kv_dtype: str = "bf16", index_dtype: str = "fp8") -> dict:
     """Per attention layer type, one layer's cache: ``{type: {"layers": n, "bytes_per_token": growth per token
     of context, "entry_bytes": bytes per cache entry, "compress_rate": tokens per entry, "window": tokens kept by
-    the windowed part (or None), "window_bytes_per_token", "state_bytes": per-sequence constant, "formula"}}``."""
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise UserError(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
+    the windowed part (or None), "window_bytes_per_token", "state_bytes": per-sequence constant, "formula"}}``.
+    ``index_dtype``: how the DSA / CSA indexer keys are stored (fp8 + scale as DeepSeek does, or e.g. fp32)."""
+    for d in (kv_dtype, index_dtype):
+        if d not in KV_DTYPE_BYTES:
+            raise UserError(f"kv dtype {d!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
     b = KV_DTYPE_BYTES[kv_dtype]
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types") or ["full_attention"] * layers
@@ -336,7 +341,7 @@ def kv_layout(cfg: dict, kv_dtype: str = "bf16") -> dict:
     out = {}
     if isinstance(cfg.get("compress_rates"), dict):  # DeepSeek-V4: sliding window + CSA / HCA compression
         hd, win, rates, ihd = _head_dim(cfg), cfg["sliding_window"], cfg["compress_rates"], cfg["index_head_dim"]
-        idx = _index_key_bytes(cfg)
+        idx = _index_key_bytes(cfg, index_dtype)
         window = dict(window=win, window_bytes=hd * b)
         sliding = f"window {win} x head_dim {hd} x {b}B (K=V)"
         for t, n in counts.items():
@@ -361,8 +366,9 @@ def kv_layout(cfg: dict, kv_dtype: str = "bf16") -> dict:
         formula = f"(kv_lora_rank {cfg['kv_lora_rank']} + qk_rope_head_dim {cfg['qk_rope_head_dim']}) x {b}B"
         if not cfg.get("index_head_dim"):
             return {"mla": _kv_entry(layers, per, formula=formula)}
-        idx = _index_key_bytes(cfg)
-        return {"mla+indexer": _kv_entry(layers, per + idx, formula=f"{formula} + indexer key {idx}B (fp8 + scale)")}
+        idx = _index_key_bytes(cfg, index_dtype)
+        return {"mla+indexer": _kv_entry(layers, per + idx, formula=f"{formula} + indexer key {idx}B ({index_dtype}"
+                                                      + (" + scale)" if index_dtype == "fp8" else ")"))}
     kvh, hd = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], _head_dim(cfg)
     per = 2 * kvh * hd * b
     formula = f"2 x kv_heads {kvh} x head_dim {hd} x {b}B"

@@ -95,9 +95,11 @@ def compile_options(fn):
     them as ``options=CompileOptions(...)``, validated there."""
     options = [
         click.option("--target", default="host", show_default=True, help="host (LLVM, detected mcpu) or cuda[:sm_90]"),
-        click.option("--max-seq", default=512, show_default=True, help="largest sequence length the artifact serves"),
+        click.option("--max-seq", default="512", show_default=True, metavar="TOKENS",
+                     help="largest sequence length the artifact serves (a count such as 4096, 64k or 1M; "
+                          "k = 10^3, M = 10^6)"),
         click.option("--max-batch", default=4, show_default=True, help="requests served at once (KV-cache slots)"),
-        click.option("--prefill-chunk", type=int, default=None,
+        click.option("--prefill-chunk", default=None, metavar="TOKENS",
                      help="most tokens per prefill call (default min(--max-seq, 512)): longer prompts are prefilled "
                           "in chunks, and the prefill arena is sized by the chunk, not by --max-seq"),
         click.option("--kv-block-size", default=16, show_default=True,
@@ -139,6 +141,11 @@ def compile_options(fn):
 
         names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
                  "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite")
+        from dayzero.tools.capacity import parse_count
+
+        for k in ("max_seq", "prefill_chunk"):
+            if kwargs[k] is not None:
+                kwargs[k] = parse_count(kwargs[k], "--" + k.replace("_", "-"))
         opts = CompileOptions(**{k: kwargs.pop(k) for k in names}, image_grids=tuple(image_grids) or None,
                               expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
         return fn(*args, options=opts, **kwargs)
@@ -425,6 +432,7 @@ def _register_optional():
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
     from dayzero.tools.bench_linear import linear_command
+    from dayzero.tools.bench_long import long_command
     from dayzero.tools.bench_ops import ops_command
     from dayzero.tools.bench_moe import moe_command
     from dayzero.tools.bench_serve import serve_command
@@ -438,7 +446,7 @@ def _register_optional():
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, linear_command, ops_command, moe_command, tuning_command, attention_command,
-                serve_command):
+                serve_command, long_command):
         bench_group.add_command(cmd)
 
 

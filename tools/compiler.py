@@ -131,7 +131,8 @@ class CompileOptions:
         """passes/paged_kv.py's configuration, or None: caches stay contiguous (no decode, or block size 0)."""
         if fe.decode is None or not self.kv_block_size:
             return None
-        return {"block_size": self.kv_block_size, "blocks": self.kv_blocks, "max_batch": self.max_batch}
+        return {"block_size": self.kv_block_size, "blocks": self.kv_blocks, "max_batch": self.max_batch,
+                "chunk": self.chunk}
 
 
 def resolve_target(target: str | dict) -> dict:

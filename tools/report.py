@@ -102,7 +102,7 @@ def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = N
     compression rate (one row per ``compress_rate`` tokens); without it a dim equal to ``length`` is taken as the
     position dim (older artifacts).  A paged state (zone ``kv_pages``) is a pool: a request holds at most
     ``length`` rows of it, and one in a sliding-window pool (the ``pages`` table listing it) ceil(W / bs) + 1
-    blocks between calls (passes/paged_kv.py)."""
+    blocks between calls (passes/paged_kv.py): a per-sequence constant, whatever the context."""
     nbytes = math.prod(b["shape"]) * _DTYPE_BYTES[b["dtype"]]
     if desc is not None:
         pos, rate = desc.get("position_dim"), desc.get("compress_rate") or 1
@@ -113,13 +113,14 @@ def _state_entry(b: dict, length: int, desc: dict | None, pages: dict | None = N
     entry = {"shape": b["shape"], "dtype": b["dtype"], "rows": rows, "compress_rate": rate,
              "bytes_per_token": nbytes / rows / rate if grows else 0, "fixed_bytes": 0 if grows else nbytes}
     window = desc.get("sliding_window") if desc is not None else None
-    if b.get("zone") == "kv_pages" and grows:
-        held = length
-        pool_window = next((t["window"] for t in (pages or {}).get("tables", []) if b["state"] in t.get("states", ())),
-                           0)
-        if pool_window:  # blocks behind the window go back: ceil(W / bs) + 1 blocks between calls
-            held = min(length, (-(-pool_window // pages["block_size"]) + 1) * pages["block_size"])
-        entry.update(rows=held, pool_rows=rows)
+    pool_window = next((t["window"] for t in (pages or {}).get("tables", []) if b["state"] in t.get("states", ())),
+                       0) if b.get("zone") == "kv_pages" else 0
+    if pool_window:  # blocks behind the window go back: ceil(W / bs) + 1 blocks between calls, a constant (the
+        # pool may be smaller than the context: it is sized by the window and the prefill chunk)
+        held = min(length, (-(-pool_window // pages["block_size"]) + 1) * pages["block_size"])
+        entry.update(rows=held, pool_rows=rows, bytes_per_token=0, fixed_bytes=nbytes // rows * held)
+    elif b.get("zone") == "kv_pages" and grows:
+        entry.update(rows=length, pool_rows=rows)
     if window:
         entry["window"] = window
     return entry

@@ -1,0 +1,182 @@
+"""``dayzero bench long``: long contexts on tiny DeepSeek-V4 and tiny DeepSeek-V3.2, compiled with ``--max-seq 1M``.
+
+Per model: make-tiny (seed 0), compile once with ``--max-seq`` (default 1M = 10^6 tokens, ``tools/capacity.py``'s
+count rule) and ``--prefill-chunk`` (default 32), then for each context C (default 4k, 64k, 256k, 1M):
+
+* prefill: a random prompt of C - 1 tokens through ``Runtime.prefill`` (chunk by chunk); tokens/s. A context whose
+  prefill would outlast ``--prefill-budget`` seconds is prefilled for that long only, then its remaining chunks are
+  skipped: the request's length is set to C - 1 so that decode runs at position C - 1 over a cache whose rows past the
+  prefilled ones are zero (a decode step's cost depends on the position, not on the values); the result says so
+  (``prefilled_tokens`` < ``context`` - 1) and the prefill rate is the measured one.
+* decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
+  per-step hook (``Program.run(observe=...)``): ``indexer`` (the steps of the indexer modules: V4's CSA indexer with
+  its compressor, V3.2's ``dsa_indexer_topk``), ``attention`` (the attention kernels: ``compressed_attention``,
+  ``cache_attention``, ``sparse_attention``, ``mla_*``) and ``rest`` (everything else: projections, MoE, norms, mHC).
+* KV: the request's resident cache bytes read off the compiled states (``dayzero report``'s kv_cache section:
+  bytes per token x C + the per-sequence constant) beside ``tools/capacity.py``'s ``kv_bytes_per_sequence`` for
+  the config at C (fp32 values and indexer keys, as the tiny artifacts store them); the ratio (target: within 1%).
+
+``attention_vs_4k``: decode attention time at each C over its time at the smallest context (target at 1M: <= 1.5).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+MODELS = ("deepseek_v4", "deepseek_v32")
+CONTEXTS = ("4k", "64k", "256k", "1M")
+ATTENTION_OPS = ("compressed_attention", "cache_attention", "sparse_attention", "mla_sparse_attention",
+                 "mla_attention")
+
+
+def _kind(node: str) -> str:
+    """A program step (its node: "<op> at <module path> (...)") -> indexer / attention / rest."""
+    op, _, where = node.partition(" at ")
+    if op.startswith("dsa_indexer_topk") or ".indexer" in where.split(" ", 1)[0]:
+        return "indexer"
+    return "attention" if op in ATTENTION_OPS else "rest"
+
+
+def _artifact(model: str, work: Path, max_seq: int, chunk: int) -> Path:
+    from dayzero.tools.compiler import CompileOptions, compile_artifact
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt, art = work / model / "ckpt", work / model / f"art_{max_seq}_{chunk}"
+    if not (ckpt / "config.json").exists():
+        make_tiny(model, ckpt, seed=0)
+    if not (art / "artifact.json").exists():
+        compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=1, prefill_chunk=chunk))
+    return art
+
+
+def _timed_decode(rt, token: int, steps: int) -> dict:
+    """Mean seconds per decode step at the request's position (every step at the same one), split by step kind:
+    the time from one step's end to the next step's end is that step's."""
+    import torch
+
+    kinds = [_kind(node) for _, _, _, node, _ in rt.programs["decode"].steps]
+    split = dict.fromkeys(("indexer", "attention", "rest"), 0.0)
+    total, length = 0.0, rt.lengths[0]
+    ids = rt._token(token)
+    for k in range(steps + 1):
+        marks: list[tuple[int, float]] = []
+        t0 = time.perf_counter()
+        rt.run_program("decode", [ids, torch.tensor([length])], 0, length + 1,
+                       observe=lambda i, node, outs: marks.append((i, time.perf_counter())))
+        t1 = time.perf_counter()
+        if k == 0:
+            continue  # warm-up
+        total += t1 - t0
+        prev = t0
+        for i, t in marks:
+            split[kinds[i]] += t - prev
+            prev = t
+    return {"step_s": total / steps, **{k: v / steps for k, v in split.items()}}
+
+
+def _kv_figures(art: Path, ckpt: Path, context: int) -> dict:
+    """The request's resident KV bytes at ``context`` (the artifact's states, as ``dayzero report``) and
+    tools/capacity.py's arithmetic for the config."""
+    from dayzero.tools.capacity import kv_bytes_per_sequence, kv_layout
+    from dayzero.tools.report import build_report
+
+    kv = build_report(str(art))["kv_cache"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    resident = int(kv["bytes_per_token"] * context + kv["fixed_bytes"])
+    plan = kv_bytes_per_sequence(kv_layout(cfg, "fp32", index_dtype="fp32"), context)
+    return {"resident": resident, "plan": plan}
+
+
+def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int, prefill_budget: float,
+               work: str | None = None) -> dict:
+    import torch
+
+    from dayzero.runtime import load
+    from dayzero.tools.bench import machine_info
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(work or tmp)
+        for model in models:
+            t0 = time.perf_counter()
+            art = _artifact(model, root, max_seq, chunk)
+            compile_s = time.perf_counter() - t0
+            rt = load(art)
+            smallest = None
+            for c in sorted(contexts):
+                # a prompt of c - 1 tokens, then the decode step that makes the context c tokens
+                prompt = torch.randint(0, 256, (c - 1,), generator=torch.Generator().manual_seed(c)).tolist()
+                rt.reset(0)
+                t0 = time.perf_counter()
+                done = 0
+                ids = torch.tensor([prompt])
+                while done < c - 1 and (done == 0 or time.perf_counter() - t0 < prefill_budget):
+                    n = min(rt.prefill_chunk, c - 1 - done)
+                    if done == 0:
+                        rt.prefill(ids[:, :n])
+                    else:
+                        rt.prefill(ids[:, done:done + n], append=True)
+                    done += n
+                prefill_s = time.perf_counter() - t0
+                rt.lengths[0] = c - 1  # decode at position c - 1 (rows past the prefilled ones stay zero, see the
+                if rt.kv is not None:  # module docstring)
+                    rt.kv.trim(0, c - 1)  # a skipped tail: window blocks are handed out from position c's window on
+                d = _timed_decode(rt, prompt[-1], steps)
+                kv = _kv_figures(art, art.parent / "ckpt", c)
+                smallest = smallest or d
+                common = {"model": model, "context": c, "max_seq": max_seq, "prefill_chunk": chunk,
+                          "bound": None, "bound_name": None}
+                results += [
+                    {"case": f"{model}/{c}/prefill_tokens_per_s", "unit": "tok/s", "dayzero": done / prefill_s,
+                     "baselines": {}, "prefilled_tokens": done, "prefill_s": prefill_s, **common},
+                    {"case": f"{model}/{c}/decode_step", "unit": "s", "dayzero": d["step_s"], "baselines": {},
+                     "split_s": {k: d[k] for k in ("indexer", "attention", "rest")}, **common},
+                    {"case": f"{model}/{c}/decode_attention_vs_smallest", "unit": "x",
+                     "dayzero": d["attention"] / smallest["attention"], "baselines": {}, "target": 1.5,
+                     "smallest_context": min(contexts), **common},
+                    {"case": f"{model}/{c}/kv_bytes", "unit": "B", "dayzero": kv["resident"],
+                     "baselines": {"capacity_arithmetic": kv["plan"]},
+                     "resident_over_arithmetic": kv["resident"] / kv["plan"], "target": 1.01, **common},
+                ]
+            results.append({"case": f"{model}/compile_s", "unit": "s", "dayzero": compile_s, "baselines": {},
+                            "model": model, "bound": None, "bound_name": None})
+    return {"suite": "long", "machine": machine_info(), "results": results}
+
+
+@click.command("long")
+@click.option("--json", "as_json", is_flag=True, help="Print the bench JSON object.")
+@click.option("--model", "models", multiple=True, type=click.Choice(MODELS), help="default: both")
+@click.option("--contexts", default=",".join(CONTEXTS), show_default=True,
+              help="comma-separated context lengths (4k = 4000, 1M = 10^6)")
+@click.option("--max-seq", default="1M", show_default=True, help="the artifacts' --max-seq")
+@click.option("--prefill-chunk", default=32, show_default=True, help="the artifacts' --prefill-chunk")
+@click.option("--steps", default=3, show_default=True, help="timed decode steps per context")
+@click.option("--prefill-budget", default=120.0, show_default=True,
+              help="seconds of prefill per context at most (the rest of a longer prompt is skipped, see --help)")
+@click.option("--work", type=click.Path(file_okay=False), default=None,
+              help="where checkpoints and artifacts go (reused when present); default a temp dir")
+def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefill_budget, work):
+    """Long contexts (tiny DeepSeek-V4, tiny DeepSeek-V3.2 compiled with --max-seq 1M): prefill tokens/s, decode
+    step time split into indexer / attention / rest, resident KV bytes against the config's arithmetic."""
+    from dayzero import UserError
+    from dayzero.tools.capacity import parse_count
+
+    ctx = [parse_count(x, "--contexts") for x in contexts.split(",") if x.strip()]
+    top = parse_count(max_seq, "--max-seq")
+    if not ctx or max(ctx) > top or min(ctx) < 2:
+        raise UserError(f"--contexts must be non-empty, each in [2, --max-seq {top}]")
+    if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0:
+        raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive")
+    out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work)
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    for r in out["results"]:
+        base = ", ".join(f"{k} {v:.4g}" for k, v in r["baselines"].items())
+        extra = " ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r.get("split_s", {}).items())
+        click.echo(f"{r['case']:48s} {r['dayzero']:12.4g} {r['unit']:5s} {extra} {('(' + base + ')') if base else ''}")
