@@ -83,7 +83,7 @@ def test_cli_run_bad_value_in_a_real_process_is_one_stderr_line(qwen):
     (["run", "art", "--temperature", "abc"], "'--temperature': 'abc' is not a valid float"),
     (["run", "art", "--bogus"], "No such option '--bogus'"),
     (["run"], "Missing argument 'ARTIFACT'"),
-    (["compile", "ckpt", "-o", "out", "--max-seq", "x"], "'--max-seq': 'x' is not a valid integer"),
+    (["compile", "ckpt", "-o", "out", "--max-seq", "x"], "--max-seq: expected a number like 1000, 128k or 1M, got 'x'"),
     (["frobnicate"], "No such command 'frobnicate'"),
 ])
 def test_cli_usage_errors_are_one_line(tmp_path, args, needle):
