@@ -131,6 +131,11 @@ def compile_options(fn):
                      help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)"),
         click.option("--allow-nonfinite", is_flag=True,
                      help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)"),
+        click.option("--ep", type=int, default=1, show_default=True,
+                     help="expert-parallel ranks: the routed experts of every MoE layer split over them (run the "
+                          "artifact with `torchrun --nproc-per-node N -m dayzero run ...`, N = tp x ep)"),
+        click.option("--tp", type=int, default=1, show_default=True,
+                     help="tensor-parallel ranks (not implemented yet: 1)"),
     ]
 
     @functools.wraps(fn)
@@ -138,7 +143,8 @@ def compile_options(fn):
         from dayzero.tools.compiler import CompileOptions
 
         names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
-                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite")
+                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite", "tp",
+                 "ep")
         opts = CompileOptions(**{k: kwargs.pop(k) for k in names}, image_grids=tuple(image_grids) or None,
                               expert_cache_bytes=_parse_bytes(expert_cache, "--expert-cache"))
         return fn(*args, options=opts, **kwargs)
@@ -290,7 +296,8 @@ def run_cmd(artifact, input_ids, prompt, chat, max_new_tokens, temperature, top_
                            **({"images": list(images)} if images else {}))
         res = {"tokens": toks}
     res["seconds"] = time.perf_counter() - t0
-    _emit(res, as_json, (lambda r: click.echo(r["text"])) if prompt is not None else None)
+    if getattr(rt, "rank", 0) == 0:  # a sharded artifact under torchrun: every rank ran the same; rank 0 prints
+        _emit(res, as_json, (lambda r: click.echo(r["text"])) if prompt is not None else None)
 
 
 @main.command("dump-ir")
