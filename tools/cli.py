@@ -431,6 +431,7 @@ def _register_optional():
     """Commands that live in their own modules."""
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
+    from dayzero.tools.bench_dist import dist_command
     from dayzero.tools.bench_linear import linear_command
     from dayzero.tools.bench_moe import moe_command
     from dayzero.tools.bench_serve import serve_command
@@ -443,7 +444,8 @@ def _register_optional():
 
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
-    for cmd in (dequant_command, linear_command, moe_command, tuning_command, attention_command, serve_command):
+    for cmd in (dequant_command, linear_command, moe_command, tuning_command, attention_command, serve_command,
+                dist_command):
         bench_group.add_command(cmd)
 
 
