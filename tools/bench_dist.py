@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,16 +31,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time(fn, repeat: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _measure(art: str, prefill: int, repeat: int) -> dict:
     """Median prefill / decode-step seconds of the artifact in this process, and the seconds spent in collectives
     per call (the runtime's collective steps, timed around ``run_collective``)."""
@@ -49,6 +38,7 @@ def _measure(art: str, prefill: int, repeat: int) -> dict:
 
     from dayzero.runtime import dist as rdist
     from dayzero.runtime import load
+    from dayzero.tools.bench import _median_time
 
     spent = [0.0]
     inner = rdist.run_collective
@@ -70,7 +60,7 @@ def _measure(art: str, prefill: int, repeat: int) -> dict:
         if case == "decode":
             rt.prefill(ids[:, :16])
         spent[0] = 0.0
-        out[case] = _time(fn, repeat)
+        out[case] = _median_time(fn, repeat)
         out[case + "_collective_s"] = spent[0] / (repeat + 1)
     return out
 
