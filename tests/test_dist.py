@@ -105,6 +105,42 @@ def _moe_inputs(seed: int = 0):
             {"wgu": torch.randn(E, 2 * I, H, generator=g) * 0.3, "wd": torch.randn(E, H, I, generator=g) * 0.3})
 
 
+def _mlp_graph() -> Graph:
+    """A dense SwiGLU MLP: linear(silu(linear(x, Wg)) * linear(x, Wu), Wd), intermediate 2*I."""
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (5, H))])
+    f = lambda *shape: TensorType("float32", shape)  # noqa: E731
+    wg, wu = (Node.make("weight", (), {"name": n}, [f(2 * I, H)]) for n in ("wg", "wu"))
+    wd = Node.make("weight", (), {"name": "wd"}, [f(H, 2 * I)])
+    g = Node.make("linear", (x, wg), {"bias": False}, [f(5, 2 * I)])
+    u = Node.make("linear", (x, wu), {"bias": False}, [f(5, 2 * I)])
+    h = Node.make("mul.Tensor", (Node.make("silu", (g,), {}, [f(5, 2 * I)]), u), {}, [f(5, 2 * I)])
+    return Graph("prefill", (x,), (Node.make("linear", (h, wd), {"bias": False}, [f(5, H)]),))
+
+
+def _mlp_weights(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return {"wg": torch.randn(2 * I, H, generator=g), "wu": torch.randn(2 * I, H, generator=g),
+            "wd": torch.randn(H, 2 * I, generator=g)}
+
+
+def test_shard_splits_a_dense_mlp_over_tp_ranks():
+    g, found = shard(_mlp_graph(), Mesh.of(tp=2))
+    verify(g)
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_mlp": 1}
+    (out,) = g.outputs
+    assert out.op == "all_reduce" and out.attr["group"] == "tp"
+    down = out.inputs[0]
+    assert down.inputs[1].attr["shard"] == ("tp", 1, 2) and down.inputs[1].shape == (H, I)
+    ups = [n for n in g.nodes() if n.op == "linear" and n is not down]
+    assert len(ups) == 2 and all(n.inputs[1].attr["shard"] == ("tp", 0, 2) and n.shape == (5, I) for n in ups)
+    # the same MLP with its activation read elsewhere too is no MLP block to split
+    whole = _mlp_graph()
+    h = whole.outputs[0].inputs[0]
+    leaky = Graph("prefill", whole.inputs, (whole.outputs[0], h))
+    assert not shard(leaky, Mesh.of(tp=2))[1].patterns
+
+
 def test_shard_splits_the_routed_experts_over_ep_ranks():
     g, found = shard(_moe_graph(), Mesh.of(ep=2))
     verify(g)
@@ -162,13 +198,19 @@ def _interp_rank(rank: int, port: int, q) -> None:
     from dayzero.passes.ir import ops
     ag = ops.get("all_gather").call([x], gathered.attr)
     a2a = ops.get("all_to_all").call([torch.arange(4.0) + 10 * rank], {"group": "ep", "size": 2})
-    q.put((rank, y.tolist(), ag.tolist(), a2a.tolist()))
+    rdist.setup(Mesh.of(tp=2), timeout_s=30)  # the same 2 ranks as the tp group: the dense MLP split
+    tg, _ = shard(_mlp_graph(), Mesh.of(tp=2))
+    mw = _mlp_weights()
+    cols = slice(rank * I, (rank + 1) * I)
+    (m,) = run_graph(tg, {"x": inputs["x"]}, lambda name: mw[name][:, cols] if name == "wd" else mw[name][cols])
+    q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist()))
     dist.destroy_process_group()
 
 
 def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
-    """The reference interpreter on 2 gloo ranks, each with its half of the experts: the all-reduced partial
-    combines are the unsharded graph's output; all_gather and all_to_all move what they say."""
+    """The reference interpreter on 2 gloo ranks, each with its half of the experts (then of a dense MLP's
+    intermediate columns): the all-reduced partial sums are the unsharded graph's output; all_gather and
+    all_to_all move what they say."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -182,7 +224,9 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
         p.join(60)
     inputs, weights = _moe_inputs()
     (want,) = run_graph(_moe_graph(), inputs, weights.__getitem__)
-    for rank, y, ag, a2a in res:
+    (want_mlp,) = run_graph(_mlp_graph(), {"x": inputs["x"]}, _mlp_weights().__getitem__)
+    for rank, y, ag, a2a, m in res:
+        assert torch.allclose(torch.tensor(m), want_mlp, rtol=1e-5, atol=1e-4)
         assert torch.allclose(torch.tensor(y), want, rtol=1e-5, atol=1e-5)
         assert ag == [[0, 1, 2, 10, 11, 12], [3, 4, 5, 13, 14, 15]]
         assert a2a == ([0, 1, 10, 11] if rank == 0 else [2, 3, 12, 13])
@@ -207,8 +251,11 @@ def _single(art):
     sys.path.insert(0, str(HERE))
     import _dist_worker as w
 
+    from dayzero.runtime.executor import generate_batch
+
     rt = load(art)
-    return rt.prefill([w.PROMPT]), rt.generate(w.PROMPT, max_new_tokens=w.NEW_TOKENS)
+    return (rt.prefill([w.PROMPT]), rt.generate(w.PROMPT, max_new_tokens=w.NEW_TOKENS),
+            [r["tokens"] for r in generate_batch(rt, w.BATCH, max_new_tokens=w.NEW_TOKENS)])
 
 
 @pytest.mark.slow
@@ -222,7 +269,7 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
                               env=_rank_env(r, 2, port), stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
-    want_logits, want_tokens = _single(single)
+    want_logits, want_tokens, want_batch = _single(single)
     n = 8 // 2  # tiny Qwen3-MoE: 8 routed experts per layer
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         for r, path in enumerate(outs):
@@ -230,6 +277,7 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
                 logits = got.get_tensor("logits")
                 assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-4), (logits - want_logits).abs().max()
                 assert got.get_tensor("tokens").tolist() == want_tokens
+                assert got.get_tensor("batch_tokens").tolist() == want_batch
                 reads = [line.split() for line in json.loads(got.metadata()["reads"])]
                 # this rank's experts and nobody else's: every read of a routed expert's tensor is one of its own
                 experts = {int(k.split(".experts.")[1].split(".")[0]) for k, _, _ in reads if ".experts." in k}
@@ -252,10 +300,11 @@ def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dayzero", "run",
                           str(art), "--input-ids", ids, "--max-new-tokens", str(w.NEW_TOKENS), "--json"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stderr[-2000:]
-    _, want_tokens = _single(single)
-    printed = [json.loads(res.stdout[res.stdout.index("{"):])]  # rank 0 prints, the others do not
-    assert res.stdout.count('"tokens"') == 1 and printed[0]["tokens"] == want_tokens
+    assert res.returncode == 0, (res.stdout[-1000:], res.stderr[-2000:])
+    _, want_tokens, _ = _single(single)
+    assert res.stdout.count('"tokens"') == 1, res.stdout[-2000:]  # rank 0 prints, the others do not
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    assert printed["tokens"] == want_tokens, (printed, want_tokens)
 
 
 @pytest.mark.slow

@@ -135,7 +135,8 @@ def compile_options(fn):
                      help="expert-parallel ranks: the routed experts of every MoE layer split over them (run the "
                           "artifact with `torchrun --nproc-per-node N -m dayzero run ...`, N = tp x ep)"),
         click.option("--tp", type=int, default=1, show_default=True,
-                     help="tensor-parallel ranks (not implemented yet: 1)"),
+                     help="tensor-parallel ranks: dense MLPs (a dense layer's, the shared experts) split over them "
+                          "(attention heads, embeddings and the head stay replicated for now)"),
     ]
 
     @functools.wraps(fn)

@@ -115,8 +115,7 @@ class CompileOptions:
                              route=self.expert_route, target_kind=tgt.get("kind", "llvm"))
         if self.max_batch < 1:
             raise UserError("--max-batch must be at least 1")
-        if Mesh.of(tp=self.tp, ep=self.ep).size("tp") > 1:
-            raise UserError("--tp is not implemented yet (issue 19): shard with --ep")
+        Mesh.of(tp=self.tp, ep=self.ep)  # positive sizes
         if self.kv_block_size < 0:
             raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
         if self.kv_blocks is not None and self.kv_blocks < 2:
