@@ -308,13 +308,16 @@ def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
 
 
 @pytest.mark.slow
-def test_wrong_world_size_and_a_dead_rank_fail_fast_with_one_line(qwen3_ep2, tmp_path):
+def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep2, tmp_path):
     _, _, art = qwen3_ep2
     plain = subprocess.run([sys.executable, "-m", "dayzero", "run", str(art), "--input-ids", "1,2"],
                            capture_output=True, text=True, timeout=120,
                            env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert plain.returncode == 2 and "torchrun --nproc-per-node 2" in plain.stderr
     assert len(plain.stderr.strip().splitlines()) == 1
+    served = subprocess.run([sys.executable, "-m", "dayzero", "serve", str(art)], capture_output=True, text=True,
+                            timeout=120)
+    assert served.returncode == 2 and "does not run sharded artifacts yet" in served.stderr
     three = _ranks([sys.executable, "-m", "dayzero", "run", str(art), "--input-ids", "1,2"], world=3, timeout=120)
     for r in three:
         assert r.returncode == 2 and "sharded over 2 ranks" in r.stderr and "WORLD_SIZE is 3" in r.stderr, r.stderr

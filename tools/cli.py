@@ -392,8 +392,23 @@ def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_nam
         raise UserError("--max-queue must be at least 1")
     if timeout is not None and timeout <= 0:
         raise UserError("--timeout must be positive")
+    _refuse_sharded(artifact, "serve")
     serve(artifact, host=host, port=port, max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout,
           model=model_name, validate=validate_ckpt, load_progress=LoadProgress())
+
+
+def _refuse_sharded(artifact: str, command: str) -> None:
+    """A sharded artifact (``--ep`` / ``--tp``) runs under torchrun with ``run`` only, for now: every rank must
+    step together, which the engine does not arrange yet (issue 19)."""
+    from dayzero.runtime import validate
+
+    try:
+        mesh = validate.read_json(os.path.join(artifact, "program.json")).get("mesh")
+    except (UserError, OSError, AttributeError):
+        return  # not an artifact: the command's own load says so
+    if mesh:
+        raise UserError(f"{artifact} is sharded over a device mesh {mesh}: `{command}` does not run sharded "
+                        "artifacts yet; use `torchrun --nproc-per-node N -m dayzero run ...`")
 
 
 @main.group("bench")
