@@ -240,7 +240,9 @@ def build_report(artifact: str) -> dict:
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
         "mesh": rep.get("mesh"),  # a sharded artifact (passes/shard.py): axes, weight bytes per rank vs the model's
     }
-    out["plan"] = plan_agreement(artifact, out)
+    # a sharded artifact holds one rank's share; the plan is the whole model's (``plan --devices`` is not there yet)
+    sharded = (out["mesh"] or {}).get("world", 1) > 1
+    out["plan"] = None if sharded else plan_agreement(artifact, out)
     return out
 
 
