@@ -234,15 +234,19 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
 
 # ---- sharded artifacts on 2 ranks -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def qwen3_ep2(tiny_compiled, tmp_path_factory):
-    """(checkpoint, single-device artifact, --ep 2 artifact) of tiny Qwen3-MoE, same max_seq / max_batch."""
+def _sharded(tiny_compiled, tmp_path_factory, model: str, **mesh):
+    """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch."""
     from dayzero.tools.driver import compile_model
 
-    ckpt, single, _ = tiny_compiled("qwen3_moe")
-    out = tmp_path_factory.mktemp("ep2") / "art"
-    compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, ep=2, verify=True)
+    ckpt, single, _ = tiny_compiled(model)
+    out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
+    compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
     return ckpt, single, out
+
+
+@pytest.fixture(scope="module")
+def qwen3_ep2(tiny_compiled, tmp_path_factory):
+    return _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", ep=2)
 
 
 def _single(art):
@@ -258,35 +262,64 @@ def _single(art):
             [r["tokens"] for r in generate_batch(rt, w.BATCH, max_new_tokens=w.NEW_TOKENS)])
 
 
-@pytest.mark.slow
-def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, tmp_path):
-    ckpt, single, art = qwen3_ep2
-    rep = json.loads((art / "report.json").read_text())["mesh"]
-    assert rep["world"] == 2 and rep["collectives"]["prefill"] == 4  # a group_rank and an all_reduce per layer
+def _run_two_ranks(ckpt: Path, single: Path, art: Path, tmp_path: Path, split_axis: str) -> list:
+    """Both ranks of ``art`` against ``single``: logits, greedy tokens alone and batched; a rank's checkpoint reads
+    of the tensors split along ``split_axis`` are exactly its own slices' copy runs (disjoint from the other
+    rank's). Returns each rank's saved tensors."""
     outs = [tmp_path / f"r{r}.safetensors" for r in range(2)]
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(art), str(outs[r]), "run"],
                               env=_rank_env(r, 2, port), stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
-        assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
     want_logits, want_tokens, want_batch = _single(single)
-    n = 8 // 2  # tiny Qwen3-MoE: 8 routed experts per layer
+    manifest = json.loads((art / "weights.json").read_text())
+    # per rank, the copy runs of the weights split along split_axis: (checkpoint key, start, length)
+    own = [set(), set()]
+    for e in manifest["tensors"].values():
+        if e.get("shard", {}).get("group") == split_axis:
+            for r, runs in enumerate(e["shard_runs"]):
+                own[r] |= {(key, s0, length) for _, key, s0, length in runs}
+    split_keys = {k for k, _, _ in own[0] | own[1]}
+    assert own[0] and own[1] and not own[0] & own[1]
+    saved = []
+    for r, path in enumerate(outs):
+        with safe_open(str(path), "pt") as got:
+            logits = got.get_tensor("logits")
+            assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-4), (logits - want_logits).abs().max()
+            assert got.get_tensor("tokens").tolist() == want_tokens
+            assert got.get_tensor("batch_tokens").tolist() == want_batch
+            reads = {(k, int(a), int(n)) for k, a, n in (line.split() for line in json.loads(got.metadata()["reads"]))}
+            saved.append({k: got.get_tensor(k) for k in got.keys()})
+        # every read of a split tensor's checkpoint key is one of this rank's own runs, and it read them all
+        assert {x for x in reads if x[0] in split_keys} == own[r]
+    return saved
+
+
+@pytest.mark.slow
+def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, tmp_path):
+    ckpt, single, art = qwen3_ep2
+    rep = json.loads((art / "report.json").read_text())["mesh"]
+    assert rep["world"] == 2 and rep["collectives"]["prefill"] == 4  # a group_rank and an all_reduce per layer
+    saved = _run_two_ranks(ckpt, single, art, tmp_path, "ep")
+    n = 8 // 2  # tiny Qwen3-MoE: 8 routed experts per layer, each its own checkpoint tensor
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        for r, path in enumerate(outs):
-            with safe_open(str(path), "pt") as got:
-                logits = got.get_tensor("logits")
-                assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-4), (logits - want_logits).abs().max()
-                assert got.get_tensor("tokens").tolist() == want_tokens
-                assert got.get_tensor("batch_tokens").tolist() == want_batch
-                reads = [line.split() for line in json.loads(got.metadata()["reads"])]
-                # this rank's experts and nobody else's: every read of a routed expert's tensor is one of its own
-                experts = {int(k.split(".experts.")[1].split(".")[0]) for k, _, _ in reads if ".experts." in k}
-                assert experts == set(range(r * n, (r + 1) * n))
-                # the bound expert weights are the checkpoint's slice (Qwen3-MoE stores one tensor per expert)
-                down = got.get_tensor("model.layers.0.mlp.experts.down_proj")
-                assert down.shape[0] == n
-                for e in range(n):
-                    assert torch.equal(down[e], f.get_tensor(f"model.layers.0.mlp.experts.{r * n + e}.down_proj.weight"))
+        for r, got in enumerate(saved):
+            down = got["model.layers.0.mlp.experts.down_proj"]
+            assert down.shape[0] == n
+            for e in range(n):  # the bound expert weights are the checkpoint's slice
+                assert torch.equal(down[e], f.get_tensor(f"model.layers.0.mlp.experts.{r * n + e}.down_proj.weight"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp")])
+def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
+                                                                      tmp_path_factory, tmp_path):
+    """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared
+    experts): --ep 2 and --tp 2 (the dense MLP and the shared experts split) give the single-device logits and
+    tokens, each rank reading only its slices."""
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
+    _run_two_ranks(ckpt, single, art, tmp_path, axis)
 
 
 @pytest.mark.slow
