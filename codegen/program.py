@@ -23,6 +23,7 @@ from tvm import te
 
 from dayzero import InternalError, UnsupportedOpsError
 from dayzero.passes.ir import ops
+from dayzero.passes.ir.collective import COLLECTIVES
 from dayzero.passes.ir.node import Graph, Node, TensorType
 from dayzero.passes.ir.text import _value
 from . import lower
@@ -68,6 +69,9 @@ class Step:
     symbols: list[str] = field(default_factory=list)  # trailing scalar arguments: symbol values
     outputs: int = 1  # the last `outputs` of args are written
     layer: tuple[str, int] | None = None  # the repeated block (decoder layer) of its node's span, if any
+    # a collective the runtime runs with torch.distributed (passes/ir/collective.py), no kernel:
+    # {"op": ..., and the node's attrs (group, size, ...)}; kernel is "" then
+    collective: dict | None = None
 
 
 @dataclass
@@ -87,7 +91,7 @@ def check_supported(g: Graph) -> None:
     bad = []
     seen = set()
     for n in g.nodes():
-        if n.op in ("input", "weight", "state") or ops.get(n.op).view or _no_kernel(n):
+        if n.op in ("input", "weight", "state", *COLLECTIVES) or ops.get(n.op).view or _no_kernel(n):
             continue
         if n.op not in lower.LOWERINGS and n.op not in KERNELS and (n.op, str(n.span)) not in seen:
             seen.add((n.op, str(n.span)))
@@ -183,6 +187,11 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
             buf_of[id(n)] = outs
             if _no_kernel(n):
                 continue
+        if n.op in COLLECTIVES:  # run by the runtime between kernels, on the same arena views
+            args = [buf_of[id(i)][0] for i in n.inputs]
+            prog.steps.append(Step("", args + outs, f"{n.op} at {n.span}", [], len(outs), n.span.layer,
+                                   dict(n.attr, op=n.op)))
+            continue
         key = _kernel_key(n)
         kernel = by_key.get(key)
         if kernel is None:
@@ -224,7 +233,8 @@ def program_json(prog: Program) -> dict:
                      **({"input_kind": b.input_kind} if b.input_kind else {})}
                     for b in prog.buffers],
         "steps": [{"kernel": s.kernel, "args": s.args, "node": s.node, "symbols": s.symbols,
-                   "outputs": s.outputs} for s in prog.steps],
+                   "outputs": s.outputs, **({"collective": s.collective} if s.collective else {})}
+                  for s in prog.steps],
         "kernels": {k.name: {"op": k.op, "route": k.route, "span": k.span} for k in prog.kernels.values()},
     }
 

@@ -23,12 +23,13 @@ from safetensors import SafetensorError, safe_open
 
 from dayzero import InternalError, UserError
 from dayzero.codegen.artifact import recover_interrupted_swap
+from dayzero.passes.ir.collective import Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.ops import DTYPE_BYTES, torch_dtype
 from dayzero.passes.ir.shape_expr import dim_function, parse_program_shapes
 from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES
 
-from . import request_checks, validate
+from . import dist, request_checks, validate
 from .kv_pages import KVPages
 
 
@@ -70,6 +71,11 @@ class _Program:
         self._funcs = {}
         self.steps = []
         for st in pj["steps"]:
+            if st.get("collective") is not None:  # torch.distributed between kernels (runtime/dist.py)
+                attrs = {k: v for k, v in st["collective"].items() if k != "op"}
+                self.steps.append((dist.step(st["collective"]["op"], attrs, st["node"]), st["args"], [],
+                                   st["node"], st["outputs"]))
+                continue
             f = self._funcs.get(st["kernel"])
             if f is None:
                 f = self._funcs[st["kernel"]] = lib[st["kernel"]]
@@ -270,8 +276,11 @@ def use_all_cores() -> int:
 class Runtime:
     """A loaded artifact: ``prefill(input_ids) -> logits``."""
 
-    def __init__(self, path: str | Path, progress: Callable[[int, int], None] | None = None):
-        """``progress(bytes_bound, bytes_total)`` is called as the weights are bound (a load progress bar)."""
+    def __init__(self, path: str | Path, progress: Callable[[int, int], None] | None = None,
+                 dist_timeout_s: float = dist.DEFAULT_TIMEOUT_S):
+        """``progress(bytes_bound, bytes_total)`` is called as the weights are bound (a load progress bar). A
+        sharded artifact (its ``mesh``) joins its process groups here (runtime/dist.py: under torchrun, every
+        collective waits ``dist_timeout_s`` at most) and binds only this rank's shards of the weights."""
         self.path = Path(path)
         # every file checked (format, sizes, hashes, schema, bounds, overlap) before dlopen and any kernel: validate.py
         recover_interrupted_swap(self.path)
@@ -280,6 +289,8 @@ class Runtime:
         self.manifest = validate.read_json(self.path / "weights.json")
         max_bytes = validate.check_program_json(self.program_json)
         validate.check_weights(self.manifest, self.program_json)
+        self.mesh = Mesh.from_json(self.program_json.get("mesh"))
+        self.rank = dist.setup(self.mesh, self.program_json.get("target", {}).get("kind", "llvm"), dist_timeout_s)
         self.lib = tvm.runtime.load_module(str(self.path / "kernels.so"))
         validate.check_kernels(self.program_json, self.lib)
         self.threads = use_all_cores()
@@ -356,7 +367,10 @@ class Runtime:
                     raise UserError(f"{self.path}/weights.json: weight {name} comes from a checkpoint the artifact "
                                     "does not record (compiled by an older dayzero? recompile it)")
                 flat = dst.reshape(-1)
-                for run in entry.get("runs", ()):
+                runs = entry.get("runs", ())
+                if "shard" in entry:  # this rank's slice only (passes/shard.py; checked by validate.check_weights)
+                    runs = entry["shard_runs"][self.mesh.coord(self.rank, entry["shard"]["group"])]
+                for run in runs:
                     if not (isinstance(run, list) and len(run) == 4 and isinstance(run[1], str) and
                             all(isinstance(x, int) and not isinstance(x, bool) for x in (run[0], *run[2:]))):
                         raise UserError(f"{self.path}/weights.json: weight {name}: copy run {run!r} is not "
@@ -378,7 +392,7 @@ class Runtime:
                 if not self.manifest.get("allow_nonfinite", False) and dst.dtype.is_floating_point:
                     if any(bool((~torch.isfinite(p.float() if p.element_size() == 1 else p)).any())
                            for p in flat.split(LOAD_CHUNK)):
-                        keys = sorted({r[1] for r in entry["runs"]})
+                        keys = sorted({r[1] for r in runs})
                         raise UserError(f"weight {name} (checkpoint tensor {', '.join(keys[:3])}) holds NaN/Inf "
                                         "values; the artifact was compiled without --allow-nonfinite")
             if progress is not None:
@@ -818,5 +832,6 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def load(path: str | Path, progress: Callable[[int, int], None] | None = None) -> Runtime:
-    return Runtime(path, progress)
+def load(path: str | Path, progress: Callable[[int, int], None] | None = None,
+         dist_timeout_s: float = dist.DEFAULT_TIMEOUT_S) -> Runtime:
+    return Runtime(path, progress, dist_timeout_s)

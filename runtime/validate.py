@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dayzero import UserError
 from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_digest
+from dayzero.passes.ir.collective import COLLECTIVES, MESH_AXES, Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE, INPUT_KINDS
 from dayzero.passes.ir.ops import DTYPE_BYTES
 from dayzero.passes.ir.shape_expr import dim_at
@@ -214,7 +215,38 @@ def _check_buffer(b, i: int, symbols, w: _Where, path: str) -> None:
         w.int(a, f"{p}.alias_of", 0, i - 1 if i else 0)
 
 
-def _check_program(name: str, pj, w: _Where) -> dict:
+def _check_collective(st: dict, bufs: list, mesh: Mesh, w: _Where, sp: str) -> None:
+    """A collective step (runtime/dist.py): a known op over a mesh axis of the artifact's mesh, its size the
+    axis's, one output of its input's dtype (and shape, but all_gather's dim), group_rank's int64 [1]."""
+    c = w.obj(st["collective"], f"{sp}.collective")
+    op, group = c.get("op"), c.get("group")
+    if op not in COLLECTIVES:
+        w.fail(f"{sp}.collective.op", f"{op!r:.40} is not a collective ({', '.join(COLLECTIVES)})")
+    if group not in MESH_AXES or c.get("size") != mesh.size(group) or mesh.size(group) < 2:
+        w.fail(f"{sp}.collective", f"group {group!r:.20} of size {c.get('size')!r:.20} is no axis of the mesh "
+                                   f"{mesh.json()}")
+    args = st["args"]
+    if st["outputs"] != 1 or len(args) != (1 if op == "group_rank" else 2):
+        w.fail(f"{sp}.args", f"{op} takes {0 if op == 'group_rank' else 1} input and writes 1 output")
+    out = bufs[args[-1]]
+    if op == "group_rank":
+        if out["dtype"] != "int64" or out["shape"] != [1]:
+            w.fail(f"{sp}.args", "group_rank writes int64 [1]")
+        return
+    x = bufs[args[0]]
+    if x["dtype"] != out["dtype"] or len(x["shape"]) != len(out["shape"]):
+        w.fail(f"{sp}.args", f"{op} reads {x['dtype']}{x['shape']} and writes {out['dtype']}{out['shape']}")
+    if op == "all_gather":
+        d = c.get("dim")
+        if not _is_int(d) or not 0 <= d < len(x["shape"]):
+            w.fail(f"{sp}.collective.dim", f"{d!r:.20} is not a dimension of {x['shape']}")
+        if any(a != b for k, (a, b) in enumerate(zip(x["shape"], out["shape"])) if k != d):
+            w.fail(f"{sp}.args", f"all_gather changes dimensions other than {d}")
+    elif x["shape"] != out["shape"] or (op == "all_reduce" and c.get("reduce") != "sum"):
+        w.fail(f"{sp}", f"{op} keeps its input's shape (and all_reduce sums)")
+
+
+def _check_program(name: str, pj, w: _Where, mesh: Mesh) -> dict:
     """Schema of one program; returns {symbol: (lo, hi)}."""
     path = f"programs.{name}"
     w.obj(pj, path)
@@ -257,12 +289,14 @@ def _check_program(name: str, pj, w: _Where) -> dict:
         sp = f"{path}.steps[{j}]"
         w.obj(st, sp)
         k = w.str(w.key(st, "kernel", sp), f"{sp}.kernel")
-        if k not in kernels:
+        if k not in kernels and st.get("collective") is None:
             w.fail(f"{sp}.kernel", f"{k!r:.60} is not one of the program's kernels")
         args = w.lst(w.key(st, "args", sp), f"{sp}.args")
         for m, x in enumerate(args):
             bid(x, f"{sp}.args[{m}]")
         w.int(w.key(st, "outputs", sp), f"{sp}.outputs", 0, len(args))
+        if st.get("collective") is not None:
+            _check_collective(st, bufs, mesh, w, sp)
         w.str(w.key(st, "node", sp), f"{sp}.node")
         for m, s in enumerate(w.lst(st.get("symbols", []), f"{sp}.symbols")):
             if s not in symbols:
@@ -300,7 +334,8 @@ def check_program_json(pj) -> dict[str, list[int]]:
     progs = w.obj(w.key(pj, "programs", "(top)"), "programs")
     if "prefill" not in progs:
         w.fail("programs", "has no prefill program")
-    symbols = {name: _check_program(name, p, w) for name, p in progs.items()}
+    mesh = Mesh.from_json(pj.get("mesh"))
+    symbols = {name: _check_program(name, p, w, mesh) for name, p in progs.items()}
     arena = {p["memory"]["arena_bytes"] for p in progs.values()}
     if len(arena) != 1:
         w.fail("programs", f"disagree on arena_bytes ({sorted(arena)}): one arena is shared")
@@ -406,7 +441,8 @@ def _check_index_inputs(name: str, p: dict, w: _Where) -> None:
     bufs, ranges = p["buffers"], p.get("input_ranges", {})
     inputs = set(p["inputs"])
     for j, st in enumerate(p["steps"]):
-        if p["kernels"][st["kernel"]].get("op") != "embedding" or len(st["args"]) < 3:
+        if st.get("collective") is not None or p["kernels"][st["kernel"]].get("op") != "embedding" or \
+                len(st["args"]) < 3:
             continue
         table, idx = st["args"][0], st["args"][1]
         if idx not in inputs:
@@ -476,7 +512,8 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
 def check_weights(wj, pj: dict) -> None:
     """Every weight buffer has a weights.json entry of its dtype and shape; copy runs within the destination
     and reading from checkpoint keys the manifest lists (runs within the source are checked as the checkpoint
-    is opened: ``check_run_source``)."""
+    is opened: ``check_run_source``); a sharded weight has one list of runs per rank of its mesh axis."""
+    mesh = Mesh.from_json(pj.get("mesh"))
     w = _Where("weights.json")
     w.obj(wj, "(top)")
     check_format(wj.get("format"), "weights.json")
@@ -508,8 +545,20 @@ def check_weights(wj, pj: dict) -> None:
                 continue
             if src != "checkpoint":
                 w.fail(f"{tp}.source", f"{src!r:.40} is neither 'artifact' nor 'checkpoint'")
-            for k, run in enumerate(w.lst(w.key(e, "runs", tp), f"{tp}.runs")):
-                rp = f"{tp}.runs[{k}]"
+            if "shard" in e:  # one list of runs per group rank (passes/shard.py)
+                sh = w.obj(e["shard"], f"{tp}.shard")
+                parts = mesh.size(sh.get("group")) if sh.get("group") in MESH_AXES else None
+                if parts is None or parts < 2 or sh.get("parts") != parts or not _is_int(sh.get("dim")) or \
+                        not 0 <= sh["dim"] < len(b["shape"]):
+                    w.fail(f"{tp}.shard", f"{str(sh)[:60]} is not a split over an axis of the mesh {mesh.json()}")
+                lists = w.lst(w.key(e, "shard_runs", tp), f"{tp}.shard_runs")
+                if len(lists) != parts:
+                    w.fail(f"{tp}.shard_runs", f"{len(lists)} lists of runs for {parts} ranks")
+                runs = [(f"{tp}.shard_runs[{i}][{k}]", run) for i, lst in enumerate(lists)
+                        for k, run in enumerate(w.lst(lst, f"{tp}.shard_runs[{i}]"))]
+            else:
+                runs = [(f"{tp}.runs[{k}]", run) for k, run in enumerate(w.lst(w.key(e, "runs", tp), f"{tp}.runs"))]
+            for rp, run in runs:
                 if not (isinstance(run, list) and len(run) == 4):
                     w.fail(rp, "expected [dst_offset, checkpoint key, src_offset, length]")
                 d0 = w.int(run[0], f"{rp}[0]")
@@ -535,6 +584,6 @@ def check_run_source(name: str, key: str, s0: int, length: int, shape) -> None:
 def check_kernels(pj: dict, lib) -> None:
     """Every kernel a step calls is a function of the loaded library."""
     for name, p in pj["programs"].items():
-        for k in sorted({st["kernel"] for st in p["steps"]}):
+        for k in sorted({st["kernel"] for st in p["steps"] if st.get("collective") is None}):
             if not lib.implements_function(k, True):
                 raise UserError(f"kernels.so has no function {k!r} (program.json: programs.{name})")

@@ -291,3 +291,24 @@ def test_mxfp4_kernel_reads_codes_with_vector_loads():
     lookup = {"pshufb": r"\bv?pshufb\b", "permvar16": r"\bvperm[dps]+\b"}.get(dequant.lookup_mode(target))
     if lookup:
         assert re.findall(lookup, asm)
+
+
+@pytest.mark.slow  # a heavy kernel build: the end-to-end tier
+def test_kernel_skips_other_ranks_experts():
+    """Expert parallel (passes/shard.py) shifts each rank's ids: an id outside [0, E) is another rank's expert,
+    computed nowhere here and adding nothing; the result is the combine over the in-range slots alone (those slots'
+    weights zeroed and their ids pointed at any local expert gives the same sum)."""
+    f, act = _lib(2, "nk", False, "silu_glu")
+    g = torch.Generator().manual_seed(3)
+    T = 9
+    ids = torch.randint(-E, 2 * E, (T, 2), generator=g)
+    ids[0] = torch.tensor([-1, E])  # a token none of whose experts is here
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g)
+    wgu, wd = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    y = torch.full((T, H), float("nan"))
+    f(x, ids, w, wgu, wd, y)
+    here = (ids >= 0) & (ids < E)
+    masked = [x, torch.where(here, ids, 0), torch.where(here, w, 0.0), wgu, wd]
+    ref = rm.moe_reference(masked, dict(layout="nk", act=act, inter=I, gate_up_bias=False, down_bias=False))
+    assert torch.equal(y[0], torch.zeros(H))
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4), (y - ref).abs().max()

@@ -133,6 +133,12 @@ def compile_options(fn):
                      help="LRU cache of converted experts, e.g. 64MiB (0: none; the workspace holds one expert)"),
         click.option("--allow-nonfinite", is_flag=True,
                      help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)"),
+        click.option("--ep", type=int, default=1, show_default=True,
+                     help="expert-parallel ranks: the routed experts of every MoE layer split over them (run the "
+                          "artifact with `torchrun --nproc-per-node N -m dayzero run ...`, N = tp x ep)"),
+        click.option("--tp", type=int, default=1, show_default=True,
+                     help="tensor-parallel ranks: dense MLPs (a dense layer's, the shared experts) split over them "
+                          "(attention heads, embeddings and the head stay replicated for now)"),
     ]
 
     @functools.wraps(fn)
@@ -140,7 +146,8 @@ def compile_options(fn):
         from dayzero.tools.compiler import CompileOptions
 
         names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
-                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite")
+                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "allow_nonfinite", "tp",
+                 "ep")
         from dayzero.tools.capacity import parse_count
 
         for k in ("max_seq", "prefill_chunk"):
@@ -297,7 +304,8 @@ def run_cmd(artifact, input_ids, prompt, chat, max_new_tokens, temperature, top_
                            **({"images": list(images)} if images else {}))
         res = {"tokens": toks}
     res["seconds"] = time.perf_counter() - t0
-    _emit(res, as_json, (lambda r: click.echo(r["text"])) if prompt is not None else None)
+    if getattr(rt, "rank", 0) == 0:  # a sharded artifact under torchrun: every rank ran the same; rank 0 prints
+        _emit(res, as_json, (lambda r: click.echo(r["text"])) if prompt is not None else None)
 
 
 @main.command("dump-ir")
@@ -391,8 +399,23 @@ def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_nam
         raise UserError("--max-queue must be at least 1")
     if timeout is not None and timeout <= 0:
         raise UserError("--timeout must be positive")
+    _refuse_sharded(artifact, "serve")
     serve(artifact, host=host, port=port, max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout,
           model=model_name, validate=validate_ckpt, load_progress=LoadProgress())
+
+
+def _refuse_sharded(artifact: str, command: str) -> None:
+    """A sharded artifact (``--ep`` / ``--tp``) runs under torchrun with ``run`` only, for now: every rank must
+    step together, which the engine does not arrange yet (issue 19)."""
+    from dayzero.runtime import validate
+
+    try:
+        mesh = validate.read_json(os.path.join(artifact, "program.json")).get("mesh")
+    except (UserError, OSError, AttributeError):
+        return  # not an artifact: the command's own load says so
+    if mesh:
+        raise UserError(f"{artifact} is sharded over a device mesh {mesh}: `{command}` does not run sharded "
+                        "artifacts yet; use `torchrun --nproc-per-node N -m dayzero run ...`")
 
 
 @main.group("bench")
@@ -431,6 +454,7 @@ def _register_optional():
     """Commands that live in their own modules."""
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
+    from dayzero.tools.bench_dist import dist_command
     from dayzero.tools.bench_linear import linear_command
     from dayzero.tools.bench_long import long_command
     from dayzero.tools.bench_ops import ops_command
@@ -446,7 +470,7 @@ def _register_optional():
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, linear_command, ops_command, moe_command, tuning_command, attention_command,
-                serve_command, long_command):
+                serve_command, long_command, dist_command):
         bench_group.add_command(cmd)
 
 

@@ -20,6 +20,7 @@ by one step and read by another). Nothing is written until every step before ``w
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.fold_empty import fold_empty
 from dayzero.passes.fuse import fuse
 from dayzero.passes.inplace_state import inplace_state
+from dayzero.passes.ir.collective import Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph
 from dayzero.passes.ir.text import print_graph
@@ -51,6 +53,7 @@ from dayzero.passes.memory_plan import PER_REQUEST_ZONES
 from dayzero.passes.moe import moe
 from dayzero.passes.paged_kv import ZONE as PAGED_ZONE, paged_kv
 from dayzero.passes.pipeline import Found
+from dayzero.passes.shard import shard
 from dayzero.passes.sparse_attention import sparse_attention
 from dayzero.passes.token_positions import first_position_reads, token_positions
 from dayzero.targets.host import host_target_dict
@@ -93,6 +96,8 @@ class CompileOptions:
     expert_route: str = "auto"
     expert_cache_bytes: int = 0
     allow_nonfinite: bool = False
+    tp: int = 1
+    ep: int = 1
     target_dict: dict = field(init=False, repr=False)
     expert_dtype: str = field(init=False, repr=False)
     route: str = field(init=False, repr=False)
@@ -111,6 +116,7 @@ class CompileOptions:
                              route=self.expert_route, target_kind=tgt.get("kind", "llvm"))
         if self.max_batch < 1:
             raise UserError("--max-batch must be at least 1")
+        Mesh.of(tp=self.tp, ep=self.ep)  # positive sizes
         if self.kv_block_size < 0:
             raise UserError("--kv-block-size must be >= 0 (0: contiguous caches)")
         if self.kv_blocks is not None and self.kv_blocks < 2:
@@ -122,6 +128,11 @@ class CompileOptions:
                             ("image_grids", tuple(self.image_grids) if self.image_grids else None),
                             ("expert_cache_bytes", int(self.expert_cache_bytes))):
             object.__setattr__(self, name, value)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh the artifact is sharded over (passes/shard.py): tp x ep ranks."""
+        return Mesh.of(tp=self.tp, ep=self.ep)
 
     def experts(self) -> dict:
         """The report's ``experts`` entry (before the routes each program took)."""
@@ -172,6 +183,7 @@ class StepEnv:
     route: str = "fused"  # MXFP4 experts: "workspace" rewrites them (expert_workspace)
     expert_dtype: str = HOST_COMPUTE_DTYPE
     expert_cache_bytes: int = 0
+    mesh: Mesh = Mesh()  # the device mesh (passes/shard.py); one rank by default
 
 
 Step = Callable[[Graph, StepEnv], "tuple[Graph, Found]"]
@@ -192,6 +204,8 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     # -- identify patterns ---------------------------------------------------------------------------------------
     ("moe", lambda g, env: moe(g, env.constants)),  # routed experts -> moe_experts (grouped GEMM, routed only)
     ("dequant", lambda g, env: dequant(g, env.constants)),  # MXFP4 / FP8 chains -> fused dequant kernels
+    # -- distribute over the device mesh ---------------------------------------------------------------------------
+    ("shard", lambda g, env: shard(g, env.mesh)),  # routed experts split over the ep ranks + all_reduce
     # -- lay out state: cache writes in place ----------------------------------------------------------------------
     ("inplace_state", lambda g, env: inplace_state(g)),
     # -- identify patterns that read the in-place cache ----------------------------------------------------------
@@ -294,7 +308,7 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
     def build(name: str, g: Graph, kv_pages: dict | None = None, per_token: bool = False,
               accept: Callable[[Graph], str] | None = None) -> str:
         env = StepEnv(res.constants, kv_pages, per_token, options.route, options.expert_dtype,
-                      options.expert_cache_bytes)
+                      options.expert_cache_bytes, options.mesh)
         g, found = run_steps(g, env, verify, Path(dump_dir) / name if dump_dir is not None else None)
         res.constants.update(found.constants)
         why = accept(g) if accept is not None else ""
@@ -414,7 +428,13 @@ def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, 
             continue
         name = n.attr["name"]
         meta = {"dtype": n.dtype, "shape": list(n.shape)}
-        if name in fe.recipes:
+        if name in fe.recipes and "shard" in n.attr:  # each group rank binds its own slice (passes/shard.py)
+            group, dim, parts = n.attr["shard"]
+            full = tuple(d * parts if k == dim else d for k, d in enumerate(n.shape))
+            entries[name] = dict(meta, source="checkpoint", shard={"group": group, "dim": dim, "parts": parts},
+                                 shard_runs=[[list(r) for r in shard_runs(fe.recipes[name], full, dim, parts, i)]
+                                             for i in range(parts)])
+        elif name in fe.recipes:
             entries[name] = dict(meta, source="checkpoint", runs=[list(r) for r in fe.recipes[name]])
         elif name in constants or name in fe.traced.weights:
             t = constants.get(name, fe.traced.weights.get(name))
@@ -431,6 +451,38 @@ def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, 
     return manifest, own
 
 
+def shard_runs(runs, shape: tuple[int, ...], dim: int, parts: int, index: int) -> list[tuple]:
+    """The copy runs ([dst, key, src, length], over the flat full tensor of ``shape``) that fill slice ``index`` of
+    ``parts`` equal slices along ``dim``, with dst offsets in the slice: only the slice's source elements are
+    read (each rank reads its shard of the checkpoint, nothing else)."""
+    inner = math.prod(shape[dim + 1:])
+    chunk = shape[dim] // parts * inner  # contiguous elements of the slice per index of the dims before dim
+    row = shape[dim] * inner
+    out = []
+    for o in range(math.prod(shape[:dim])):
+        lo_full, base = o * row + index * chunk, o * chunk
+        for d0, key, s0, length in runs:
+            lo, hi = max(d0, lo_full), min(d0 + length, lo_full + chunk)
+            if lo < hi:
+                out.append((base + lo - lo_full, key, s0 + lo - d0, hi - lo))
+    return out
+
+
+def mesh_report(ps: Programs, manifest: dict, mesh: Mesh) -> dict:
+    """The report's ``mesh``: the axes, and per rank the weight bytes it binds (its shards and the replicated
+    weights) beside the whole model's."""
+    from dayzero.passes.ir.ops import DTYPE_BYTES
+
+    per_rank = full = 0
+    for name, e in manifest["tensors"].items():
+        nbytes = math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
+        per_rank += nbytes
+        full += nbytes * (e["shard"]["parts"] if "shard" in e else 1)
+    collectives = {p.name: sum(1 for s in p.steps if s.collective) for p in ps.programs}
+    return {"axes": mesh.json(), "world": mesh.world, "weight_bytes_per_rank": per_rank,
+            "weight_bytes_total": full, "collectives": collectives}
+
+
 def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: CompileOptions, ps: Programs, lib,
                    build_stats: dict, layout: dict) -> dict:
     """The artifact directory (kernels.so, program.json, weights.json / .safetensors, report.json, ...), written
@@ -438,6 +490,7 @@ def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: Compi
     progs = ps.programs
     manifest, own = weights_manifest(fe, list(ps.graphs.values()), ps.constants)
     manifest["allow_nonfinite"] = bool(options.allow_nonfinite)
+    mesh = options.mesh
     report = {
         "format": artifact.FORMAT,
         "model_type": fe.model_type,
@@ -458,6 +511,7 @@ def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: Compi
         "kv_pages": ps.kv_pages,
         "allow_nonfinite": bool(options.allow_nonfinite),
         "decode_batch": ps.decode_batch,
+        "mesh": mesh_report(ps, manifest, mesh),
     }
     pjs = {}
     for p in progs:
@@ -470,6 +524,7 @@ def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: Compi
         export_library(lib, d / "kernels.so")
         artifact.write_json(d / "program.json", {"format": artifact.FORMAT, "target": options.target_dict,
                                                  "programs": pjs, "kv_pages": report["kv_pages"],
+                                                 "mesh": mesh.json() if mesh.world > 1 else None,
                                                  "max_seq": options.max_seq if fe.decode is not None else None})
         artifact.write_json(d / "weights.json", manifest)
         artifact.save_tensors(d / "weights.safetensors", own)

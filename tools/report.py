@@ -239,8 +239,11 @@ def build_report(artifact: str) -> dict:
         "kv_cache": kv_cache_report(artifact, progs, rep.get("kv_cache_layout"), rep.get("kv_pages"),
                                     pj_top.get("max_seq")),
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
+        "mesh": rep.get("mesh"),  # a sharded artifact (passes/shard.py): axes, weight bytes per rank vs the model's
     }
-    out["plan"] = plan_agreement(artifact, out)
+    # a sharded artifact holds one rank's share; the plan is the whole model's (``plan --devices`` is not there yet)
+    sharded = (out["mesh"] or {}).get("world", 1) > 1
+    out["plan"] = None if sharded else plan_agreement(artifact, out)
     return out
 
 
@@ -391,6 +394,12 @@ def _human(r: dict) -> None:
     click.echo("op counts (steps): " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()))
     click.echo("patterns: " + (", ".join(f"{k} x{v}" for k, v in r["patterns"].items()) or "none"))
     click.echo(f"unsupported: {len(r['unsupported'])}" + "".join(f"\n  {u}" for u in r["unsupported"]))
+    m = r.get("mesh")
+    if m and m.get("world", 1) > 1:
+        click.echo(f"mesh: {', '.join(f'{a} {n}' for a, n in m['axes'].items())} ({m['world']} ranks, each plans its "
+                   f"own arena): weights {m['weight_bytes_per_rank']:,} B per rank of the model's "
+                   f"{m['weight_bytes_total']:,} B; collective steps " +
+                   ", ".join(f"{p} {c}" for p, c in m["collectives"].items()))
     kv = r.get("kv_cache")
     if kv:
         click.echo(f"kv cache (one request slot of {kv['max_length']} tokens; {kv['slots']} slot(s)): "

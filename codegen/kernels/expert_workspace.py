@@ -213,7 +213,7 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
                             A[offs[e] + p, io * L + l] = xin(act_value(act, G, offs[e] + p, io * L + l))
                 gemm(A, lambda p: p, DB, WS, DS, BD, D, offs[e], offs[e + 1], cur[0], cur[1], e, H, I, GUH, PD)
         # 3. weighted combine in token order
-        combine_in_token_order(Y, WR, D, pos, n_tok, H, k, T.parallel, T.vectorized)
+        combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, T.parallel, T.vectorized)
 
     gub, gus, db, ds = (E, GU, H // 32, 16), (E, GU, H // 32), (E, H, I // 32, 16), (E, H, I // 32)
     ML = meta_len(S)

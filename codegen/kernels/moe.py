@@ -168,34 +168,43 @@ def expert_gemm_tiles(vec=T.vectorized):
 @T.macro(hygienic=True)
 def sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k):
     """Counting sort of the S = n_tok * k assignments a = t * k + j (IDS[t, j] = expert) by expert, serial,
-    O(S + E), stable in a: offs[e] = the first sorted position of expert e (offs[E] = S), order[p] = the assignment
-    at sorted position p, pos[a] = the sorted position of assignment a (fill [E]: scratch)."""
+    O(S + E), stable in a: offs[e] = the first sorted position of expert e (offs[E] = the assignments in
+    [0, E)), order[p] = the assignment at sorted position p, pos[a] = the sorted position of assignment a (fill
+    [E]: scratch). An id outside [0, E) is another rank's expert (expert parallel: passes/shard.py): it is not
+    sorted, no GEMM computes it and ``combine_in_token_order`` skips it."""
     for e in range(E + 1):
         offs[e] = 0
     for a in range(n_tok * k):
-        offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
+        if IDS[a // k, a % k] >= 0:
+            if IDS[a // k, a % k] < E:
+                offs[T.Cast("int32", IDS[a // k, a % k]) + 1] = offs[T.Cast("int32", IDS[a // k, a % k]) + 1] + 1
     for e in range(E):
         offs[e + 1] = offs[e + 1] + offs[e]
         fill[e] = offs[e]
     for a in range(n_tok * k):
-        order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
-        pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
-        fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
+        if IDS[a // k, a % k] >= 0:
+            if IDS[a // k, a % k] < E:
+                order[fill[T.Cast("int32", IDS[a // k, a % k])]] = T.Cast("int32", a)
+                pos[a] = fill[T.Cast("int32", IDS[a // k, a % k])]
+                fill[T.Cast("int32", IDS[a // k, a % k])] = fill[T.Cast("int32", IDS[a // k, a % k])] + 1
 
 
 @T.macro(hygienic=True)
-def combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec):
-    """Y[t, h] = sum_j WR[t, j] * D[pos[t * k + j], h], j ascending: deterministic, no atomics (``par`` / ``vec``:
-    the token and lane loops)."""
+def combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec):
+    """Y[t, h] = sum_j WR[t, j] * D[pos[t * k + j], h], j ascending, over the j whose expert IDS[t, j] is in
+    [0, E) (the others are other ranks'): deterministic, no atomics (``par`` / ``vec``: the token and lane
+    loops)."""
     for t in par(n_tok):
         for ho in range(H // L):
             for l in vec(L):
                 Y[t, ho * L + l] = T.Cast(Y.dtype, T.float32(0))
         for j in range(k):
-            for ho in range(H // L):
-                for l in vec(L):
-                    Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
-                        Y.dtype, T.Cast("float32", WR[t, j]) * D[pos[t * k + j], ho * L + l])
+            if IDS[t, j] >= 0:
+                if IDS[t, j] < E:
+                    for ho in range(H // L):
+                        for l in vec(L):
+                            Y[t, ho * L + l] = Y[t, ho * L + l] + T.Cast(
+                                Y.dtype, T.Cast("float32", WR[t, j]) * D[pos[t * k + j], ho * L + l])
 
 
 @functools.lru_cache(maxsize=64)  # parsing the TVMScript takes seconds; a PrimFunc is immutable, shared safely
@@ -372,7 +381,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                     d_block(A, WD, WDS, BD, D, acc2, wbd, LUT, offs[e], offs[e + 1], e,
                             (c * (H // NB // PD) + nbi) * NB)
         # 5. weighted combine in token order
-        combine_in_token_order(Y, WR, D, pos, n_tok, H, k, par, vec)
+        combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec)
 
     @T.prim_func
     def dense(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle, wd_h: T.handle,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from dayzero import InternalError
+from .collective import (all_gather_reference, all_reduce_reference, all_to_all_reference,
+                         group_rank_reference)
 from .opdef import ATTR, OPT_TENSOR, TENSOR, OpDef
 from .reference_attention import (by_token, compressed_reference, dense_reference, indexer_reference,
                                   mla_dense_reference, mla_sparse_reference, paged_write_reference, sparse_reference)
@@ -95,8 +97,10 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
     OpDef("input", args=(("name", ATTR), ("kind", ATTR)), reference=_no_ref("input"), meta_ok=False,
           doc="a program input; attr name; attr kind (one of INPUT_KINDS) when the runtime passes it: "
               "'block_table' for a paged cache's block table (passes/paged_kv.py); absent for the model's own inputs"),
-    OpDef("weight", args=(("name", ATTR),), reference=_no_ref("weight"), meta_ok=False,
-          doc="a parameter, buffer or constant, bound at load time; attr name (key in the weights manifest)"),
+    OpDef("weight", args=(("name", ATTR), ("shard", ATTR)), reference=_no_ref("weight"), meta_ok=False,
+          doc="a parameter, buffer or constant, bound at load time; attr name (key in the weights manifest); attr "
+              "shard (group, dim, parts) when each rank holds part group_rank of ``parts`` equal slices of the "
+              "named tensor along dim (passes/shard.py; the node's shape is the slice)"),
     OpDef("state", args=(("name", ATTR), ("zone", ATTR)), reference=_no_ref("state"), meta_ok=False,
           doc="a persistent mutable buffer shared by the programs of an artifact (KV cache, cross-layer state);"
               " attrs name, zone (kv_cache | cross_layer_state); zero when a request starts"),
@@ -119,11 +123,24 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
           doc="one kernel for a group of ops: inputs are the group's external values; attr body = ((op, args, "
               "attrs, dtype, shape), ...) in topological order, args indexing the inputs then earlier entries; "
               "the output is the last entry's value"),
+    # ---- collectives over a named group of the device mesh (passes/ir/collective.py; run by the runtime) -----
+    OpDef("all_reduce", args=(("x", TENSOR), ("group", ATTR), ("size", ATTR), ("reduce", ATTR)),
+          reference=all_reduce_reference,
+          doc="sum of x over the ranks of mesh axis ``group`` (``size`` ranks; attr reduce 'sum'); out as x"),
+    OpDef("all_gather", args=(("x", TENSOR), ("group", ATTR), ("size", ATTR), ("dim", ATTR)),
+          reference=all_gather_reference,
+          doc="the group's x concatenated along ``dim`` in group-rank order; out dim ``dim`` is size times x's"),
+    OpDef("all_to_all", args=(("x", TENSOR), ("group", ATTR), ("size", ATTR)),
+          reference=all_to_all_reference,
+          doc="x [size*n, ..]: chunk j goes to group rank j, out chunk i came from group rank i; out as x"),
+    OpDef("group_rank", args=(("group", ATTR), ("size", ATTR)), reference=group_rank_reference,
+          doc="int64 [1]: this rank's index in its group on mesh axis ``group`` (``size`` ranks)"),
     # ---- routed experts (passes/moe.py, passes/dequant.py, passes/expert_workspace.py) ------------------------
     OpDef("moe_experts", args=(*_ROUTING, ("w_gate_up", TENSOR), ("b_gate_up", OPT_TENSOR), ("w_down", TENSOR),
                                ("b_down", OPT_TENSOR), ("layout", ATTR), *_MOE_ATTRS),
           reference=moe_reference,
-          doc="routed experts: x [T,H], topk_ids int [T,k], topk_weights [T,k], w_gate_up [E,GU,H] (nk) or "
+          doc="routed experts (an id outside [0, E) is another rank's expert: not computed, adds nothing): "
+              "x [T,H], topk_ids int [T,k], topk_weights [T,k], w_gate_up [E,GU,H] (nk) or "
               "[E,H,GU] (kn), [b_gate_up [E,GU]], w_down [E,H,I] (nk) or [E,I,H] (kn), [b_down [E,H]]; attrs "
               "layout, act (expression over G's columns, see passes/moe.py), inter I, gate_up_bias, down_bias"),
     OpDef("moe_experts_mxfp4", args=(*_ROUTING, *_MXFP4_EXPERTS, *_MOE_ATTRS),

@@ -235,14 +235,15 @@ def structurally_equal(a: Graph, b: Graph) -> bool:
         [ia[id(o)] for o in a.inputs] == [ib[id(o)] for o in b.inputs]
 
 
-def rewrite(graph: Graph, fn) -> Graph:
+def rewrite(graph: Graph, fn, with_original: bool = False) -> Graph:
     """Rebuild the graph bottom-up; ``fn(node) -> Node | None`` sees a node whose inputs are already rewritten
-    and returns its replacement (or None to keep it). Identity of unchanged nodes is preserved."""
+    and returns its replacement (or None to keep it). Identity of unchanged nodes is preserved. ``with_original``:
+    ``fn(node, original)`` also gets the node of ``graph`` it stands for (a pass that matched on ``graph``)."""
     new: dict[int, Node] = {}
     for n in graph.nodes():
         ins = tuple(new[id(i)] for i in n.inputs)
         m = n if all(a is b for a, b in zip(ins, n.inputs)) else n.replace(inputs=ins)
-        r = fn(m)
+        r = fn(m, n) if with_original else fn(m)
         new[id(n)] = m if r is None else r
     return graph.replace(inputs=tuple(new[id(i)] for i in graph.inputs),
                          outputs=tuple(new[id(o)] for o in graph.outputs))

@@ -45,7 +45,8 @@ def _split_inputs(ins, attrs):
 def moe_reference(ins, attrs):
     """y[t] = sum_j w[t,j] * (down_e(act(gate_up_e(x[t]) + b_gu[e])) + b_d[e]),  e = ids[t, j].
 
-    Loops over the experts some token chose (each read once), accumulating in fp32."""
+    Loops over the experts some token chose (each read once), accumulating in fp32; an id outside [0, E) is
+    another rank's expert (passes/shard.py) and adds nothing."""
     x, ids, w, wgu, bgu, wd, bd = _split_inputs(ins, attrs)
     out_dtype = torch.promote_types(torch.promote_types(x.dtype, wd.dtype), w.dtype)
     T, H = x.shape
@@ -56,6 +57,8 @@ def moe_reference(ins, attrs):
     flat = ids.reshape(-1)
     k = ids.shape[1]
     for e in torch.unique(flat).tolist():
+        if not 0 <= e < wgu.shape[0]:  # another rank's expert (expert parallel): adds nothing here
+            continue
         a = (flat == e).nonzero(as_tuple=True)[0]
         tok = a // k
         xe = x[tok].float()

@@ -15,7 +15,8 @@ import torch
 
 from dayzero import InternalError
 from . import ops
-from .node import Graph, Node
+from .collective import COLLECTIVES, MESH_AXES
+from .node import Graph, Node, TensorType
 
 
 class VerifyError(InternalError):
@@ -81,6 +82,8 @@ def verify(g: Graph) -> None:
             expected = _count_inputs(od, n.attr)
             if expected != len(n.inputs):
                 raise VerifyError(n, f"{len(n.inputs)} inputs, signature takes {expected}")
+        if n.op in COLLECTIVES:
+            _check_collective(n)
         if od.view and n.op != "getitem":
             if sympy.simplify(_numel(n.inputs[0].shape) - _numel(n.shape)) != 0:
                 raise VerifyError(n, "view changes the number of elements")
@@ -104,6 +107,33 @@ def _verify_body(n: Node) -> None:
             raise VerifyError(n, f"fused body entry {k} ({op}) reads a value not defined before it")
     if (body[-1][3], tuple(body[-1][4])) != (n.dtype, tuple(n.shape)):
         raise VerifyError(n, "fused body's last entry is not typed as the node")
+
+
+def _check_collective(n: Node) -> None:
+    """A collective names a mesh axis and that group's size; its dtype and shape follow from its input."""
+    a = n.attr
+    size = a.get("size")
+    if a.get("group") not in MESH_AXES or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise VerifyError(n, f"group {a.get('group')!r} of size {size!r}: expected a mesh axis "
+                             f"({', '.join(MESH_AXES)}) and a positive size")
+    if n.op == "group_rank":
+        if n.inputs or n.types[0] != TensorType("int64", (1,)):
+            raise VerifyError(n, "group_rank takes no input and gives int64 [1]")
+        return
+    x, out = n.inputs[0].type, n.type
+    if out.dtype != x.dtype:
+        raise VerifyError(n, f"{x.dtype} in, {out.dtype} out")
+    if n.op == "all_gather":
+        d = a.get("dim")
+        if not isinstance(d, int) or not 0 <= d < len(x.shape) or len(out.shape) != len(x.shape) or \
+                sympy.simplify(out.shape[d] - size * x.shape[d]) != 0:
+            raise VerifyError(n, f"all_gather along dim {d!r}: out {out.shape} is not {size}x {x.shape}")
+    elif out.shape != x.shape:
+        raise VerifyError(n, f"{n.op} keeps its input's shape {x.shape}, declared {out.shape}")
+    elif n.op == "all_to_all" and (not x.shape or not isinstance(x.shape[0], int) or x.shape[0] % size):
+        raise VerifyError(n, f"all_to_all: dim 0 of {x.shape} is not a static multiple of {size}")
+    elif n.op == "all_reduce" and a.get("reduce") != "sum":
+        raise VerifyError(n, f"all_reduce {a.get('reduce')!r}: only sum")
 
 
 def _count_inputs(od: ops.OpDef, attrs) -> int:

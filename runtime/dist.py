@@ -1,0 +1,86 @@
+"""Several ranks: the process groups of a sharded artifact's mesh, on torch.distributed, and its collective steps.
+
+A sharded artifact (``dayzero compile --ep E``) runs as ``torchrun --nproc-per-node N -m dayzero run ART ...``:
+torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, ``setup`` joins the default process group (gloo on
+CPU, NCCL for a CUDA target) with a timeout and makes one group per mesh axis (passes/ir/collective.py), and each
+collective step of a program runs on the arena views of its buffers between kernels (``step``).
+
+Failures give one line on every rank instead of a hang: a world size other than the artifact's is refused before
+any rank connects (each rank reads WORLD_SIZE), and a collective whose peer died or stalled fails after the
+process group's timeout (``timeout_s``) with a UserError naming the step.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from dayzero import UserError
+from dayzero.passes.ir.collective import Mesh, run_collective, use_groups
+
+DEFAULT_TIMEOUT_S = 120.0  # seconds a collective (and the rendezvous) may wait for the other ranks
+
+
+def launch_hint(mesh: Mesh) -> str:
+    return f"torchrun --nproc-per-node {mesh.world} -m dayzero run ART ..."
+
+
+def setup(mesh: Mesh, target_kind: str = "llvm", timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Join (or reuse) the default process group for ``mesh`` and register one group per axis of more than one
+    rank; returns this process's rank (0 for a 1-rank mesh, which needs no torch.distributed at all)."""
+    import torch.distributed as dist
+
+    axes = ", ".join(f"{a} {s}" for a, s in mesh.axes if s > 1)
+    if mesh.world == 1:
+        use_groups({})
+        return 0
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            raise UserError(f"this artifact is sharded over {mesh.world} ranks ({axes}): run it under "
+                            f"`{launch_hint(mesh)}`")
+        world = os.environ["WORLD_SIZE"]
+        if world != str(mesh.world):
+            raise UserError(f"this artifact is sharded over {mesh.world} ranks ({axes}) but WORLD_SIZE is "
+                            f"{world[:20]}: launch `{launch_hint(mesh)}`")
+        backend = "nccl" if target_kind == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"rank {os.environ['RANK'][:8]}: joining the {mesh.world}-rank process group failed: "
+                            f"{_first_line(e)}") from None
+    elif dist.get_world_size() != mesh.world:
+        raise UserError(f"this artifact is sharded over {mesh.world} ranks ({axes}) but the process group has "
+                        f"{dist.get_world_size()}")
+    rank = dist.get_rank()
+    groups = {}
+    for axis, size in mesh.axes:
+        if size == 1:
+            continue
+        for ranks in mesh.groups(axis):  # every rank creates every group (torch.distributed's rule)
+            pg = dist.group.WORLD if len(ranks) == mesh.world else \
+                dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if rank in ranks:
+                groups[axis] = (pg, size, ranks.index(rank))
+    use_groups(groups)
+    return rank
+
+
+def step(op: str, attrs: dict, node: str):
+    """The callable of a collective step: ``f(*arena views)`` (the input, if any, then the output)."""
+    def run(*views: torch.Tensor) -> None:
+        try:
+            run_collective(op, attrs, views[0] if len(views) > 1 else None, views[-1])
+        except RuntimeError as e:  # gloo / NCCL: a peer closed the connection, or the timeout passed
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise UserError(f"rank {rank}: {node} failed (a rank died or stalled past the timeout): "
+                            f"{_first_line(e)}") from None
+    return run
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]

@@ -1,0 +1,361 @@
+"""Several ranks (issue 19): the mesh, the collective ops, the shard pass (expert parallel), and sharded artifacts run
+on 2 gloo ranks on 127.0.0.1 against the single-device artifact of the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dayzero import UserError
+from dayzero.passes.ir.collective import Mesh
+from dayzero.passes.ir.interp import run_graph
+from dayzero.passes.ir.node import Graph, Node, TensorType
+from dayzero.passes.ir.verify import VerifyError, check_shapes, verify
+from dayzero.passes.moe import OP as MOE
+from dayzero.passes.shard import shard
+from dayzero.tools.compiler import shard_runs
+
+from conftest import SHARED_MAX_BATCH, SHARED_MAX_SEQ
+
+HERE = Path(__file__).parent
+E, H, I, K = 8, 16, 8, 2
+SILU_GLU = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict:
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), OMP_NUM_THREADS="1", TVM_NUM_THREADS="1")
+
+
+def _ranks(cmd: list[str], world: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """``cmd`` started once per rank with torchrun's environment; waits for all (each rank's stderr kept)."""
+    port = _free_port()
+    procs = [subprocess.Popen(cmd + [str(r)] if "{rank}" in cmd else cmd, env=_rank_env(r, world, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
+
+
+# ---- the mesh -------------------------------------------------------------------------------------------------
+
+def test_mesh_groups_are_the_ranks_differing_on_one_axis():
+    m = Mesh.of(tp=2, ep=3)
+    assert m.world == 6 and m.json() == {"tp": 2, "ep": 3}
+    assert [m.coord(r, "ep") for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [m.coord(r, "tp") for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert m.groups("ep") == [[0, 1, 2], [3, 4, 5]] and m.groups("tp") == [[0, 3], [1, 4], [2, 5]]
+    assert Mesh.from_json(None).world == 1
+    for bad in ({"dp": 2}, {"ep": 0}, {"ep": True}, [2], {"ep": "2"}):
+        with pytest.raises(UserError):
+            Mesh.from_json(bad)
+
+
+def test_shard_runs_read_exactly_the_slice():
+    """Copy runs of a tensor filled from several source tensors (per-expert keys, as Qwen3-MoE stores them),
+    restricted to a slice along dim 0 and dim 1: applied to the sources they give the slice of the whole."""
+    full = torch.arange(4 * 6 * 5).reshape(4, 6, 5)
+    srcs = {f"e{e}": full[e].reshape(-1) for e in range(4)}
+    runs = [(e * 30, f"e{e}", 0, 30) for e in range(4)]
+    for dim, parts in ((0, 2), (0, 4), (1, 2), (1, 3), (2, 5)):
+        n = full.shape[dim] // parts
+        for i in range(parts):
+            got = torch.full((n * full.numel() // full.shape[dim],), -1)
+            for d0, key, s0, length in shard_runs(runs, tuple(full.shape), dim, parts, i):
+                got[d0:d0 + length] = srcs[key][s0:s0 + length]
+            assert torch.equal(got, full.narrow(dim, i * n, n).reshape(-1)), (dim, parts, i)
+
+
+# ---- the shard pass and the collective ops --------------------------------------------------------------------
+
+def _moe_graph(extra_user: bool = False) -> Graph:
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (5, H))])
+    ids = Node.make("input", (), {"name": "ids"}, [TensorType("int64", (5, K))])
+    w = Node.make("input", (), {"name": "w"}, [TensorType("float32", (5, K))])
+    wgu = Node.make("weight", (), {"name": "wgu"}, [TensorType("float32", (E, 2 * I, H))])
+    wd = Node.make("weight", (), {"name": "wd"}, [TensorType("float32", (E, H, I))])
+    y = Node.make(MOE, (x, ids, w, wgu, wd), {"layout": "nk", "act": SILU_GLU, "inter": I, "gate_up_bias": False,
+                                              "down_bias": False}, [TensorType("float32", (5, H))])
+    outs = (y,)
+    if extra_user:  # the expert weights read by something else too: the layer stays replicated
+        outs = (y, Node.make("sum.default", (wd,), {"dtype": None}, [TensorType("float32", ())]))
+    return Graph("prefill", (x, ids, w), outs)
+
+
+def _moe_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return ({"x": torch.randn(5, H, generator=g), "ids": torch.randint(0, E, (5, K), generator=g),
+             "w": torch.rand(5, K, generator=g)},
+            {"wgu": torch.randn(E, 2 * I, H, generator=g) * 0.3, "wd": torch.randn(E, H, I, generator=g) * 0.3})
+
+
+def _mlp_graph() -> Graph:
+    """A dense SwiGLU MLP: linear(silu(linear(x, Wg)) * linear(x, Wu), Wd), intermediate 2*I."""
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (5, H))])
+    f = lambda *shape: TensorType("float32", shape)  # noqa: E731
+    wg, wu = (Node.make("weight", (), {"name": n}, [f(2 * I, H)]) for n in ("wg", "wu"))
+    wd = Node.make("weight", (), {"name": "wd"}, [f(H, 2 * I)])
+    g = Node.make("linear", (x, wg), {"bias": False}, [f(5, 2 * I)])
+    u = Node.make("linear", (x, wu), {"bias": False}, [f(5, 2 * I)])
+    h = Node.make("mul.Tensor", (Node.make("silu", (g,), {}, [f(5, 2 * I)]), u), {}, [f(5, 2 * I)])
+    return Graph("prefill", (x,), (Node.make("linear", (h, wd), {"bias": False}, [f(5, H)]),))
+
+
+def _mlp_weights(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return {"wg": torch.randn(2 * I, H, generator=g), "wu": torch.randn(2 * I, H, generator=g),
+            "wd": torch.randn(H, 2 * I, generator=g)}
+
+
+def test_shard_splits_a_dense_mlp_over_tp_ranks():
+    g, found = shard(_mlp_graph(), Mesh.of(tp=2))
+    verify(g)
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_mlp": 1}
+    (out,) = g.outputs
+    assert out.op == "all_reduce" and out.attr["group"] == "tp"
+    down = out.inputs[0]
+    assert down.inputs[1].attr["shard"] == ("tp", 1, 2) and down.inputs[1].shape == (H, I)
+    ups = [n for n in g.nodes() if n.op == "linear" and n is not down]
+    assert len(ups) == 2 and all(n.inputs[1].attr["shard"] == ("tp", 0, 2) and n.shape == (5, I) for n in ups)
+    # the same MLP with its activation read elsewhere too is no MLP block to split
+    whole = _mlp_graph()
+    h = whole.outputs[0].inputs[0]
+    leaky = Graph("prefill", whole.inputs, (whole.outputs[0], h))
+    assert not shard(leaky, Mesh.of(tp=2))[1].patterns
+
+
+def test_shard_splits_the_routed_experts_over_ep_ranks():
+    g, found = shard(_moe_graph(), Mesh.of(ep=2))
+    verify(g)
+    check_shapes(g, {})
+    assert found.patterns == {"shard.expert_parallel": 1}
+    (out,) = g.outputs
+    assert out.op == "all_reduce" and out.attr == {"group": "ep", "size": 2, "reduce": "sum"}
+    moe = out.inputs[0]
+    assert moe.op == MOE
+    for t, full in zip(moe.inputs[3:], ((E, 2 * I, H), (E, H, I))):
+        assert t.op == "weight" and t.attr["shard"] == ("ep", 0, 2) and t.shape == (E // 2, *full[1:])
+    shifted = moe.inputs[1]  # ids - group_rank * E/ep
+    assert shifted.op == "sub.Tensor" and shifted.inputs[1].op == "mul.Scalar"
+    assert shifted.inputs[1].attr["other"] == E // 2 and shifted.inputs[1].inputs[0].op == "group_rank"
+
+
+def test_shard_leaves_one_rank_and_shared_weights_alone():
+    g = _moe_graph()
+    assert shard(g, Mesh.of())[0] is g
+    g2, found = shard(_moe_graph(extra_user=True), Mesh.of(ep=2))
+    assert not found.patterns and not any(n.op == "all_reduce" for n in g2.nodes())
+    with pytest.raises(UserError, match="do not split evenly"):
+        shard(_moe_graph(), Mesh.of(ep=3))
+
+
+def test_verifier_checks_collectives():
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (4, 6))])
+    ok = Node.make("all_gather", (x,), {"group": "tp", "size": 2, "dim": 1}, [TensorType("float32", (4, 12))])
+    verify(Graph("g", (x,), (ok,)))
+    check_shapes(Graph("g", (x,), (ok,)), {})
+    bad = [Node.make("all_gather", (x,), {"group": "tp", "size": 2, "dim": 1}, [TensorType("float32", (4, 6))]),
+           Node.make("all_reduce", (x,), {"group": "dp", "size": 2, "reduce": "sum"}, [x.type]),
+           Node.make("all_reduce", (x,), {"group": "ep", "size": 2, "reduce": "max"}, [x.type]),
+           Node.make("all_to_all", (x,), {"group": "ep", "size": 3}, [x.type]),
+           Node.make("group_rank", (), {"group": "ep", "size": 2}, [TensorType("int32", (1,))])]
+    for n in bad:
+        with pytest.raises(VerifyError):
+            verify(Graph("g", (x,), (n,)))
+
+
+def _interp_rank(rank: int, port: int, q) -> None:
+    """A rank of test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks (spawned)."""
+    import torch.distributed as dist
+
+    from dayzero.runtime import dist as rdist
+
+    os.environ.update(_rank_env(rank, 2, port))
+    rdist.setup(Mesh.of(ep=2), timeout_s=30)
+    g, _ = shard(_moe_graph(), Mesh.of(ep=2))
+    inputs, weights = _moe_inputs()
+    n = E // 2
+    (y,) = run_graph(g, inputs, lambda name: weights[name][rank * n:(rank + 1) * n])
+    x = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    gathered = Node.make("all_gather", (), {"group": "ep", "size": 2, "dim": 1}, [TensorType("float32", (2, 6))])
+    from dayzero.passes.ir import ops
+    ag = ops.get("all_gather").call([x], gathered.attr)
+    a2a = ops.get("all_to_all").call([torch.arange(4.0) + 10 * rank], {"group": "ep", "size": 2})
+    rdist.setup(Mesh.of(tp=2), timeout_s=30)  # the same 2 ranks as the tp group: the dense MLP split
+    tg, _ = shard(_mlp_graph(), Mesh.of(tp=2))
+    mw = _mlp_weights()
+    cols = slice(rank * I, (rank + 1) * I)
+    (m,) = run_graph(tg, {"x": inputs["x"]}, lambda name: mw[name][:, cols] if name == "wd" else mw[name][cols])
+    q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist()))
+    dist.destroy_process_group()
+
+
+def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
+    """The reference interpreter on 2 gloo ranks, each with its half of the experts (then of a dense MLP's
+    intermediate columns): the all-reduced partial sums are the unsharded graph's output; all_gather and
+    all_to_all move what they say."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_interp_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = sorted((q.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(60)
+    inputs, weights = _moe_inputs()
+    (want,) = run_graph(_moe_graph(), inputs, weights.__getitem__)
+    (want_mlp,) = run_graph(_mlp_graph(), {"x": inputs["x"]}, _mlp_weights().__getitem__)
+    for rank, y, ag, a2a, m in res:
+        assert torch.allclose(torch.tensor(m), want_mlp, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(torch.tensor(y), want, rtol=1e-5, atol=1e-5)
+        assert ag == [[0, 1, 2, 10, 11, 12], [3, 4, 5, 13, 14, 15]]
+        assert a2a == ([0, 1, 10, 11] if rank == 0 else [2, 3, 12, 13])
+
+
+# ---- sharded artifacts on 2 ranks -----------------------------------------------------------------------------
+
+def _sharded(tiny_compiled, tmp_path_factory, model: str, **mesh):
+    """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch."""
+    from dayzero.tools.driver import compile_model
+
+    ckpt, single, _ = tiny_compiled(model)
+    out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
+    compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
+    return ckpt, single, out
+
+
+@pytest.fixture(scope="module")
+def qwen3_ep2(tiny_compiled, tmp_path_factory):
+    return _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", ep=2)
+
+
+def _single(art):
+    from dayzero.runtime import load
+
+    sys.path.insert(0, str(HERE))
+    import _dist_worker as w
+
+    from dayzero.runtime.executor import generate_batch
+
+    rt = load(art)
+    return (rt.prefill([w.PROMPT]), rt.generate(w.PROMPT, max_new_tokens=w.NEW_TOKENS),
+            [r["tokens"] for r in generate_batch(rt, w.BATCH, max_new_tokens=w.NEW_TOKENS)])
+
+
+def _run_two_ranks(ckpt: Path, single: Path, art: Path, tmp_path: Path, split_axis: str) -> list:
+    """Both ranks of ``art`` against ``single``: logits, greedy tokens alone and batched; a rank's checkpoint reads
+    of the tensors split along ``split_axis`` are exactly its own slices' copy runs (disjoint from the other
+    rank's). Returns each rank's saved tensors."""
+    outs = [tmp_path / f"r{r}.safetensors" for r in range(2)]
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(art), str(outs[r]), "run"],
+                              env=_rank_env(r, 2, port), stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+    want_logits, want_tokens, want_batch = _single(single)
+    manifest = json.loads((art / "weights.json").read_text())
+    # per rank, the copy runs of the weights split along split_axis: (checkpoint key, start, length)
+    own = [set(), set()]
+    for e in manifest["tensors"].values():
+        if e.get("shard", {}).get("group") == split_axis:
+            for r, runs in enumerate(e["shard_runs"]):
+                own[r] |= {(key, s0, length) for _, key, s0, length in runs}
+    split_keys = {k for k, _, _ in own[0] | own[1]}
+    assert own[0] and own[1] and not own[0] & own[1]
+    saved = []
+    for r, path in enumerate(outs):
+        with safe_open(str(path), "pt") as got:
+            logits = got.get_tensor("logits")
+            assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-4), (logits - want_logits).abs().max()
+            assert got.get_tensor("tokens").tolist() == want_tokens
+            assert got.get_tensor("batch_tokens").tolist() == want_batch
+            reads = {(k, int(a), int(n)) for k, a, n in (line.split() for line in json.loads(got.metadata()["reads"]))}
+            saved.append({k: got.get_tensor(k) for k in got.keys()})
+        # every read of a split tensor's checkpoint key is one of this rank's own runs, and it read them all
+        assert {x for x in reads if x[0] in split_keys} == own[r]
+    return saved
+
+
+@pytest.mark.slow
+def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, tmp_path):
+    ckpt, single, art = qwen3_ep2
+    rep = json.loads((art / "report.json").read_text())["mesh"]
+    assert rep["world"] == 2 and rep["collectives"]["prefill"] == 4  # a group_rank and an all_reduce per layer
+    saved = _run_two_ranks(ckpt, single, art, tmp_path, "ep")
+    n = 8 // 2  # tiny Qwen3-MoE: 8 routed experts per layer, each its own checkpoint tensor
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for r, got in enumerate(saved):
+            down = got["model.layers.0.mlp.experts.down_proj"]
+            assert down.shape[0] == n
+            for e in range(n):  # the bound expert weights are the checkpoint's slice
+                assert torch.equal(down[e], f.get_tensor(f"model.layers.0.mlp.experts.{r * n + e}.down_proj.weight"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp")])
+def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
+                                                                      tmp_path_factory, tmp_path):
+    """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared
+    experts): --ep 2 and --tp 2 (the dense MLP and the shared experts split) give the single-device logits and
+    tokens, each rank reading only its slices."""
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
+    _run_two_ranks(ckpt, single, art, tmp_path, axis)
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
+    _, single, art = qwen3_ep2
+    sys.path.insert(0, str(HERE))
+    import _dist_worker as w
+
+    ids = ",".join(map(str, w.PROMPT))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dayzero", "run",
+                          str(art), "--input-ids", ids, "--max-new-tokens", str(w.NEW_TOKENS), "--json"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, (res.stdout[-1000:], res.stderr[-2000:])
+    _, want_tokens, _ = _single(single)
+    assert res.stdout.count('"tokens"') == 1, res.stdout[-2000:]  # rank 0 prints, the others do not
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    assert printed["tokens"] == want_tokens, (printed, want_tokens)
+
+
+@pytest.mark.slow
+def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep2, tmp_path):
+    _, _, art = qwen3_ep2
+    plain = subprocess.run([sys.executable, "-m", "dayzero", "run", str(art), "--input-ids", "1,2"],
+                           capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert plain.returncode == 2 and "torchrun --nproc-per-node 2" in plain.stderr
+    assert len(plain.stderr.strip().splitlines()) == 1
+    served = subprocess.run([sys.executable, "-m", "dayzero", "serve", str(art)], capture_output=True, text=True,
+                            timeout=120)
+    assert served.returncode == 2 and "does not run sharded artifacts yet" in served.stderr
+    three = _ranks([sys.executable, "-m", "dayzero", "run", str(art), "--input-ids", "1,2"], world=3, timeout=120)
+    for r in three:
+        assert r.returncode == 2 and "sharded over 2 ranks" in r.stderr and "WORLD_SIZE is 3" in r.stderr, r.stderr
+    out = tmp_path / "r.safetensors"
+    dead = _ranks([sys.executable, str(HERE / "_dist_worker.py"), str(art), str(out), "die"], timeout=120)
+    assert dead[1].returncode == 0 and dead[0].returncode == 2, dead[0].stderr[-2000:]
+    err = Path(str(out) + ".err").read_text()
+    assert "rank 0:" in err and "a rank died" in err and "\n" not in err
