@@ -12,6 +12,7 @@ process group's timeout (``timeout_s``) with a UserError naming the step.
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -21,6 +22,13 @@ from dayzero import UserError
 from dayzero.passes.ir.collective import Mesh, run_collective, use_groups
 
 DEFAULT_TIMEOUT_S = 120.0  # seconds a collective (and the rendezvous) may wait for the other ranks
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch_hint(mesh: Mesh) -> str:
@@ -50,6 +58,9 @@ def setup(mesh: Mesh, target_kind: str = "llvm", timeout_s: float = DEFAULT_TIME
         except (RuntimeError, ValueError) as e:
             raise UserError(f"rank {os.environ['RANK'][:8]}: joining the {mesh.world}-rank process group failed: "
                             f"{_first_line(e)}") from None
+        # torn down before the interpreter exits: a process group left to the C++ destructors aborts the rank
+        # ("terminate called without an active exception", SIGABRT) after its work is done
+        atexit.register(_leave)
     elif dist.get_world_size() != mesh.world:
         raise UserError(f"this artifact is sharded over {mesh.world} ranks ({axes}) but the process group has "
                         f"{dist.get_world_size()}")
@@ -78,6 +89,7 @@ def step(op: str, attrs: dict, node: str):
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise UserError(f"rank {rank}: {node} failed (a rank died or stalled past the timeout): "
                             f"{_first_line(e)}") from None
+    run.torch_views = True  # the executor hands it torch views of the arena, not TVM tensors
     return run
 
 

@@ -129,12 +129,14 @@ class _Program:
                   [v(a) for a in args] + [values[s] for s in syms]) for f, args, syms, _, n_out in self.steps]
         # the same calls over TVM tensors made once here: a torch argument is converted (DLPack) on every call,
         # ~0.8 us each, more than a small kernel runs
+        # (a collective step is torch.distributed's and keeps its torch views)
         native = {}
-        for _, args in calls:
+        for f, args in calls:
             for a in args:
-                if isinstance(a, torch.Tensor) and id(a) not in native:
+                if isinstance(a, torch.Tensor) and id(a) not in native and not getattr(f, "torch_views", False):
                     native[id(a)] = _native(a)
-        fast = [(f, [native[id(a)] if isinstance(a, torch.Tensor) else a for a in args]) for f, args in calls]
+        fast = [(f, args if getattr(f, "torch_views", False) else
+                 [native[id(a)] if isinstance(a, torch.Tensor) else a for a in args]) for f, args in calls]
         return calls, fast, [v(i) for i in self.inputs], [v(o) for o in self.user_outputs]
 
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
