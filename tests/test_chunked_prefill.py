@@ -9,10 +9,10 @@ Spec:
   pattern that looks across chunk boundaries: Qwen3-MoE (full attention), gpt-oss (sliding window 8, attention
   sinks), DeepSeek-V3.2 (indexer top-k over the cached keys), DeepSeek-V4 (compressor windows that straddle
   chunks, CSA indexer, HCA, sliding window, hyper-connections).
-- Qwen3-MoE is compiled with ``--prefill-chunk 16``, so ``prefill`` splits the prompt itself; the other
-  architectures reuse the session's shared artifacts (conftest.tiny_compiled: one prefill call could take the whole
-  prompt) and are driven 16 tokens per call with ``append=True``: the same calls at the same positions, without
-  compiling each architecture a second time.
+- Qwen3-MoE and gpt-oss (sliding windows: their pools are sized by the chunk) are compiled with
+  ``--prefill-chunk 16``, so ``prefill`` splits the prompt itself; DeepSeek-V3.2 and V4 reuse the session's shared
+  artifacts (conftest.tiny_compiled: one prefill call could take the whole prompt) and are driven 16 tokens per
+  call with ``append=True``: the same calls at the same positions, without compiling them a second time.
 - The prefill's per-call memory (activations, I/O) is sized by the chunk: smaller than a compile without one.
 - A chunk outside [1, --max-seq] is one line, exit 2.
 """
@@ -31,6 +31,7 @@ CHUNK = 16
 MAX_SEQ = 128  # as the shared session artifacts (conftest.tiny_compiled), so the arenas compare
 NEW = 8
 TOL = 1e-4
+COMPILED_CHUNK = ("qwen3_moe", "gpt_oss")  # compiled with --prefill-chunk; the others are the shared artifacts
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
@@ -39,7 +40,7 @@ def chunked(request, tmp_path_factory, tiny_compiled):
     from dayzero.frontend.hf import load_upstream
     from dayzero.runtime import load
 
-    if request.param == "qwen3_moe":  # the compiled chunk: the runtime splits the prompt itself
+    if request.param in COMPILED_CHUNK:  # the runtime splits the prompt itself
         d = tmp_path_factory.mktemp(f"chunked_{request.param}")
         ckpt = tiny_compiled(request.param)[0]
         r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", str(MAX_SEQ),
@@ -91,9 +92,9 @@ def test_chunked_prefill_matches_upstream(chunked):
 
 @pytest.mark.slow
 def test_prefill_memory_is_sized_by_the_chunk(chunked, tiny_compiled):
-    model_type, _, _, report, by_hand = chunked
-    if by_hand is not None:
-        pytest.skip("the shared artifacts have no compiled chunk: Qwen3-MoE's compile is the one to size")
+    model_type, _, _, report, _ = chunked
+    if model_type != "qwen3_moe":
+        pytest.skip("one architecture is enough for the prefill's sizes")
     full = tiny_compiled(model_type)[2]  # max_seq 128, no chunk: prefill takes all 128 tokens at once
 
     def per_call(rep):
@@ -109,9 +110,11 @@ def test_sliding_window_pool_is_sized_by_the_chunk(chunked):
     """A sliding-window K/V pool (gpt-oss's sliding layers, DeepSeek-V4's K = V state) holds, for the one request
     (--max-batch 1), the W - 1 positions before a call plus the call's chunk, ceil((W - 1 + chunk) / 16) + 1
     blocks, and the scratch block: not --max-seq's 128 / 16 blocks; the prompts of the test above ran through it."""
-    model_type, rt, _, report = chunked
+    model_type, rt, _, report, by_hand = chunked
+    if by_hand is not None:
+        pytest.skip("a shared artifact: compiled without a chunk")
     windowed = [t for t in report["kv_pages"]["tables"] if t["window"]]
-    if model_type not in ("gpt_oss", "deepseek_v4"):
+    if model_type != "gpt_oss":  # Qwen3-MoE: full attention only
         assert not windowed
         return
     assert windowed and report["kv_pages"]["table_len"] == MAX_SEQ // 16
