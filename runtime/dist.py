@@ -28,7 +28,28 @@ def _leave() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        try:
+            dist.barrier()  # every rank done with its last collective before any tears the group down
+        except RuntimeError:  # a peer already gone: nothing to wait for
+            pass
         dist.destroy_process_group()
+
+
+def exit_rank(code) -> None:
+    """End this process now if it is a rank of a process group: leave the group, flush, ``os._exit(code)``.
+    The C++ destructors that a normal interpreter exit runs after that (gloo's and the kernels' thread pools)
+    abort a rank now and then on a loaded host ("terminate called without an active exception", SIGABRT), after
+    its work and output are done. A process outside a process group returns (and exits normally)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    _leave()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def launch_hint(mesh: Mesh) -> str:

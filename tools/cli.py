@@ -40,6 +40,16 @@ class DayzeroGroup(click.Group):
         if kwargs.pop("standalone_mode", True) is False:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
+            self._main(*args, **kwargs)
+        except SystemExit as e:  # a rank of a sharded run leaves its process group and exits past C++ teardown
+            if "torch.distributed" in sys.modules:
+                from dayzero.runtime.dist import exit_rank
+
+                exit_rank(e.code)
+            raise
+
+    def _main(self, *args, **kwargs):
+        try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as e:  # a bare ``dayzero``: the help it asked for
             click.echo(e.ctx.get_help() if e.ctx is not None else str(e))
