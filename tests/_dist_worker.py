@@ -54,4 +54,11 @@ def main(art: str, out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    from dayzero.runtime.dist import exit_rank
+
+    try:
+        main(*sys.argv[1:4])
+    except SystemExit as e:  # a rank ends as `dayzero run` ends one: past the C++ teardown (runtime/dist.py)
+        exit_rank(e.code)
+        raise
+    exit_rank(0)
