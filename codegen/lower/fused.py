@@ -61,9 +61,11 @@ def _reshape(ctx, x: te.Tensor, t: TensorType) -> te.Tensor:
             if not (isinstance(d, tvm.tirx.IntImm) and d.value == 1):
                 flat = flat * d + i
         sub = []
-        for d in reversed(mid_src):
+        for k, d in enumerate(reversed(mid_src)):
             if isinstance(d, tvm.tirx.IntImm) and d.value == 1:
                 sub.append(tvm.tirx.const(0, "int64"))
+            elif k == len(mid_src) - 1:
+                sub.append(flat)  # the outermost index is what is left: flat < numel, so no modulo
             else:
                 sub.append(tvm.tirx.floormod(flat, d))
                 flat = tvm.tirx.floordiv(flat, d)

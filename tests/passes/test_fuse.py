@@ -6,6 +6,8 @@ the pass did not change what the graph computes (the reference interpreter on bo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import tvm
@@ -308,3 +310,33 @@ def test_fused_kernels_compile_for_cuda_sm90():
     assert k.route == "default"
     lib = tvm.compile(tvm.IRModule({"k": mod["main"].with_attr("global_symbol", "k")}), target=target)
     assert "rsqrt" in lib.mod.imports[0].inspect_source()
+
+
+def test_views_between_symbolic_dims_index_without_a_symbolic_modulo():
+    """[batch, 4, seq, 16] viewed as [4*batch, seq, 16] and back (attention's head split / merge under a symbolic
+    batch): the outermost index of a view is what is left of the flat index, so no modulo by a symbolic extent
+    reaches the kernel (LLVM took 80 s on one such rotary kernel of an ONNX LLM with symbolic batch and seq)."""
+    before = ir("""graph main symbols(batch in [1, 8], seq in [1, 64]) {
+      %0 = input {name="q"} : float32[batch, 4, seq, 16]
+      %1 = view(%0) {size=[-1, `seq`, 16]} : float32[`4*batch`, seq, 16]
+      %2 = neg(%1) : float32[`4*batch`, seq, 16]
+      %3 = view(%2) {size=[`batch`, 4, `seq`, 16]} : float32[batch, 4, seq, 16]
+      %4 = mul.Tensor(%3, %0) : float32[batch, 4, seq, 16]
+      return %4
+    }
+    """)
+    after, found = fuse(before)
+    assert found.patterns == {"fused": 1}
+    (n,) = [m for m in after.nodes() if m.op == "fused"]
+    func = program.make_prim_func(n, "k")
+    text = func.script()
+    assert "% T.int64(4)" in text  # the head index within a row of four
+    assert not re.search(r"(%|//) \(?batch", text), text  # no modulo or division by the symbolic batch
+    target = tvm.target.Target(host_target_dict())
+    k = program.Kernel("k", n.op, func, "", node=n)
+    mod = schedule.schedule_kernel(k, target, None, {s: (lo, hi) for s, lo, hi in after.symbols})
+    lib = tvm.compile(tvm.IRModule({"k": mod["main"].with_attr("global_symbol", "k")}), target=target)
+    q = torch.randn(3, 4, 5, 16)
+    out = torch.empty_like(q)
+    lib["k"](q, out, *[{"batch": 3, "seq": 5}[s] for s in k.func.attrs["dayzero.scalar_symbols"]])
+    torch.testing.assert_close(out, -q * q, rtol=0, atol=0)
