@@ -284,3 +284,36 @@ def test_test_data_sets_next_to_the_model_are_the_reference(tmp_path):
     from dayzero.tools.onnx_reference import test_data_inputs
     assert np.array_equal(test_data_inputs(path)["A"], ins["A"])
     assert np.array_equal(reference_outputs(path, {})[0], ref[0])
+
+
+def _lrn_model(path, size):
+    """Conv -> LRN (AlexNet / GoogLeNet / Inception's local response normalisation across channels) -> Relu, with a
+    symbolic batch."""
+    rng = np.random.default_rng(4)
+    w = helper.make_tensor("W", TensorProto.FLOAT, [7, 3, 3, 3], rng.standard_normal((7, 3, 3, 3)).astype(np.float32))
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("LRN", ["c"], ["l"], name="lrn", size=size, alpha=0.3, beta=0.75, bias=2.0),
+             helper.make_node("Relu", ["l"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "lrn", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                           ["batch", 3, 6, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    return _save(graph, path, opset=13)
+
+
+@pytest.mark.parametrize("size", [5, 3, 1])  # onnxruntime refuses an even size
+def test_lrn_matches_onnxruntime(tmp_path, size):
+    path = _lrn_model(tmp_path / "lrn.onnx", size)
+    compile_model(str(path), tmp_path / "art", max_seq=16, verify=True)
+    _check(path, tmp_path / "art", [[(1, 3, 6, 5)], [(3, 3, 6, 5)]])
+
+
+def test_readme_lists_exactly_the_converted_operators():
+    """The README's operator list is the converter tables (a converter added or removed shows up there)."""
+    from pathlib import Path
+
+    from dayzero.frontend.onnx.converters import CONTRIB, HANDLERS
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    listed = text.split("ONNX operators the importer converts")[1].split("compiled): ")[1].split(". ")[0]
+    core, contrib = listed.split("; from `com.microsoft`: ")
+    assert set(core.split(", ")) == set(HANDLERS) and set(contrib.split(", ")) == set(CONTRIB)

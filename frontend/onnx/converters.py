@@ -702,6 +702,29 @@ def _pool(imp, ins, attrs, n):
     return [y]
 
 
+@onnx_op("LRN")
+def _lrn(imp, ins, attrs, n):
+    """Local response normalisation across channels: x / (bias + alpha / size * sum of x^2 over the channels
+    [c - floor((size - 1) / 2), c + ceil((size - 1) / 2)])^beta. The window sum is a [size, 1] average pool (times
+    size, folded into alpha) over x^2 viewed as [N, 1, C, spatial], zero-padded by ONNX's window (torch's
+    local_response_norm pads the other way round for an even size)."""
+    x = imp.tensor(ins[0])
+    shape = imp.shape(x)
+    if len(shape) < 3:
+        raise Unsupported(f"a rank-{len(shape)} input (LRN wants [N, C, D1, ...])")
+    size = int(attrs["size"])
+    if size < 1:
+        raise Unsupported(f"size={size}")
+    sq = imp.view(imp.aten("mul.Tensor", self=x, other=x), [shape[0], 1, shape[1], math.prod(shape[2:])])
+    sq = _explicit_pad(imp, sq, [(size - 1) // 2, 0], [size // 2, 0], 0.0)
+    avg = imp.aten("avg_pool2d", self=sq, kernel_size=[size, 1], stride=[1, 1], padding=[0, 0], ceil_mode=False,
+                   count_include_pad=True)
+    den = imp.aten("add.Scalar", self=imp.aten("mul.Scalar", self=avg, other=attrs.get("alpha", 1e-4)),
+                   other=attrs.get("bias", 1.0))
+    den = imp.aten("pow.Tensor_Scalar", self=den, exponent=attrs.get("beta", 0.75))
+    return [imp.aten("div.Tensor", self=x, other=imp.view(den, shape))]
+
+
 @onnx_op("GlobalAveragePool", "GlobalMaxPool")
 def _global_pool(imp, ins, attrs, n):
     x = imp.tensor(ins[0])

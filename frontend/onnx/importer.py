@@ -43,7 +43,7 @@ import sympy
 import torch
 from onnx import numpy_helper
 
-from dayzero import UnsupportedOpsError, UserError
+from dayzero import InternalError, UnsupportedOpsError, UserError
 from dayzero.frontend.onnx.converters import CONTRIB, HANDLERS
 from dayzero.frontend.onnx.fold import FOLD
 from dayzero.frontend.onnx.values import INT4_SIGNED, ONNX_DTYPES, Known, Unsupported
@@ -187,9 +187,16 @@ class _Importer:
                 attrs[aname] = v
         args, kwargs = od.unflatten([self.fake[id(i)] for i in inputs], attrs)
         with self.mode:
-            out = od.aten(*args, **kwargs)
+            if name == "constant_pad_nd":  # torch's meta guards every symbolic size of its input to its hint
+                out = args[0].new_empty(_padded_shape(list(args[0].shape), attrs["pad"]))
+            else:
+                out = od.aten(*args, **kwargs)
             # every IR value is contiguous row-major (expand and permute copy), so are the fakes
             out = type(out)(o.contiguous() for o in out) if isinstance(out, (tuple, list)) else out.contiguous()
+        fixed = [s for s in self.sym_map if s in self.shape_env.replacements]
+        if fixed:  # a shape function that guards a symbol to its hint would make every later size wrong
+            raise InternalError(f"ONNX import: {name}'s shape function fixed the symbolic size(s) "
+                                f"{', '.join(str(self.sym_map[s]) for s in fixed)} to a constant")
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         types = [TensorType(ops.dtype_name(o.dtype), tuple(self.expr(d) for d in o.shape)) for o in outs]
         node = Node.make(name, inputs, {k: self.expr(v) for k, v in attrs.items()}, types, self.span)
@@ -316,3 +323,10 @@ def trace_onnx(path, max_seq: int, max_batch: int = DEFAULT_MAX_BATCH):
     from dayzero.frontend.trace import Frontend
 
     return Frontend(traced=import_onnx(load_model(path), max_seq, max_batch), model_type="onnx")
+
+
+def _padded_shape(shape: list, pad: list) -> list:
+    """``constant_pad_nd``'s output sizes: ``pad`` holds (before, after) pairs from the last dimension back."""
+    for i in range(len(pad) // 2):
+        shape[-1 - i] = shape[-1 - i] + pad[2 * i] + pad[2 * i + 1]
+    return shape
