@@ -35,7 +35,15 @@ columns through g, every node on the way gets its head axis divided by tp (view 
 and expands) is split too; anything else (a node that mixes heads, a kv head count tp does not divide, MLA's shared
 rope key, a pattern op) leaves that attention replicated. An o_proj bias is added after the all_reduce.
 
-Routing, embeddings, the head and the rest stay replicated (identical on every rank of a group).
+The vocabulary over the tp group: each TP rank keeps V/tp rows of the embedding table and of the LM head::
+
+    embedding(W [V, H], ids)  ==>  all_reduce[tp](embedding(W [V/tp, H], clamp(l, 0, V/tp - 1)) * (0 <= l < V/tp))
+                                   with l = ids - group_rank[tp] * V/tp     (other ranks' tokens look up zeros)
+    linear(x, W [V, K]) -> a graph output  ==>  all_gather[tp, dim -1](linear(x, W [V/tp, K]))
+
+(each table a weight read by that one node only; a tied table, read by both, stays whole).
+
+Routing, the norms and the rest stay replicated (identical on every rank of a group).
 
 Matched on ops and shapes (the MoE ops; linear / elementwise trees read only inside the block), never on names. Ordering: after moe and dequant
 (which make the MoE ops), before expert_workspace (which converts the rank's experts only).
@@ -406,6 +414,50 @@ def _attention_blocks(g: Graph, uses: dict[int, list[Node]], tp: int, taken: set
     return ops, heads
 
 
+def _table(n: Node, uses: dict[int, list[Node]], tp: int) -> bool:
+    """``n``'s table (its vocabulary first: embedding's input 0, a linear's input 1) is a 2-D weight read by ``n``
+    only, its rows a multiple of tp."""
+    w = n.inputs[0 if n.op == "embedding" else 1]
+    return w.op == "weight" and "shard" not in w.attr and len(w.shape) == 2 and isinstance(w.shape[0], int) and \
+        w.shape[0] % tp == 0 and uses.get(id(w), []) == [n]
+
+
+def _vocab_shard(w: Node, tp: int) -> Node:
+    return Node.make("weight", (), dict(w.attr, shard=(TP, 0, tp)), [TensorType(w.dtype, (w.shape[0] // tp,
+                                                                                          w.shape[1]))], w.span)
+
+
+def _split_embedding(n: Node, tp: int) -> Node:
+    """embedding(W, ids) with this rank's V/tp rows: a masked local lookup, then all_reduce[tp]."""
+    w, ids = n.inputs[0], n.inputs[1]
+    local = w.shape[0] // tp
+    it, sp = ids.type, n.span
+    rank = Node.make("group_rank", (), {"group": TP, "size": tp}, [TensorType("int64", (1,))], sp)
+    start = Node.make("mul.Scalar", (rank,), {"other": local}, [TensorType("int64", (1,))], sp)
+    rel = Node.make("sub.Tensor", (ids, start), {"alpha": 1}, [it], sp)
+    bt = TensorType("bool", it.shape)
+    inside = Node.make("logical_and", (Node.make("ge.Scalar", (rel,), {"other": 0}, [bt], sp),
+                                       Node.make("lt.Scalar", (rel,), {"other": local}, [bt], sp)), {}, [bt], sp)
+    idx = Node.make("clamp", (rel,), {"min": 0, "max": local - 1}, [it], sp)
+    rows = n.replace(inputs=(_vocab_shard(w, tp), idx))
+    mask = Node.make("_to_copy", (inside,), {"dtype": n.dtype}, [TensorType(n.dtype, it.shape)], sp)
+    mask = Node.make("unsqueeze", (mask,), {"dim": len(it.shape)}, [TensorType(n.dtype, (*it.shape, 1))], sp)
+    part = Node.make("mul.Tensor", (rows, mask), {}, [n.type], sp)
+    return Node.make("all_reduce", (part,), {"group": TP, "size": tp, "reduce": "sum"}, [n.type], sp)
+
+
+def _split_head(n: Node, tp: int) -> Node:
+    """linear(x, W [V, K] (, b)) with this rank's V/tp rows, then all_gather[tp] of the logits."""
+    ws = [_vocab_shard(n.inputs[1], tp)]
+    if len(n.inputs) == 3:
+        b = n.inputs[2]
+        ws.append(Node.make("weight", (), dict(b.attr, shard=(TP, 0, tp)),
+                            [TensorType(b.dtype, (b.shape[0] // tp,))], b.span))
+    shape = n.shape
+    part = n.replace(inputs=(n.inputs[0], *ws), types=(TensorType(n.dtype, (*shape[:-1], shape[-1] // tp)),))
+    return Node.make("all_gather", (part,), {"group": TP, "size": tp, "dim": len(shape) - 1}, [n.type], n.span)
+
+
 def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
     """Expert parallel over ``mesh``'s ep axis, dense MLPs and attention heads over its tp axis; Found counts
     ``shard.expert_parallel``, ``shard.tensor_parallel_mlp`` and ``shard.tensor_parallel_attention`` (blocks
@@ -418,11 +470,17 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
     mlps = {id(n) for n in g.nodes() if tp > 1 and _dense_mlp(n, uses, outputs) and n.shape and
             n.inputs[0].shape[-1] % tp == 0}
     attention, heads = _attention_blocks(g, uses, tp, mlps) if tp > 1 else (set(), {})
+    vocab = {id(n) for n in g.nodes() if tp > 1 and id(n) not in attention and id(n) not in mlps and (
+        (n.op == "embedding" and _table(n, uses, tp)) or
+        (id(n) in outputs and _projection(n, uses) and _table(n, uses, tp)))}
     split: dict[int, Node] = {}  # weight node id -> its shard (one node per weight, however many users)
-    count = mlp_count = attn_count = 0
+    count = mlp_count = attn_count = vocab_count = 0
 
     def fn(n: Node, original: Node) -> Node | None:
-        nonlocal count, mlp_count, attn_count
+        nonlocal count, mlp_count, attn_count, vocab_count
+        if id(original) in vocab:
+            vocab_count += 1
+            return _split_embedding(n, tp) if n.op == "embedding" else _split_head(n, tp)
         if id(original) in mlps:
             mlp_count += 1
             return _split_mlp(n, tp)
@@ -457,4 +515,5 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
     # identity and ``uses`` (of the graph before) still describes them
     g = rewrite(g, fn, with_original=True)
     return g, Found({k: v for k, v in (("shard.expert_parallel", count), ("shard.tensor_parallel_mlp", mlp_count),
-                                       ("shard.tensor_parallel_attention", attn_count)) if v})
+                                       ("shard.tensor_parallel_attention", attn_count),
+                                       ("shard.tensor_parallel_vocab", vocab_count)) if v})
