@@ -459,9 +459,10 @@ def _split_head(n: Node, tp: int) -> Node:
 
 
 def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
-    """Expert parallel over ``mesh``'s ep axis, dense MLPs and attention heads over its tp axis; Found counts
-    ``shard.expert_parallel``, ``shard.tensor_parallel_mlp`` and ``shard.tensor_parallel_attention`` (blocks
-    split)."""
+    """Expert parallel over ``mesh``'s ep axis, dense MLPs, attention heads and the vocabulary over its tp axis;
+    Found counts ``shard.expert_parallel``, ``shard.tensor_parallel_mlp``, ``shard.tensor_parallel_attention``,
+    ``shard.tensor_parallel_vocab`` (blocks split) and ``shard.replicated_kv_caches`` (caches left whole under
+    tp)."""
     ep, tp = mesh.size(EP), mesh.size(TP)
     if ep == 1 and tp == 1:
         return g, Found()
@@ -511,9 +512,15 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
         count += 1
         return Node.make("all_reduce", (part,), {"group": EP, "size": ep, "reduce": "sum"}, [n.type], n.span)
 
+    before = g.nodes()
     # rewrite() hands fn a node whose inputs are already rewritten; weights have none, so they keep their
     # identity and ``uses`` (of the graph before) still describes them
     g = rewrite(g, fn, with_original=True)
+    # KV caches an attention left whole under tp (MLA, an indexer, compressed attention, kv heads tp does not
+    # divide): counted, so the report says so
+    whole = sum(1 for n in before if tp > 1 and n.op == "state" and n.attr.get("zone") == "kv_cache"
+                and id(n) not in heads)
     return g, Found({k: v for k, v in (("shard.expert_parallel", count), ("shard.tensor_parallel_mlp", mlp_count),
+                                       ("shard.replicated_kv_caches", whole),
                                        ("shard.tensor_parallel_attention", attn_count),
                                        ("shard.tensor_parallel_vocab", vocab_count)) if v})

@@ -231,7 +231,7 @@ def test_shard_leaves_attention_whole_when_its_kv_heads_do_not_split():
     """One kv head over 2 ranks: the attention (and its cache) stays replicated; the vocabulary still splits."""
     g, found = shard(_attn_graph(kv=1), Mesh.of(tp=2))
     verify(g)
-    assert found.patterns == {"shard.tensor_parallel_vocab": 2}
+    assert found.patterns == {"shard.tensor_parallel_vocab": 2, "shard.replicated_kv_caches": 2}
     caches = [n for n in g.nodes() if n.op == "state"]
     assert all(n.shape == (1, 1, L, HD) for n in caches)
     assert not any("shard" in n.attr for n in g.nodes() if n.op == "weight" and n.attr["name"] != "emb"
