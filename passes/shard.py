@@ -158,8 +158,12 @@ def _projection(n: Node, uses: dict[int, list[Node]]) -> bool:
 
 
 def _dims(v, rank: int) -> list[int]:
-    """An op's dim attr (int or list, maybe negative) as non-negative axes of a rank-``rank`` tensor."""
-    return [d % rank for d in (v if isinstance(v, (list, tuple)) else [v])] if rank else []
+    """An op's dim attr (int or list, maybe negative) as non-negative axes of a rank-``rank`` tensor (None, every
+    axis: no split)."""
+    ds = v if isinstance(v, (list, tuple)) else [v]
+    if not rank or not ds or not all(isinstance(d, int) for d in ds):
+        raise _NoSplit
+    return [d % rank for d in ds]
 
 
 def _view_axis(src: tuple, dst: tuple, a: int, tp: int) -> int:
@@ -178,7 +182,8 @@ def _view_axis(src: tuple, dst: tuple, a: int, tp: int) -> int:
 
 class _Heads:
     """The head axis of every node of one attention block (node id -> axis), found forward from its projections
-    and caches; ``sides``: per-head tensors read beside them (a weight, through views) split on an axis too."""
+    and caches, with the per-head tensors read beside them (a weight, through views); raises _NoSplit where the
+    block does not split."""
 
     def __init__(self, o: Node, uses: dict[int, list[Node]], order: dict[int, int], tp: int):
         self.tp, self.uses = tp, uses
@@ -198,7 +203,9 @@ class _Heads:
             elif n.op not in ("weight", "input"):
                 stack.extend(n.inputs)
         region = {id(s) for s in seeds}
-        for n in sorted((n for n in self._walk(h, seen)), key=lambda n: order[id(n)]):
+        self._by_id = self._within(h, seen)
+        self.assigns: list[Node] = []  # the block's cache writes back to their states
+        for n in sorted(self._by_id.values(), key=lambda n: order[id(n)]):
             if id(n) not in region and any(id(i) in region for i in n.inputs):
                 region.add(id(n))
         if not any(s.op == "linear" for s in seeds) or id(h) not in region:
@@ -230,17 +237,17 @@ class _Heads:
             self.axis[id(u)] = self.axis[id(u.inputs[0])]
             self.nodes[id(u)] = u
 
-    def _walk(self, h: Node, seen: set[int]):
-        self._by_id = {}
-        self.assigns: list[Node] = []
-        stack = [h]
+    @staticmethod
+    def _within(h: Node, seen: set[int]) -> dict[int, Node]:
+        """id -> node of ``h`` and its ancestors inside ``seen``."""
+        out, stack = {}, [h]
         while stack:
             n = stack.pop()
-            if id(n) in self._by_id or id(n) not in seen:
+            if id(n) in out or id(n) not in seen:
                 continue
-            self._by_id[id(n)] = n
+            out[id(n)] = n
             stack.extend(n.inputs)
-        return self._by_id.values()
+        return out
 
     def _set(self, n: Node, axis: int) -> None:
         if any(not isinstance(t.shape[axis], int) or t.shape[axis] % self.tp for t in n.types):
