@@ -45,8 +45,10 @@ The vocabulary over the tp group: each TP rank keeps V/tp rows of the embedding 
 
 Routing, the norms and the rest stay replicated (identical on every rank of a group).
 
-Matched on ops and shapes (the MoE ops; linear / elementwise trees read only inside the block), never on names. Ordering: after moe and dequant
-(which make the MoE ops), before expert_workspace (which converts the rank's experts only).
+Matched on ops and shapes (the MoE ops; linear / elementwise trees read only inside the block; the head axis
+followed through an attention block; embedding and output projections), never on names. Ordering: after moe and
+dequant (which make the MoE ops), before inplace_state, the attention patterns and paged_kv (which see the rank's
+heads and caches) and expert_workspace (which converts the rank's experts only).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """``dayzero bench dist``: a checkpoint's ``--ep 2`` and ``--tp 2`` artifacts on 2 gloo ranks (127.0.0.1) against
 its 1-rank artifact, in one run.
 
-Per model (make-tiny, seed 0): compile both artifacts (same max_seq / max_batch), then time, as the median of
+Per model (make-tiny, seed 0): compile the three artifacts (same max_seq / max_batch), then time, as the median of
 ``repeat`` calls after a warm-up, a prefill of ``prefill`` tokens and one decode step (after a 16-token prompt)
 on 1 rank (TVM on every core of the machine) and on 2 ranks (each rank's TVM on cores / 2 threads, its own process:
 the same cores in total). Reported beside each 2-rank time: the 1-rank time, the seconds the 2 ranks spent inside
 collectives (rank 0, median), the bytes the collective steps wrote per rank (all_reduce of the partial sums:
 T x H fp32 per MoE layer under EP, per attention / dense MLP / embedding under TP; all_gather of the logits under
 TP) against the routed experts' arithmetic (2 T k (H GU + I H) flops), and each rank's resident weight bytes and
-KV-cache bytes against half the 1-rank artifact's (under TP the routed experts stay whole: only --ep splits them). ``bound`` is the 1-rank time / 2 (a perfect split).
+KV-cache bytes against half the 1-rank artifact's (under TP the routed experts stay whole: only --ep splits them).
+``bound`` is the 1-rank time / 2 (a perfect split).
 The same script runs with NCCL on a GPU machine (the artifacts' target decides the backend, runtime/dist.py).
 """
 
