@@ -138,7 +138,104 @@ def test_shard_splits_a_dense_mlp_over_tp_ranks():
     whole = _mlp_graph()
     h = whole.outputs[0].inputs[0]
     leaky = Graph("prefill", whole.inputs, (whole.outputs[0], h))
-    assert not shard(leaky, Mesh.of(tp=2))[1].patterns
+    assert "shard.tensor_parallel_mlp" not in shard(leaky, Mesh.of(tp=2))[1].patterns
+
+
+V, D, NH, HD, T, L = 12, 16, 4, 4, 5, 8  # vocab, hidden, query heads, head dim, tokens, cache length
+
+
+def _attn_graph(kv: int = 2) -> Graph:
+    """embedding -> GQA attention over a KV cache, as transformers traces it (q/k/v projections, views to heads,
+    cache index_put, repeat_kv by unsqueeze / expand / clone / view, sdpa, o_proj) -> LM head; outputs the logits
+    and the two cache writes."""
+    f = lambda *shape: TensorType("float32", shape)  # noqa: E731
+    ids = Node.make("input", (), {"name": "ids"}, [TensorType("int64", (1, T))])
+    pos = Node.make("input", (), {"name": "pos"}, [TensorType("int64", (T,))])
+    mask = Node.make("input", (), {"name": "mask"}, [TensorType("bool", (1, 1, T, L))])
+    w = {n: Node.make("weight", (), {"name": n}, [f(*shape)])
+         for n, shape in (("emb", (V, D)), ("wq", (NH * HD, D)), ("wk", (kv * HD, D)), ("wv", (kv * HD, D)),
+                          ("wo", (D, NH * HD)), ("head", (V, D)))}
+    x = Node.make("embedding", (w["emb"], ids), {"padding_idx": -1, "scale_grad_by_freq": False, "sparse": False},
+                  [f(1, T, D)])
+
+    def heads(wname, n):
+        y = Node.make("linear", (x, w[wname]), {"bias": False}, [f(1, T, n * HD)])
+        y = Node.make("view", (y,), {"size": [1, T, -1, HD]}, [f(1, T, n, HD)])
+        return Node.make("permute", (y,), {"dims": [0, 2, 1, 3]}, [f(1, n, T, HD)])
+
+    writes, kvs = [], []
+    for name in ("wk", "wv"):
+        cache = Node.make("state", (), {"name": f"cache_{name}", "zone": "kv_cache"}, [f(1, kv, L, HD)])
+        put = Node.make("index_put", (cache, pos, heads(name, kv)), {"accumulate": False,
+                                                                     "indices": [False, False, True]}, [cache.type])
+        writes.append(Node.make("assign", (cache, put), {}, [cache.type]))
+        r = Node.make("unsqueeze", (put,), {"dim": 2}, [f(1, kv, 1, L, HD)])
+        r = Node.make("expand", (r,), {"size": [1, kv, NH // kv, L, HD], "implicit": False},
+                      [f(1, kv, NH // kv, L, HD)])
+        r = Node.make("clone", (r,), {}, [r.type])
+        kvs.append(Node.make("view", (r,), {"size": [1, NH, L, HD]}, [f(1, NH, L, HD)]))
+    a = Node.make("scaled_dot_product_attention", (heads("wq", NH), *kvs, mask),
+                  {"attn_mask": True, "dropout_p": 0.0, "enable_gqa": False, "is_causal": False, "scale": 0.5},
+                  [f(1, NH, T, HD)])
+    a = Node.make("permute", (a,), {"dims": [0, 2, 1, 3]}, [f(1, T, NH, HD)])
+    a = Node.make("view", (Node.make("clone", (a,), {}, [a.type]),), {"size": [1, T, -1]}, [f(1, T, NH * HD)])
+    o = Node.make("linear", (a, w["wo"]), {"bias": False}, [f(1, T, D)])
+    h = Node.make("add.Tensor", (x, o), {"alpha": 1}, [f(1, T, D)])
+    logits = Node.make("linear", (h, w["head"]), {"bias": False}, [f(1, T, V)])
+    return Graph("prefill", (ids, pos, mask), (logits, *writes))
+
+
+def _attn_data(kv: int = 2, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (V, D), "wq": (NH * HD, D), "wk": (kv * HD, D), "wv": (kv * HD, D), "wo": (D, NH * HD),
+              "head": (V, D), "cache_wk": (1, kv, L, HD), "cache_wv": (1, kv, L, HD)}
+    tensors = {k: torch.randn(*s, generator=g) * 0.5 for k, s in shapes.items()}
+    pos = torch.arange(T) + 2
+    mask = torch.arange(L)[None, :] <= pos[:, None]
+    return {"ids": torch.tensor([[0, 11, 5, 6, 3]]), "pos": pos, "mask": mask[None, None]}, tensors
+
+
+def _rank_slices(g: Graph, full: dict, rank: int) -> dict:
+    """Each weight and state of the sharded ``g`` as rank ``rank`` holds it: the full tensor narrowed to the
+    rank's part on the one dim where the sharded node's shape is smaller."""
+    out = {}
+    for n in g.nodes():
+        if n.op in ("weight", "state"):
+            t = full[n.attr["name"]]
+            for d, (a, b) in enumerate(zip(n.shape, t.shape)):
+                if a != b:
+                    t = t.narrow(d, rank * a, a)
+            out[n.attr["name"]] = t.clone()
+    return out
+
+
+def test_shard_splits_attention_heads_caches_and_vocabulary_over_tp_ranks():
+    g, found = shard(_attn_graph(), Mesh.of(tp=2))
+    verify(g)
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_attention": 1, "shard.tensor_parallel_vocab": 2}
+    nodes = {n.attr["name"]: n for n in g.nodes() if n.op in ("weight", "state")}
+    assert nodes["wq"].attr["shard"] == ("tp", 0, 2) and nodes["wq"].shape == (NH * HD // 2, D)
+    assert nodes["wk"].shape == (HD, D) and nodes["wo"].attr["shard"] == ("tp", 1, 2)
+    assert nodes["emb"].shape == (V // 2, D) and nodes["head"].shape == (V // 2, D)
+    assert nodes["cache_wk"].shape == (1, 1, L, HD) and nodes["cache_wv"].shape == (1, 1, L, HD)
+    logits, kw, vw = g.outputs
+    assert logits.op == "all_gather" and logits.attr["dim"] == 2 and logits.shape == (1, T, V)
+    assert kw.op == "assign" and kw.shape == (1, 1, L, HD)
+    (sdpa,) = [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]
+    assert sdpa.shape == (1, NH // 2, T, HD) and sdpa.inputs[1].attr["size"] == (1, NH // 2, L, HD)
+    assert sum(n.op == "all_reduce" for n in g.nodes()) == 2  # the embedding and o_proj
+
+
+def test_shard_leaves_attention_whole_when_its_kv_heads_do_not_split():
+    """One kv head over 2 ranks: the attention (and its cache) stays replicated; the vocabulary still splits."""
+    g, found = shard(_attn_graph(kv=1), Mesh.of(tp=2))
+    verify(g)
+    assert found.patterns == {"shard.tensor_parallel_vocab": 2, "shard.replicated_kv_caches": 2}
+    caches = [n for n in g.nodes() if n.op == "state"]
+    assert all(n.shape == (1, 1, L, HD) for n in caches)
+    assert not any("shard" in n.attr for n in g.nodes() if n.op == "weight" and n.attr["name"] != "emb"
+                   and n.attr["name"] != "head")
 
 
 def test_shard_splits_the_routed_experts_over_ep_ranks():
@@ -203,13 +300,19 @@ def _interp_rank(rank: int, port: int, q) -> None:
     mw = _mlp_weights()
     cols = slice(rank * I, (rank + 1) * I)
     (m,) = run_graph(tg, {"x": inputs["x"]}, lambda name: mw[name][:, cols] if name == "wd" else mw[name][cols])
-    q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist()))
+    ag_, data = _attn_data()
+    sg, _ = shard(_attn_graph(), Mesh.of(tp=2))  # attention heads, caches, embedding and head over the tp ranks
+    held = _rank_slices(sg, data, rank)
+    logits, _, _ = run_graph(sg, ag_, held.__getitem__)
+    q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist(), logits.tolist(),
+           held["cache_wk"].tolist(), held["cache_wv"].tolist()))
     dist.destroy_process_group()
 
 
 def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     """The reference interpreter on 2 gloo ranks, each with its half of the experts (then of a dense MLP's
-    intermediate columns): the all-reduced partial sums are the unsharded graph's output; all_gather and
+    intermediate columns, then of an attention's heads, KV cache and vocabulary): the all-reduced partial sums and
+    gathered logits are the unsharded graph's outputs, each rank's cache holds its kv head's rows; all_gather and
     all_to_all move what they say."""
     import torch.multiprocessing as mp
 
@@ -225,7 +328,13 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     inputs, weights = _moe_inputs()
     (want,) = run_graph(_moe_graph(), inputs, weights.__getitem__)
     (want_mlp,) = run_graph(_mlp_graph(), {"x": inputs["x"]}, _mlp_weights().__getitem__)
-    for rank, y, ag, a2a, m in res:
+    attn_in, data = _attn_data()
+    full = {k: v.clone() for k, v in data.items()}
+    (want_logits, _, _) = run_graph(_attn_graph(), attn_in, full.__getitem__)
+    for rank, y, ag, a2a, m, logits, ck, cv in res:
+        assert torch.allclose(torch.tensor(logits), want_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.tensor(ck), full["cache_wk"][:, rank:rank + 1])  # its kv head's cache rows
+        assert torch.equal(torch.tensor(cv), full["cache_wv"][:, rank:rank + 1])
         assert torch.allclose(torch.tensor(m), want_mlp, rtol=1e-5, atol=1e-4)
         assert torch.allclose(torch.tensor(y), want, rtol=1e-5, atol=1e-5)
         assert ag == [[0, 1, 2, 10, 11, 12], [3, 4, 5, 13, 14, 15]]
@@ -312,7 +421,8 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp")])
+@pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp"),
+                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp")])
 def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
                                                                       tmp_path_factory, tmp_path):
     """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared

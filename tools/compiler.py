@@ -422,18 +422,25 @@ def tune_program(prog: Program, target: dict, db, trials: int, minutes: float | 
 def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, torch.Tensor]
                      ) -> tuple[dict, dict[str, torch.Tensor]]:
     """name -> where its bytes come from; plus the tensors the artifact must carry itself."""
-    entries, own = {}, {}
+    entries, own, shards = {}, {}, {}
     for n in (n for g in graphs for n in g.nodes()):
         if n.op != "weight":
             continue
         name = n.attr["name"]
         meta = {"dtype": n.dtype, "shape": list(n.shape)}
+        if name in shards and shards[name] != n.attr.get("shard"):  # a rank binds one slice for every program
+            raise InternalError(f"weight {name} is split {shards[name]} in one program and {n.attr.get('shard')} "
+                                "in another (passes/shard.py matched a block in one program only)")
+        shards[name] = n.attr.get("shard")
         if name in fe.recipes and "shard" in n.attr:  # each group rank binds its own slice (passes/shard.py)
             group, dim, parts = n.attr["shard"]
             full = tuple(d * parts if k == dim else d for k, d in enumerate(n.shape))
             entries[name] = dict(meta, source="checkpoint", shard={"group": group, "dim": dim, "parts": parts},
                                  shard_runs=[[list(r) for r in shard_runs(fe.recipes[name], full, dim, parts, i)]
                                              for i in range(parts)])
+        elif "shard" in n.attr:
+            raise InternalError(f"weight {name} is split over ranks but is no checkpoint tensor (only checkpoint "
+                                "tensors are read in slices)")
         elif name in fe.recipes:
             entries[name] = dict(meta, source="checkpoint", runs=[list(r) for r in fe.recipes[name]])
         elif name in constants or name in fe.traced.weights:

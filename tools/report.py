@@ -402,7 +402,8 @@ def _human(r: dict) -> None:
                    ", ".join(f"{p} {c}" for p, c in m["collectives"].items()))
     kv = r.get("kv_cache")
     if kv:
-        click.echo(f"kv cache (one request slot of {kv['max_length']} tokens; {kv['slots']} slot(s)): "
+        ranked = " of one rank" if m and m.get("world", 1) > 1 else ""  # a sharded artifact: this rank's heads
+        click.echo(f"kv cache{ranked} (one request slot of {kv['max_length']} tokens; {kv['slots']} slot(s)): "
                    f"{kv['bytes_per_token']:,.0f} B/token over all layers"
                    + (f" + {kv['fixed_bytes']:,} B fixed" if kv["fixed_bytes"] else ""))
         if kv.get("pages"):
