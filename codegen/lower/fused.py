@@ -61,9 +61,11 @@ def _reshape(ctx, x: te.Tensor, t: TensorType) -> te.Tensor:
             if not (isinstance(d, tvm.tirx.IntImm) and d.value == 1):
                 flat = flat * d + i
         sub = []
-        for d in reversed(mid_src):
+        for n, d in enumerate(reversed(mid_src)):
             if isinstance(d, tvm.tirx.IntImm) and d.value == 1:
                 sub.append(tvm.tirx.const(0, "int64"))
+            elif n == len(mid_src) - 1:  # the outermost: what is left of the flat index is below d (no modulo,
+                sub.append(flat)           # so a row read through the view stays an affine, vectorisable index)
             else:
                 sub.append(tvm.tirx.floormod(flat, d))
                 flat = tvm.tirx.floordiv(flat, d)
