@@ -1,7 +1,8 @@
 """The rule-based default tier for CPU: ordered schedule rules, each returning None where it does not apply.
 
-    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])  ->  dlight_reduction
-    ->  parallel_loops (the generic, last)
+    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])
+    ->  row_reduction (softmax / norms: reductions over the last axis + an element-wise output)
+    ->  dlight_reduction  ->  parallel_loops (the generic, last)
 
 A rule takes the normalised kernel (an ``IRModule`` with ``main``) and the target and returns a scheduled module,
 or None: "not mine". Whether a loop a rule marks parallel really runs on the thread pool is decided afterwards,
@@ -30,6 +31,16 @@ Rows are padded to a multiple of the tile's MR (``pad_einsum``: a padded copy of
 dropped), so no loop in the k loop has a predicate (a predicated split ran at half speed). A symbolic M gets both
 schedules in one kernel, chosen at run time on M (``parallel.either``). K must take a lane width (4 at least) and
 N, for the packed GEMM, a multiple of NW; otherwise the rule falls back to fewer lanes / the dot-product tiles / None.
+
+``row_reduction`` takes a row's reductions (sum / max / min over the last axis, read contiguously, with any
+element-wise prologue) and the element-wise output that reads them, per row::
+
+    for row in parallel(rows):                                   # or, rows < cores: the row split over cores
+        acc[ACCS*LANES] = init;  for ko in range(W / (ACCS*LANES)):  acc[:] op= f(x[row, ko*ACCS*LANES:+..])
+        red[row] = reduce(acc)                                   # one per reduction, in order
+        for jo in range(W / LANES):  out[row, jo*LANES:+LANES] = g(x[row, ..], red[row], ..)
+
+with ``exp`` as TOPI's vectorising polynomial. A symbolic row width (attention's keys) goes on to dlight.
 
 ``batched_matmul`` takes mm / bmm / matmul (attention's scores and weighted sum when not hand-scheduled): B is
 [.., k, n], already n contiguous, so the broadcast tile of the packed GEMM runs without packing.

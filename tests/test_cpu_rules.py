@@ -185,13 +185,17 @@ def test_batched_matmul_returns_none_where_it_does_not_apply():
     lib, _ = compile_node(odd)
     check_node(odd, lib, 1)
     # a linear (w [n, k]) is dense_linear's, a row reduction and an elementwise op no one's here
-    assert cpu_rules.batched_matmul(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    assert all(cpu_rules.batched_matmul(mod, TARGET) is None for mod in other_kernels())
+
+
+def other_kernels() -> list:
+    """A linear (w [n, k]), a lone row sum (no element-wise output) and an element-wise op, normalised."""
     a = te.placeholder((4, 32), name="a")
     kk = te.reduce_axis((0, 32), "k")
     row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
-    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, row])), TARGET) is None
     ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
-    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, ew])), TARGET) is None
+    return [normalize(program.make_prim_func(linear_node((SEQ,), 32, 32), "k")),
+            normalize(te.create_prim_func([a, row])), normalize(te.create_prim_func([a, ew]))]
 
 
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
@@ -311,14 +315,7 @@ def test_row_reduction_returns_none_where_it_does_not_apply():
     assert cpu_rules.row_reduction(mod_of(col), TARGET) is None
     lib, _ = compile_node(col)  # still computed, by the rules after it
     check_node(col, lib, 1)
-    # a linear, a lone row sum (no element-wise output), an element-wise op
-    assert cpu_rules.row_reduction(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
-    a = te.placeholder((4, 32), name="a")
-    kk = te.reduce_axis((0, 32), "k")
-    row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
-    assert cpu_rules.row_reduction(normalize(te.create_prim_func([a, row])), TARGET) is None
-    ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
-    assert cpu_rules.row_reduction(normalize(te.create_prim_func([a, ew])), TARGET) is None
+    assert all(cpu_rules.row_reduction(mod, TARGET) is None for mod in other_kernels())
 
 
 def test_fast_exp_keeps_softmax_finite_at_the_extremes():
