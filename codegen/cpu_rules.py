@@ -371,6 +371,7 @@ def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
     return sch.mod
 
 
+ROW_OUT_UNROLL = 4  # output vectors per step of a row (independent exp chains: 16x4096 softmax 46 -> 38 us a core)
 ROW_ACCS = (4, 2, 1)  # vector accumulators per row reduction (4 hide the add's latency), the most dividing the row
 
 
@@ -536,8 +537,10 @@ def row_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule 
     row = sch.fuse(*loops[:s]) if s > 1 else (loops[0] if s else None)
     if split_rows:
         return _split_row_schedule(sch, out, loops[-1], rfs, cores_rfs, cores, lanes)
-    _, vec = sch.split(loops[-1], [None, simd.lanes])
+    unroll = ROW_OUT_UNROLL if width % (ROW_OUT_UNROLL * simd.lanes) == 0 else 1
+    _, unr, vec = sch.split(loops[-1], [None, unroll, simd.lanes])
     sch.vectorize(vec)
+    sch.unroll(unr)
     for b in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
         sch.compute_at(b, row)
     sch.parallel(row)
