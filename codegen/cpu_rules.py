@@ -474,14 +474,16 @@ def _row_factor(width: int, lanes: int) -> int:
 def _vector_partials(sch, rf, anchor, lanes: int) -> None:
     """An rfactor block's partial sums in registers: its lanes loop innermost, as vectors (unrolled over the
     accumulators), zeroed before the reduction loop. Its two loops under ``anchor`` are the ones ``compute_at``
-    regenerated, in its iterators' order; the lanes iterator is the last index of the partials it writes."""
+    regenerated, in its iterators' order (all its loops when there is no anchor: a 1-D kernel's rfactor keeps the
+    split's order); the lanes iterator is the last index of the partials it writes."""
     blk = sch.get(rf)
     lane_var = blk.writes[0].region[-1].min
     inner = [iv for iv in blk.iter_vars if iv.iter_type == tvm.tirx.IterVar.CommReduce or iv.var.same_as(lane_var)]
-    loops = [lp for lp in _below(sch, rf, anchor) if not _unit(sch.get(lp).extent)]
+    loops = [lp for lp in (_below(sch, rf, anchor) if anchor is not None else sch.get_loops(rf))
+             if not _unit(sch.get(lp).extent)]
     if len(loops) != 2 or len(inner) != 2:
         raise ValueError(f"partial sums {blk.name_hint}: {len(loops)} loops under the row, not 2")
-    ko, ki = loops if inner[0].iter_type == tvm.tirx.IterVar.CommReduce else loops[::-1]
+    ko, ki = loops if anchor is None or inner[0].iter_type == tvm.tirx.IterVar.CommReduce else loops[::-1]
     sch.reorder(ko, ki)
     acc, vec = sch.split(ki, [None, lanes])
     sch.unroll(acc)
@@ -541,9 +543,10 @@ def row_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule 
     _, unr, vec = sch.split(loops[-1], [None, unroll, simd.lanes])
     sch.vectorize(vec)
     sch.unroll(unr)
-    for b in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
-        sch.compute_at(b, row)
-    sch.parallel(row)
+    if row is not None:  # a 1-D kernel (one row, serial): its blocks stay at the root, one after the other
+        for b in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
+            sch.compute_at(b, row)
+        sch.parallel(row)
     for rf in rfs:
         _vector_partials(sch, rf, row, lanes)
     return tvm.IRModule({"main": _fast_exp(sch.mod["main"])})

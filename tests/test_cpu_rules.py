@@ -275,12 +275,14 @@ def row_node(op, shape, width_attrs=True) -> Node:
     ("rms_norm", (SEQ, 64), (1, 7)),
     ("rms_norm", (SEQ, 37), (5,)),             # a prime width: serial reductions, the output vectorised with a tail
     ("layer_norm", (SEQ, 48), (1, 6)),         # two reductions, the second reading the first
+    ("softmax.int", (1001,), (1,)),            # 1-D, an odd width: no row loop, serial reductions
+    ("rms_norm", (96,), (1,)),                 # 1-D: the blocks one after the other at the root
 ])
 def test_row_reduction_matches_the_reference(op, shape, seqs):
     node = row_node(op, shape)
     assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "row_reduction"
     lib, mod = compile_node(node)
-    assert "_rf_local" in mod.script() or shape[-1] == 37  # vector partial sums in registers
+    assert "_rf_local" in mod.script() or shape[-1] in (37, 1001)  # vector partial sums in registers
     for seq in seqs:
         check_node(node, lib, seq, tol=1e-5)
 
@@ -330,3 +332,15 @@ def test_fast_exp_keeps_softmax_finite_at_the_extremes():
     out = torch.empty_like(x)
     lib(x, out)
     torch.testing.assert_close(out, torch.softmax(x, -1), rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("shape", [(96,), (1, 96)])
+def test_row_reduction_on_one_core_keeps_one_serial_row(shape):
+    """A 1-core target: no row split; a 1-D kernel (no row loop) keeps its blocks at the root, in order."""
+    one = tvm.target.Target(dict(host_target_dict(), **{"num-cores": 1}))
+    node = row_node("rms_norm", shape)
+    func = program.make_prim_func(node, "k")
+    assert cpu_rules.cpu_default_rule(normalize(func), one)[0] == "row_reduction"
+    mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), one, None)
+    assert "_rf_local" in mod.script() and "_rf_rf" not in mod.script()
+    check_node(node, tvm.compile(mod, target=one)["main"], 1, tol=1e-5)
