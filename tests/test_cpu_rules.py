@@ -185,13 +185,17 @@ def test_batched_matmul_returns_none_where_it_does_not_apply():
     lib, _ = compile_node(odd)
     check_node(odd, lib, 1)
     # a linear (w [n, k]) is dense_linear's, a row reduction and an elementwise op no one's here
-    assert cpu_rules.batched_matmul(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    assert all(cpu_rules.batched_matmul(mod, TARGET) is None for mod in other_kernels())
+
+
+def other_kernels() -> list:
+    """A linear (w [n, k]), a lone row sum (no element-wise output) and an element-wise op, normalised."""
     a = te.placeholder((4, 32), name="a")
     kk = te.reduce_axis((0, 32), "k")
     row = te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk), name="row")
-    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, row])), TARGET) is None
     ew = te.compute((4, 32), lambda i, j: a[i, j] * 2.0, name="ew")
-    assert cpu_rules.batched_matmul(normalize(te.create_prim_func([a, ew])), TARGET) is None
+    return [normalize(program.make_prim_func(linear_node((SEQ,), 32, 32), "k")),
+            normalize(te.create_prim_func([a, row])), normalize(te.create_prim_func([a, ew]))]
 
 
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
@@ -234,13 +238,14 @@ def test_dlight_reduction_declines_a_schedule_that_multiplies_the_work():
     def rule_of(node):
         return cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0]
 
+    def dlight(node):
+        return cpu_rules.dlight_reduction(normalize(program.make_prim_func(node, "k")), TARGET)
+
     one = softmax_node((1, 1000))
-    assert cpu_rules.dlight_reduction(normalize(program.make_prim_func(one, "k")), TARGET) is None
-    assert rule_of(one) == "parallel_loops"
-    lib, _ = compile_node(one)
-    check_node(one, lib, 1)
-    assert rule_of(softmax_node((16, 1000))) == "dlight_reduction"
-    assert rule_of(softmax_node((SEQ, 1000))) == "dlight_reduction"
+    assert dlight(one) is None
+    assert dlight(softmax_node((16, 1000))) is not None and dlight(softmax_node((SEQ, 1000))) is not None
+    # in the chain, dlight now gets the row reductions row_reduction declines: a symbolic row width
+    assert rule_of(softmax_node((16, SEQ))) == "dlight_reduction"
 
 
 def test_a_declined_dlight_schedule_leaves_the_kernel_to_the_next_rule_untouched():
@@ -248,3 +253,94 @@ def test_a_declined_dlight_schedule_leaves_the_kernel_to_the_next_rule_untouched
     before = mod.script()
     assert cpu_rules.dlight_reduction(mod, TARGET) is None
     assert mod.script() == before  # dlight rewrote it in place: parallel_loops got the quadratic schedule
+
+
+def row_node(op, shape, width_attrs=True) -> Node:
+    """softmax / log_softmax over the last dim, or rms_norm / layer_norm (weight, and bias for layer_norm) over
+    it, as the frontend builds them; shape may hold the symbol ``seq``."""
+    w = shape[-1]
+    specs = [shape] + ([(w,)] if op in ("rms_norm", "layer_norm") else []) + ([(w,)] if op == "layer_norm" else [])
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType("float32", s)]) for i, s in enumerate(specs)]
+    attrs = {"softmax.int": {"dim": -1, "dtype": None}, "_log_softmax": {"dim": -1, "half_to_float": False},
+             "rms_norm": {"normalized_shape": [w], "weight": True, "eps": 1e-6},
+             "layer_norm": {"normalized_shape": [w], "weight": True, "bias": True, "eps": 1e-5,
+                            "cudnn_enable": True}}[op]
+    return Node.make(op, ins, attrs, [TensorType("float32", shape)])
+
+
+@pytest.mark.parametrize("op,shape,seqs", [
+    ("softmax.int", (SEQ, 1000), (1, 5, 17)),  # symbolic rows; 1000 takes 8-lane partials
+    ("softmax.int", (3, 4096), (1,)),          # 4 accumulators x 16 lanes
+    ("_log_softmax", (2, SEQ, 96), (3,)),      # two leading dims fused into the row loop
+    ("rms_norm", (SEQ, 64), (1, 7)),
+    ("rms_norm", (SEQ, 37), (5,)),             # a prime width: serial reductions, the output vectorised with a tail
+    ("layer_norm", (SEQ, 48), (1, 6)),         # two reductions, the second reading the first
+    ("softmax.int", (1001,), (1,)),            # 1-D, an odd width: no row loop, serial reductions
+    ("rms_norm", (96,), (1,)),                 # 1-D: the blocks one after the other at the root
+])
+def test_row_reduction_matches_the_reference(op, shape, seqs):
+    node = row_node(op, shape)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "row_reduction"
+    lib, mod = compile_node(node)
+    assert "_rf_local" in mod.script() or shape[-1] in (37, 1001)  # vector partial sums in registers
+    for seq in seqs:
+        check_node(node, lib, seq, tol=1e-5)
+
+
+def test_row_reduction_splits_one_row_across_the_cores():
+    """One row (decode's vocabulary softmax) on a 4-core target: every reduction as per-core partials of vector
+    partials, the cores' loops parallel, the output's row in 4 parallel pieces; against the reference (with the
+    largest logit in the last core's piece, so a core's partial max must reach the result)."""
+    four = tvm.target.Target(dict(host_target_dict(), **{"num-cores": 4}))
+    node = row_node("softmax.int", (1, 1 << 17))  # work enough for parallel.py to keep the cores' loops
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), four, None)
+    script = mod.script()
+    assert "mx_rf_rf_local" in script and "se_rf_rf_local" in script
+    assert script.count("T.parallel(T.int64(4))") == 3
+    lib = tvm.compile(mod, target=four)["main"]
+    x = torch.randn(1, 1 << 17, generator=g)
+    x[0, -100] = 30.0
+    out = torch.empty_like(x)
+    lib(x, out)
+    torch.testing.assert_close(out, torch.softmax(x, -1), rtol=1e-5, atol=1e-7)
+
+
+def test_row_reduction_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # a symbolic row width (attention's keys) and a reduction over the first dim (a column: strided rows)
+    assert cpu_rules.row_reduction(mod_of(softmax_node((16, SEQ))), TARGET) is None
+    col = Node.make("softmax.int", [Node.make("input", (), {"name": "x0"}, [TensorType("float32", (64, 8))])],
+                    {"dim": 0, "dtype": None}, [TensorType("float32", (64, 8))])
+    assert cpu_rules.row_reduction(mod_of(col), TARGET) is None
+    lib, _ = compile_node(col)  # still computed, by the rules after it
+    check_node(col, lib, 1)
+    assert all(cpu_rules.row_reduction(mod, TARGET) is None for mod in other_kernels())
+
+
+def test_fast_exp_keeps_softmax_finite_at_the_extremes():
+    """fast_exp clamps its input to +-88.38: a row with -inf entries (a mask) gives ~0 there, a row of huge
+    logits stays finite, as the reference does."""
+    node = row_node("softmax.int", (SEQ, 64))
+    lib, _ = compile_node(node)
+    x = torch.randn(3, 64, generator=g)
+    x[0, :32] = -float("inf")
+    x[1] *= 1e4
+    x[2, 5] = 1e30
+    out = torch.empty_like(x)
+    lib(x, out)
+    torch.testing.assert_close(out, torch.softmax(x, -1), rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("shape", [(96,), (1, 96)])
+def test_row_reduction_on_one_core_keeps_one_serial_row(shape):
+    """A 1-core target: no row split; a 1-D kernel (no row loop) keeps its blocks at the root, in order."""
+    one = tvm.target.Target(dict(host_target_dict(), **{"num-cores": 1}))
+    node = row_node("rms_norm", shape)
+    func = program.make_prim_func(node, "k")
+    assert cpu_rules.cpu_default_rule(normalize(func), one)[0] == "row_reduction"
+    mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), one, None)
+    assert "_rf_local" in mod.script() and "_rf_rf" not in mod.script()
+    check_node(node, tvm.compile(mod, target=one)["main"], 1, tol=1e-5)

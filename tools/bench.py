@@ -1,4 +1,6 @@
-"""``dayzero bench e2e``: tiny Qwen3-MoE (BENCH_MODEL), compiled vs torch eager vs torch.compile, in one run; and
+"""``dayzero bench e2e``: tiny Qwen3-MoE (BENCH_MODEL), compiled vs torch eager vs torch.compile vs stock TVM Relax
+(``relax_baseline``: the same export through Relax's importer and default pipeline, one static length per case;
+``compile_s`` compares the compile times), in one run; and
 ``dayzero bench decode-batch``: one batched decode step of B requests vs B sequential steps (``bench_decode_batch``).
 
 Cases: prefill at 64 tokens, a one-token forward without a cache, and a real decode step (one token after a
@@ -44,6 +46,30 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(_times(fn, repeat))
 
 
+def relax_baseline(upstream: torch.nn.Module, ids: torch.Tensor) -> tuple:
+    """Stock TVM Relax on the same model (issue 21's baseline): ``torch.export`` of the upstream prefill
+    (``input_ids -> logits``, all-ones mask) at ``ids``' length, ``tvm.relax.frontend.torch.
+    from_exported_program`` and ``tvm.compile`` with its default pipeline for the host target, nothing tuned.
+    (A call ``() -> logits`` on ``ids``, its seconds of export + import + compile.) ``upstream`` must export:
+    experts as ``batched_mm`` (UPSTREAM_NOTES)."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from dayzero.frontend.hf import CausalLMPrefill
+    from dayzero.targets.host import host_target_dict
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(CausalLMPrefill(upstream), (ids,), strict=False)
+    ex = tvm.compile(from_exported_program(ep), target=tvm.target.Target(host_target_dict()))
+    seconds = time.perf_counter() - t0
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    arg = tvm.runtime.tensor(ids.numpy())
+    main = vm["main"]
+    return (lambda: main(arg)[0]), seconds
+
+
 def bench_e2e(repeat: int = 20) -> dict:
     from dayzero.frontend.hf import load_upstream
     from dayzero.runtime import load
@@ -52,9 +78,12 @@ def bench_e2e(repeat: int = 20) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="dayzero-bench-"))
     make_tiny(BENCH_MODEL, work / "ckpt", seed=0)
+    t0 = time.perf_counter()
     compile_model(str(work / "ckpt"), str(work / "art"), max_seq=128)
+    compile_s = {"dayzero": time.perf_counter() - t0}  # prefill + decode programs, every length up to 128
     rt = load(work / "art")
     eager = load_upstream(work / "ckpt")
+    exportable = load_upstream(work / "ckpt", experts="batched_mm")
     compiled = torch.compile(eager)
     results = []
     for case, seq in (("prefill_64", 64), ("step_1_token", 1)):
@@ -65,11 +94,13 @@ def bench_e2e(repeat: int = 20) -> dict:
             with torch.no_grad():
                 return m(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
+        run_relax, compile_s[f"tvm_relax_{case}"] = relax_baseline(exportable, ids)  # one static length each
         ours = _median_time(lambda: rt.prefill(ids), repeat)
         t_eager = _median_time(run_eager, repeat)
         t_compiled = _median_time(lambda: run_eager(compiled), repeat)
+        t_relax = _median_time(run_relax, repeat)
         results.append({"case": case, "unit": "s", "dayzero": ours,
-                        "baselines": {"torch_eager": t_eager, "torch_compile": t_compiled},
+                        "baselines": {"torch_eager": t_eager, "torch_compile": t_compiled, "tvm_relax": t_relax},
                         "bound": None, "bound_name": None, "tokens": seq})
     # a real decode step: one token appended to a 32-token request, read from the KV cache (torch eager: the
     # same model with transformers' DynamicCache; torch.compile would recompile as the cache grows: left out)
@@ -91,7 +122,7 @@ def bench_e2e(repeat: int = 20) -> dict:
     launches = {name: {"steps": len(p.steps), "kernels": len({s[0] for s in p.steps})}
                 for name, p in rt.programs.items()}
     return {"suite": "e2e", "machine": machine_info(), "results": results, "peak_rss_bytes": peak,
-            "model": BENCH_MODEL, "launches": launches}
+            "model": BENCH_MODEL, "launches": launches, "compile_s": compile_s}
 
 
 BATCH_SIZES = (1, 2, 4, 8)

@@ -437,7 +437,8 @@ def bench_group():
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=20, show_default=True)
 def bench_e2e_cmd(as_json, repeat):
-    """Tiny Qwen3-MoE: prefill latency and one-token step, compiled vs torch eager vs torch.compile."""
+    """Tiny Qwen3-MoE: prefill latency and one-token step, compiled vs torch eager, torch.compile and stock TVM
+    Relax (same export, default pipeline), with both compile times."""
     from dayzero.tools.bench import bench_e2e
 
     _emit(bench_e2e(repeat), as_json, _bench_human)
@@ -458,6 +459,8 @@ def _bench_human(r):
     for row in r["results"]:
         base = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row["baselines"].items())
         click.echo(f"  {row['case']:<28} dayzero {row['dayzero'] * 1e3:.2f} ms | {base}")
+    if "compile_s" in r:
+        click.echo("  compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["compile_s"].items()))
 
 
 def _register_optional():

@@ -128,7 +128,7 @@ def _softmax(ctx, ins, attrs, outs):
         v = cast(x[i], cd) - mx[r]
         if "log" in name:
             return v - tvm.tirx.log(se[r])
-        return tvm.tirx.exp(v) / se[r]
+        return tvm.tirx.exp(v) * (const(1.0, cd) / se[r])  # one division a row: LLVM hoists it
     return te.compute(ctx.shape(outs[0].shape), body, name="T")
 
 
