@@ -111,6 +111,35 @@ def _torch_dequant_mxfp4(blocks, scales):
     return w.reshape(o, g * 32)
 
 
+def real_like_error(O: int, K: int, tgt: dict, gen) -> dict:
+    """Errors of the MXFP4 GEMV routes at one token on trained-like weights (fan-in scaled normals quantised as
+    published) and activations (normal, a few channels x20 as hidden states have): max |y - ref| / max |ref| with
+    ref = transformers' own dequant (``convert_moe_packed_tensors``, fp32) then matmul in float64; and, for
+    scale, upstream's bf16 path (bf16 dequant, bf16 matmul) against the same reference."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ..codegen.kernels import dequant as dq
+    from ..frontend import lowprec
+
+    w = (torch.randn(O, K, generator=gen) / K ** 0.5).numpy()
+    b, s = lowprec.quantize_mxfp4(w)
+    blocks, scales = torch.from_numpy(b).clone(), torch.from_numpy(s).clone()  # torch allocations: 64-byte aligned
+    x = torch.randn(1, K, generator=gen)
+    x[0, torch.randperm(K, generator=gen)[:8]] *= 20.0
+    Wt = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0]  # [K, O], upstream's
+    ref = (x.double() @ Wt.double())[0]
+    out = {}
+    for route, int8 in (("int8", True), ("fp32", False)):
+        y = torch.empty(1, O)
+        dq.build("mxfp4_gemv", 1, O, K, target=tgt, int8=int8)(x, blocks, scales, y)
+        out[f"{route}_vs_upstream_dequant_matmul"] = float((y[0].double() - ref).abs().max() / ref.abs().max())
+    Wb = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.bfloat16)[0]
+    yb = (x.bfloat16() @ Wb)[0].double()
+    out["upstream_bf16_vs_upstream_dequant_matmul"] = float((yb - ref).abs().max() / ref.abs().max())
+    return out
+
+
 def _machine(bw: float, tvm_threads: int) -> dict:
     from ..codegen.kernels import dequant as dq
     from ..targets.host import host_target_dict
@@ -218,6 +247,8 @@ def run_bench(quick: bool = False) -> dict:
                            for r, v in routes.items()},
             })
         del blocks, scales
+        if int8_mode(tgt) is not None:
+            results[-1]["real_like_error"] = real_like_error(O, K, tgt, gen)
     for O, K in GEMM_SHAPES:
         G = K // 32
         blocks = torch.randint(0, 256, (O, G, 16), dtype=torch.uint8, generator=gen)
