@@ -21,6 +21,7 @@ from dayzero.targets.host import cuda_target_dict, host_target_dict
 HOST = host_target_dict()
 # x86 without AVX2 (every x86-64 CPU runs it): the portable integer-bit decode ("arith"), run here for real
 GENERIC_X86 = {"kind": "llvm", "mcpu": "x86-64", "num-cores": 2}
+EXACT = {"mxfp4_gemv": {"int8": False}}  # the exact fp32 route of the MXFP4 GEMV (x86 hosts take the integer one)
 
 
 def _weights(fmt, O, K, E=None, seed=0):
@@ -47,8 +48,9 @@ def _check(y, x, W, K):
                                         for shape in ((1, 64, 64), (3, 129, 320), (8, 7, 256), (2, 130, 200))
                                         if fmt != "mxfp4" or shape[2] % 32 == 0])  # MXFP4 blocks are 32 along K
 def test_gemv_matches_torch(fmt, T, O, K):
+    # the exact routes (MXFP4's integer route quantises x: tests/test_dequant_int8.py)
     blocks, scales, W = _weights(fmt, O, K)
-    f = dq.build(f"{fmt}_gemv", T, O, K, target=HOST)
+    f = dq.build(f"{fmt}_gemv", T, O, K, target=HOST, **EXACT.get(f"{fmt}_gemv", {}))
     x = torch.randn(T, K)
     y = torch.empty(T, O)
     f(x, blocks, scales, y)
@@ -72,7 +74,7 @@ def test_expert_index(kind):
     E, O, K, T = 3, 36, 128, 4
     blocks, scales, W = _weights(fmt, O, K, E=E)
     args = (T, O, K) if kind.endswith("gemv") else (O, K)
-    f = dq.build(kind, *args, num_experts=E, target=HOST)
+    f = dq.build(kind, *args, num_experts=E, target=HOST, **EXACT.get(kind, {}))
     x = torch.randn(T, K)
     for e in (2, 0):
         y = torch.empty(T, O)
@@ -92,7 +94,7 @@ def test_scale_code_zero_and_extremes_exact(target):
                   np.uint8)
     scales = torch.from_numpy(sc)
     W = lowprec.dequant_mxfp4(blocks.numpy(), sc)
-    f = dq.build("mxfp4_gemv", 1, O, K, target=target)
+    f = dq.build("mxfp4_gemv", 1, O, K, target=target, int8=False)
     for k in range(K):
         x = torch.zeros(1, K)
         x[0, k] = 1.0
@@ -127,7 +129,7 @@ def test_x86_schedules_compile_vectorised(mcpu, mode, must_have):
 
     tgt = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
     assert dq.lookup_mode(tgt) == mode
-    for f in (dq.mxfp4_gemv(1, 64, 256, target=tgt), dq.mxfp4_gemm(64, 256, target=tgt)):
+    for f in (dq.mxfp4_gemv(1, 64, 256, target=tgt, int8=False), dq.mxfp4_gemm(64, 256, target=tgt)):
         asm = tvm.compile(tvm.IRModule({"main": f}), target=tgt).mod.inspect_source("asm")
         assert re.search(must_have, asm), mcpu
         assert not re.search(r"call\w*\s+_*extendhfsf2", asm)  # no software fp16 conversion in the decode

@@ -5,8 +5,11 @@ run_bench(quick) -> {"suite": "dequant", "machine": {...}, "results": [...]} (DE
 Cases (out x in, real expert shapes: gpt-oss 2880x2880, DeepSeek-V3 2048x7168 both ways):
 - decode_gemv_mxfp4_<O>x<K>_n<T>: dayzero = seconds per call reading weights that are NOT in cache (a rotation
   over a pool of distinct expert slabs larger than the last-level cache share we can hope for, like MoE decode
-  where each layer reads other experts); bound = weight bytes / streaming read bandwidth measured in this run;
-  baselines.torch_eager = dequantise (LUT + ldexp, transformers' way) then matmul, same rotation.
+  where each layer reads other experts), on the route ``mxfp4_gemv`` chooses (``route``: int8 = x quantised per
+  block + integer dot products, ``gemv_int8.py``; fp32 = exact decode); bound = weight bytes / streaming read
+  bandwidth measured in this run; baselines.torch_eager = dequantise (LUT + ldexp, transformers' way) then
+  matmul, same rotation; baselines.dayzero_fp32_route = the exact fp32 kernel, same rotation (``routes`` gives
+  both routes' GB/s, one-core GB/s and max |y - x W^T| / max |x W^T| against the fp32 reference).
 - prefill_gemm_mxfp4_<O>x<K>_T<T>: dayzero = dequant-GEMM from MXFP4; baselines.torch_matmul = x @ W.T on
   pre-dequantised fp32 weights (the bar: dayzero <= 2x of it); bound = flops / nothing measured -> null.
 - decode_moe_fp8_* / prefill_moe_fp8_*: FP8-block routed experts through the fused moe kernel
@@ -108,6 +111,35 @@ def _torch_dequant_mxfp4(blocks, scales):
     return w.reshape(o, g * 32)
 
 
+def real_like_error(O: int, K: int, tgt: dict, gen) -> dict:
+    """Errors of the MXFP4 GEMV routes at one token on trained-like weights (fan-in scaled normals quantised as
+    published) and activations (normal, a few channels x20 as hidden states have): max |y - ref| / max |ref| with
+    ref = transformers' own dequant (``convert_moe_packed_tensors``, fp32) then matmul in float64; and, for
+    scale, upstream's bf16 path (bf16 dequant, bf16 matmul) against the same reference."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ..codegen.kernels import dequant as dq
+    from ..frontend import lowprec
+
+    w = (torch.randn(O, K, generator=gen) / K ** 0.5).numpy()
+    b, s = lowprec.quantize_mxfp4(w)
+    blocks, scales = torch.from_numpy(b).clone(), torch.from_numpy(s).clone()  # torch allocations: 64-byte aligned
+    x = torch.randn(1, K, generator=gen)
+    x[0, torch.randperm(K, generator=gen)[:8]] *= 20.0
+    Wt = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0]  # [K, O], upstream's
+    ref = (x.double() @ Wt.double())[0]
+    out = {}
+    for route, int8 in (("int8", True), ("fp32", False)):
+        y = torch.empty(1, O)
+        dq.build("mxfp4_gemv", 1, O, K, target=tgt, int8=int8)(x, blocks, scales, y)
+        out[f"{route}_vs_upstream_dequant_matmul"] = float((y[0].double() - ref).abs().max() / ref.abs().max())
+    Wb = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.bfloat16)[0]
+    yb = (x.bfloat16() @ Wb)[0].double()
+    out["upstream_bf16_vs_upstream_dequant_matmul"] = float((yb - ref).abs().max() / ref.abs().max())
+    return out
+
+
 def _machine(bw: float, tvm_threads: int) -> dict:
     from ..codegen.kernels import dequant as dq
     from ..targets.host import host_target_dict
@@ -129,6 +161,8 @@ def run_bench(quick: bool = False) -> dict:
     import tvm
 
     from ..codegen.kernels import dequant as dq
+    from ..codegen.kernels.dequant.gemv_int8 import int8_mode
+    from ..frontend import lowprec
     from ..runtime.executor import use_all_cores
     from ..targets.host import host_target_dict
 
@@ -164,19 +198,29 @@ def run_bench(quick: bool = False) -> dict:
         P = max(2, pool_bytes // wbytes)
         blocks = torch.randint(0, 256, (P, O, G, 16), dtype=torch.uint8, generator=gen)
         scales = torch.randint(118, 130, (P, O, G), dtype=torch.uint8, generator=gen)
+        W0 = torch.from_numpy(lowprec.dequant_mxfp4(blocks[0].numpy(), scales[0].numpy()))
+        first = len(results)  # this shape's first (one-token) case
         for T in (1,) if quick else (1, 4):
-            f = dq.build("mxfp4_gemv", T, O, K, num_experts=P, target=tgt)
             x = torch.randn(T, K, generator=gen)
             y = torch.empty(T, O)
-            f(x, blocks, scales, 0, y)
+            ref = x @ W0.T  # fp32 reference of expert slab 0
+            routes = {}  # route -> (cold s/call, threads, one-core CPU s, max |y - ref| / max |ref|)
+            for route, int8 in (("int8", True), ("fp32", False)):
+                if int8 and int8_mode(tgt) is None:
+                    continue
+                f = dq.build("mxfp4_gemv", T, O, K, num_experts=P, target=tgt, int8=int8)
+                f(x, blocks, scales, 0, y)
+                err = float((y - ref).abs().max() / ref.abs().max())
 
-            def sweep():
-                for e in range(P):
-                    f(x, blocks, scales, e, y)
+                def sweep(f=f):
+                    for e in range(P):
+                        f(x, blocks, scales, e, y)
 
-            t_dz, dz_threads = _best_of_threads(sweep, 3, tvm_threads_, (1, tvm_threads))
-            t_dz /= P
-            cpu_dz = one_core_tvm(sweep, 2) / P
+                t, n = _best_of_threads(sweep, 3, tvm_threads_, (1, tvm_threads))
+                routes[route] = (t / P, n, one_core_tvm(sweep, 2) / P, err)
+            chosen = "int8" if dq.int8_route(tgt, T) else "fp32"
+            t_dz, dz_threads, cpu_dz, err = routes[chosen]
+            f = dq.build("mxfp4_gemv", T, O, K, num_experts=P, target=tgt)
             ne = min(P, 8 if quick else 16)
 
             def eager():
@@ -187,16 +231,25 @@ def run_bench(quick: bool = False) -> dict:
             t_eager /= ne
             hot = best_time(lambda: f(x, blocks, scales, 0, y), 5, 20)
             bound = wbytes / bw
+            baselines = {"torch_eager": t_eager}
+            if "fp32" in routes and chosen != "fp32":
+                baselines["dayzero_fp32_route"] = routes["fp32"][0]
             results.append({
                 "case": f"decode_gemv_mxfp4_{O}x{K}_n{T}", "unit": "s", "dayzero": t_dz,
-                "baselines": {"torch_eager": t_eager}, "bound": bound, "bound_name": "weight_bytes/read_bandwidth",
-                "weight_bytes": wbytes, "achieved_GBps": wbytes / t_dz / 1e9,
+                "baselines": baselines, "bound": bound, "bound_name": "weight_bytes/read_bandwidth",
+                "route": chosen, "weight_bytes": wbytes, "achieved_GBps": wbytes / t_dz / 1e9,
                 "fraction_of_bandwidth": bound / t_dz, "speedup_vs_torch_eager": t_eager / t_dz,
-                "dayzero_cache_hot": hot, "tvm_threads": dz_threads, "baseline_threads": eager_threads,
+                "max_rel_err_vs_fp32": err, "dayzero_cache_hot": hot, "tvm_threads": dz_threads,
+                "baseline_threads": eager_threads,
                 # load-independent: CPU seconds of the same cold sweep on one core (TVM pool at 1 thread)
                 "dayzero_one_core_cpu_s": cpu_dz, "one_core_GBps": wbytes / cpu_dz / 1e9,
+                "routes": {r: {"s": v[0], "GBps": wbytes / v[0] / 1e9, "fraction_of_bandwidth": bound / v[0],
+                               "one_core_GBps": wbytes / v[2] / 1e9, "max_rel_err_vs_fp32": v[3]}
+                           for r, v in routes.items()},
             })
         del blocks, scales
+        if int8_mode(tgt) is not None:
+            results[first]["real_like_error"] = real_like_error(O, K, tgt, gen)
     for O, K in GEMM_SHAPES:
         G = K // 32
         blocks = torch.randint(0, 256, (O, G, 16), dtype=torch.uint8, generator=gen)

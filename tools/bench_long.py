@@ -92,6 +92,26 @@ def _kv_figures(art: Path, ckpt: Path, context: int) -> dict:
     return {"resident": resident, "plan": plan}
 
 
+def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple[int, float]:
+    """Prefill ``prompt`` into ``slot`` chunk by chunk for at most ``budget`` seconds (one chunk at least); a tail
+    left then is skipped: the request's length is set to len(prompt) all the same, its rows past the prefilled ones
+    zero (a decode step's cost depends on the position, not on the values). Returns (tokens prefilled, seconds)."""
+    import torch
+
+    rt.reset(slot)
+    t0 = time.perf_counter()
+    done, ids, n_all = 0, torch.tensor([prompt]), len(prompt)
+    while done < n_all and (done == 0 or time.perf_counter() - t0 < budget):
+        n = min(rt.prefill_chunk, n_all - done)
+        rt.prefill(ids[:, done:done + n], slot=slot, append=done > 0)
+        done += n
+    seconds = time.perf_counter() - t0
+    rt.lengths[slot] = n_all
+    if rt.kv is not None:
+        rt.kv.trim(slot, n_all)  # a skipped tail: window blocks are handed out from the position's window on
+    return done, seconds
+
+
 def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int, prefill_budget: float,
                work: str | None = None) -> dict:
     import torch
@@ -111,21 +131,7 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
             for c in sorted(contexts):
                 # a prompt of c - 1 tokens, then the decode step that makes the context c tokens
                 prompt = torch.randint(0, 256, (c - 1,), generator=torch.Generator().manual_seed(c)).tolist()
-                rt.reset(0)
-                t0 = time.perf_counter()
-                done = 0
-                ids = torch.tensor([prompt])
-                while done < c - 1 and (done == 0 or time.perf_counter() - t0 < prefill_budget):
-                    n = min(rt.prefill_chunk, c - 1 - done)
-                    if done == 0:
-                        rt.prefill(ids[:, :n])
-                    else:
-                        rt.prefill(ids[:, done:done + n], append=True)
-                    done += n
-                prefill_s = time.perf_counter() - t0
-                rt.lengths[0] = c - 1  # decode at position c - 1 (rows past the prefilled ones stay zero, see the
-                if rt.kv is not None:  # module docstring)
-                    rt.kv.trim(0, c - 1)  # a skipped tail: window blocks are handed out from position c's window on
+                done, prefill_s = prefill_within(rt, prompt, prefill_budget)
                 d = _timed_decode(rt, prompt[-1], steps)
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d

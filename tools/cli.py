@@ -468,6 +468,7 @@ def _register_optional():
     from dayzero.tools.bench_attention import attention_command
     from dayzero.tools.bench_dequant import dequant_command
     from dayzero.tools.bench_dist import dist_command
+    from dayzero.tools.bench_full import full_command
     from dayzero.tools.bench_linear import linear_command
     from dayzero.tools.bench_long import long_command
     from dayzero.tools.bench_ops import ops_command
@@ -483,7 +484,7 @@ def _register_optional():
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, linear_command, ops_command, moe_command, tuning_command, attention_command,
-                serve_command, long_command, dist_command):
+                serve_command, long_command, dist_command, full_command):
         bench_group.add_command(cmd)
 
 

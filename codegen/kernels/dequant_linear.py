@@ -95,8 +95,9 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     """The PrimFunc for params P (fmt, N, K, T = int or None, int4 geometry) on TARGET (a target dict)."""
     N, K, T = p["N"], p["K"], p["T"]
     if p["fmt"] == "mxfp4":
-        if T is not None:
-            return gemv.mxfp4_gemv(T, N, K, target=target)
+        if T is not None:  # the exact fp32 GEMV: the op's reference is exact, and no compile option chooses the
+            # integer route (gemv_int8) for a graph yet
+            return gemv.mxfp4_gemv(T, N, K, target=target, int8=False)
         return gemm.mxfp4_gemm(N, K, target=target)
     problem = dequant_linear_int4_problem(p) if p["fmt"] == "int4" else None
     if problem:

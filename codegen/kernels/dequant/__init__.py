@@ -7,8 +7,9 @@ Every kernel computes ``y[t, o] = sum_k x[t, k] * W[o, k]`` with W given in its 
 Argument order of every PrimFunc:  x fp32 [T, K], weight..., scales..., [expert int32], y fp32 [T, O].
 GEMV kernels have a static T (1..64 decode tokens); GEMM kernels a symbolic T (one compiled kernel serves every T).
 
-Format decode in ``decode.py``, the GEMV kernels in ``gemv.py``, the GEMM kernels in ``gemm.py``, the schedule
-steps they share in ``scheduling.py``; ``build`` compiles one kernel of ``KERNELS`` by name.
+Format decode in ``decode.py``, the GEMV kernels in ``gemv.py`` (the integer MXFP4 route in ``gemv_int8.py``), the
+GEMM kernels in ``gemm.py``, the schedule steps they share in ``scheduling.py``; ``build`` compiles one kernel of
+``KERNELS`` by name.
 
 Compiled kernels need 64-byte-aligned, offset-0 tensors (torch allocations are; numpy views may not be).
 """
@@ -21,6 +22,7 @@ from dayzero import UserError
 from dayzero.codegen.kernels.dequant.decode import is_cuda, lookup_mode  # noqa: F401  (lookup_mode: public)
 from dayzero.codegen.kernels.dequant.gemm import fp8_block_gemm, mxfp4_gemm
 from dayzero.codegen.kernels.dequant.gemv import fp8_block_gemv, mxfp4_gemv
+from dayzero.codegen.kernels.dequant.gemv_int8 import int8_route  # noqa: F401  (public: the route rule)
 
 KERNELS = {
     "mxfp4_gemv": mxfp4_gemv,

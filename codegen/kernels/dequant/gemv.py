@@ -19,6 +19,7 @@ from dayzero.codegen.kernels.dequant.decode import (
     e8m0_value,
     f32,
     fp8_wd,
+    gemv_rows,
     is_cuda,
     kernel_args,
     lookup_lanes,
@@ -26,12 +27,17 @@ from dayzero.codegen.kernels.dequant.decode import (
     mxfp4_decode,
     weight_args,
 )
+from dayzero.codegen.kernels.dequant.gemv_int8 import int8_route, mxfp4_gemv_int8
 from dayzero.codegen.kernels.dequant.scheduling import check_lookup_lanes, cuda_rules, has_block, mark_scheduled
 
 
 def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_experts: int | None = None,
-               target: dict) -> tirx.PrimFunc:
+               target: dict, int8: bool | None = None) -> tirx.PrimFunc:
     """Decode dequant-GEMV, y[t, o] = sum_k x[t, k] * W[o, k], W in MXFP4.
+
+    Two routes: the integer GEMV of ``gemv_int8`` (x quantised to int8 per 32-block, integer dot products on the
+    codes: not exact, ~2^-9 relative) where ``gemv_int8.int8_route(target, n_tokens, int8)`` says so (x86 with
+    AVX2, n_tokens <= INT8_MAX_T, unless int8=False), else the exact fp32 kernel below.
 
     x       fp32  [T, K]           T = n_tokens (static, 1..64), K = in_features = 32 G
     blocks  uint8 [(E,) O, G, 16]  O = out_features
@@ -44,6 +50,8 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     part[t, o, l] = sum_g blk[t, o, g, l] sc2[o, g] (the scale applied once per block), y = sum_l part.
     """
     check_dims("mxfp4_gemv", out_features, in_features, n_tokens)
+    if int8_route(target, n_tokens, int8):
+        return mxfp4_gemv_int8(n_tokens, out_features, in_features, num_experts=num_experts, target=target)
     T, O, K, G = n_tokens, out_features, in_features, in_features // 32
     if lookup_mode(target) == "pshufb":
         return _mxfp4_gemv_avx2(T, O, K, num_experts).with_attr("tirx.is_scheduled", True)
@@ -64,7 +72,7 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
     sch = tvm.s_tir.Schedule(te.create_prim_func(kernel_args(x, B, S, e, y)))
     if cuda:
         return cuda_rules(sch, target)
-    _mxfp4_gemv_cpu(sch, _gemv_rows(T, O), L)
+    _mxfp4_gemv_cpu(sch, gemv_rows(T, O), L)
     return mark_scheduled(sch)
 
 
@@ -80,14 +88,14 @@ def _mxfp4_gemv_avx2(T_: int, O: int, K: int, E: int | None) -> tirx.PrimFunc:
     other three bytes come back as table[0] = 0x4B, so the lane's bits are 0x4B4B4B4B + 2 E2M1(c): the float
     2^23 + 0x4B4B4B + 2 E2M1(c) exactly, and one subtraction leaves 2 E2M1(c) (exact: integers below 2^24).
     The four vectors meet the activations (permuted into nibble order once per call) in a sum tree, the block's
-    partial sum is scaled by sc2 once, into one accumulator per (token, row); rows per group from ``_gemv_rows``.
+    partial sum is scaled by sc2 once, into one accumulator per (token, row); rows per group from ``gemv_rows``.
     """
     import struct
 
     from tvm.script import tirx as T
 
     G = K // 32
-    R = _gemv_rows(T_, O)
+    R = gemv_rows(T_, O)
     C = struct.unpack("<f", struct.pack("<I", _MAGIC * 0x01010101))[0]
 
     def codes(B, e, o, g, j):
@@ -160,16 +168,6 @@ def _mxfp4_gemv_avx2(T_: int, O: int, K: int, E: int | None) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         body(x, blocks, scales, None, y)
     return one
-
-
-def _gemv_rows(T: int, O: int) -> int:
-    """Output rows per parallel group of the GEMV: 8 at T = 1 (8 independent accumulator chains hide the FMA
-    latency; measured best on znver3 among 2/4/8/16), then T * rows <= 16 accumulator vectors (at T = 4, 2 rows
-    ran 1.7x slower than 4 and 8 rows the same). Divides O."""
-    rows = max(1, min(8, 16 // T))
-    while O % rows:
-        rows -= 1
-    return rows
 
 
 def fp8_block_gemv(n_tokens: int, out_features: int, in_features: int, *, num_experts: int | None = None,

@@ -1,0 +1,59 @@
+"""``dayzero bench full`` on a narrow gpt-oss (make_full's test-only overrides: published layer types, experts and
+top-k, hidden 64): the JSON has DESIGN.md's fields, every decode case's bound is the step's bytes over the bandwidth
+measured in the run, and the bytes are the checkpoint's own, counted here from the tensors' sizes independently.
+The full-width figures are the benchmark's, not CI's."""
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+NARROW = dict(hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=512, eos_token_id=500, pad_token_id=499)
+
+
+@pytest.mark.slow
+def test_bench_full_narrow_gpt_oss(tmp_path):
+    from safetensors import safe_open
+
+    from dayzero.tools.bench_full import bench_full
+
+    out = bench_full("gpt_oss", 1, tmp_path, contexts=[1, 40], batches=[1, 2], prefills=[16], steps=1,
+                     prefill_budget=30.0, eager_max_gb=1.0, overrides=NARROW)
+    assert out["suite"] == "full" and out["machine"]["read_bandwidth_GBps"] > 0
+    cases = {r["case"]: r for r in out["results"]}
+    assert set(cases) == {"decode_b1_ctx1", "decode_b2_ctx1", "decode_b1_ctx40", "decode_b2_ctx40", "prefill_16"}
+    bw = out["machine"]["read_bandwidth_GBps"] * 1e9
+    ckpt = tmp_path / "gpt_oss_L1" / "ckpt"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    E, k, H = cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"]
+    sizes = {}
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                sizes[name] = t.numel() * t.element_size()
+    experts = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
+    embed = sizes["model.embed_tokens.weight"]
+    other = sum(sizes.values()) - experts - embed
+    kv_token = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2  # bf16 K and V, one layer (sliding: window 128)
+    for b in (1, 2):
+        for c in (1, 40):
+            r = cases[f"decode_b{b}_ctx{c}"]
+            reached = E * (1 - (1 - k / E) ** b)
+            want = other + b * embed // cfg["vocab_size"] + reached * experts / E + b * c * kv_token
+            assert r["step_bytes"] == pytest.approx(want, rel=1e-6), (b, c)
+            assert r["bound"] == pytest.approx(r["step_bytes"] / bw, rel=2e-2)  # the bandwidth is rounded in JSON
+            assert r["dayzero"] > 0 and r["tokens_per_s"] == pytest.approx(b / r["dayzero"])
+            assert r["arena_step_bytes"] > r["step_bytes"]  # fp32 copies of the bf16 weights
+            assert r["prefilled_tokens"] == [max(1, c - 1)] * b
+    assert math.isclose(cases["prefill_16"]["tokens_per_s"], 16 / cases["prefill_16"]["dayzero"])
+    assert cases["prefill_16"]["baselines"]["torch_eager"] > 0  # a narrow model fits: eager runs
+    assert cases["decode_b1_ctx1"]["baselines"]["torch_eager"] > 0
+    assert "compile_s" in out and "make_full_s" in out
+    again = bench_full("gpt_oss", 1, tmp_path, contexts=[40], batches=[2], prefills=[16], steps=1,
+                       prefill_budget=30.0, eager_max_gb=0.0, overrides=NARROW)
+    assert "compile_s" not in again and "make_full_s" not in again  # the checkpoint and artifact are reused
+    assert "torch_eager_skipped" in again["results"][0]
