@@ -657,32 +657,43 @@ class Runtime:
         return plan
 
     @cached_property
-    def _row_views(self) -> dict:
-        """(state, slot) -> its view in the decode program (slot None: a paged pool): the arena stays put."""
-        return {}
+    def _row_views(self) -> dict[str, torch.Tensor]:
+        """State -> its view in the decode program's arena: a per-request state as every slot's copy at once,
+        [slots, ...] (slot k's copy lies ``state_stride`` bytes after slot k-1's: one strided view), so a step
+        gathers and scatters it with one indexed op, not one per request; a paged pool [H, blocks * bs, D]."""
+        dec = self.programs["decode"]
+        views = {}
+        for name, table_name, _ in self._row_plan:
+            if table_name is not None:
+                views[name] = dec.view(dec.shared_states[name], ())[0]
+                continue
+            bid, n = dec.states[name], dec.state_slots
+            first, last = dec.view(bid, (), 0), dec.view(bid, (), n - 1)  # view() checks every slot's bounds
+            step, rem = divmod(dec.state_stride, first.element_size())
+            if first.shape[0] != 1 or rem or (n > 1 and step < first.numel()):
+                raise InternalError(f"state {name}: slot copies {dec.state_stride} bytes apart do not stack")
+            views[name] = first.as_strided((n, *first.shape[1:]), (step, *first.stride()[1:]),
+                                           first.storage_offset())
+            if views[name][n - 1].data_ptr() != last.data_ptr():
+                raise InternalError(f"state {name}: the stacked view misses slot {n - 1}'s copy")
+        return views
 
     def _decode_rows(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """One run of the row program: each input state is the requests' states stacked (a per-request state: the
         slots' copies; a paged K=V cache: the rows of positions [0, L) read through each request's block table,
         blocks handed back read the scratch block, behind the window the mask hides), and each output's new
         contents go back (a per-request state: whole; a paged cache: the one row each request wrote)."""
-        dec = self.programs["decode"]
         views = self._row_views
         bs = self.kv.block_size
         rows = torch.arange(len(slots))
+        at_slots = torch.tensor(slots, dtype=torch.int64)
         inputs, back = [ids, pos], []
         for name, table_name, length in self._row_plan:
             if table_name is None:
-                for k in slots:
-                    if (name, k) not in views:
-                        views[name, k] = dec.view(dec.states[name], (), k)
-                own = [views[name, k] for k in slots]
-                inputs.append(torch.cat(own))
-                back.append(own)
+                inputs.append(views[name].index_select(0, at_slots))
+                back.append(views[name])
                 continue
-            if (name, None) not in views:
-                views[name, None] = dec.view(dec.shared_states[name], ())[0]  # [H, blocks * bs, D]
-            pool = views[name, None]
+            pool = views[name]
             table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
             p = torch.arange(length)
             where = table[:, p // bs] * bs + p % bs  # [B, L]: pool row of each position
@@ -691,9 +702,8 @@ class Runtime:
             back.append((pool, table[rows, pos // bs] * bs + pos % bs))
         out = prog.run(inputs)
         for dest, new in zip(back, out[1:]):
-            if isinstance(dest, list):
-                for b, v in enumerate(dest):
-                    v.copy_(new[b:b + 1])
+            if isinstance(dest, torch.Tensor):
+                dest.index_copy_(0, at_slots, new)
             else:
                 pool, at = dest
                 pool[:, at] = new[rows, :, pos].transpose(0, 1)

@@ -272,10 +272,12 @@ def test_csa_reads_only_selected_entries_of_a_long_history():
 
 
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
-@pytest.mark.parametrize("S", [1, None])
+@pytest.mark.parametrize("S", [1, None, "rows"])
 def test_cuda_sm90_compiles(csa, S):
     p = _params(csa, 1, 4, 1, 1, 64, 17, 32, 2, 4, 8)
     p["S"] = S
+    if S == "rows":  # the row-batched decode step: a symbolic batch, one query per row at its own position
+        p.update(S=1, B=None, per_row=True)
     f = kern.build(p, "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()
