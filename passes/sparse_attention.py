@@ -17,6 +17,9 @@ attrs and shapes only (never names, never the model type):
         ==>  cache_attention(q, k_state, v_state, qpos, [sinks]) {scale, window}
              reads rows [max(0, qpos-W+1), qpos] of the cache for each query, GQA through h // (Hq/Hkv)
 
+    One query per batch row, each row at its own position (DeepSeek-V4's row-batched decode step, S == 1): qpos
+    [B] instead of [S], the mask [B, L] (unsqueezed to [B, 1, 1, L]) ==> the same op with ``per_row``.
+
 (b) DeepSeek-V3.2 DSA: the indexer's top-k is scattered into a dense mask::
 
     indexer scores [B,S,L] ─ where(future, -inf) ─ topk(k) ─ getitem 1 ─ to int ─ idx [B,S,k]
