@@ -46,7 +46,8 @@ def params(n: Node) -> dict:
     q, k, v, qpos = n.inputs[:4]
     B, Hq, S, D = q.shape
     _, Hkv, L, _ = k.shape
-    p = {"op": n.op, "B": B if isinstance(B, int) else None, "Hq": int(Hq), "Hkv": int(Hkv), "S": S if isinstance(S, int) else None,
+    p = {"op": n.op, "B": B if isinstance(B, int) else None, "Hq": int(Hq), "Hkv": int(Hkv),
+         "S": S if isinstance(S, int) else None,
          "L": int(L), "D": int(D), "Dv": int(v.shape[-1]), "dtype": q.dtype, "out_dtype": n.dtype,
          "pos_dtype": qpos.dtype, "scale": float(n.attr["scale"])}
     if n.op == "cache_attention":

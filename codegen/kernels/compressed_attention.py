@@ -13,8 +13,8 @@ query (b, h, s) with kv head g = h // (H/Hkv) and p = qpos[s] reads
 
 and o = sum_r softmax_r(scale * q·x_r ; sink_h) x_r over those rows x_r (K = V: one tensor per branch), the
 per-head sink logit in the denominator only (``per_row``, the row-batched decode step: S == 1, B symbolic, qpos and
-epos [B], row b's query at qpos[b] and epos[b]). One pass of online softmax (running max m, denominator l, fp32 accumulator
-acc[D]), so a query costs O(W + K) rows (CSA) or O(W + p/R) rows (HCA), never O(L + E).
+epos [B], row b's query at qpos[b] and epos[b]). One pass of online softmax (running max m, denominator l, fp32
+accumulator acc[D]), so a query costs O(W + K) rows (CSA) or O(W + p/R) rows (HCA), never O(L + E).
 
 Variants, chosen from the shapes and the target:
 
@@ -44,7 +44,8 @@ def params(n: Node) -> dict:
     q, kv, qpos, ent, sinks = n.inputs[:5]
     rest = list(n.inputs[5:])
     B, H, S, D = q.shape
-    p = {"op": n.op, "B": B if isinstance(B, int) else None, "H": int(H), "Hkv": int(kv.shape[1]), "S": S if isinstance(S, int) else None,
+    p = {"op": n.op, "B": B if isinstance(B, int) else None, "H": int(H), "Hkv": int(kv.shape[1]),
+         "S": S if isinstance(S, int) else None,
          "L": int(kv.shape[2]), "E": int(ent.shape[2]), "D": int(D), "dtype": q.dtype, "kv_dtype": kv.dtype,
          "ent_dtype": ent.dtype, "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "sink_dtype": sinks.dtype,
          "scale": float(n.attr["scale"]), "window": int(n.attr["window"]), "rate": int(n.attr["rate"]),

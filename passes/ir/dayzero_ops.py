@@ -220,7 +220,7 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
               "every position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx "
               "int [B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
               "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 "
-              "for CSA), idx / epos (bool), per_row (S == 1 and qpos, epos int [B]: row b's query at qpos[b]); reads window rows [max(0, qpos-window+1), qpos] and the selected / "
-              "valid entries only; out [B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), "
-              "length, the block table last"),
+              "for CSA), idx / epos (bool), per_row (S == 1 and qpos, epos int [B]: row b's query at qpos[b]); "
+              "reads window rows [max(0, qpos-window+1), qpos] and the selected / valid entries only; out "
+              "[B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the block table last"),
 )
