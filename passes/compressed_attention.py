@@ -17,7 +17,12 @@ per query and masking most of them away. Recognised by op identity, attrs and sh
                                                       │        ─ sub(max) ─ softmax ─ [..., :-1] ─ bmm(P, V)
                                                       └──────────────────────────────────────────────┘
 
-        ==>  compressed_attention(q, kv, qpos, entries, sinks, [idx], [epos]) {scale, window, rate}
+        ==>  compressed_attention(q, kv, qpos, entries, sinks, [idx], [epos]) {scale, window, rate, per_row}
+
+The row-batched decode step (``decode_batch`` of DeepSeek-V4, frontend/decode_export.py ``RowDecodeStep``) has
+the same shape with one query per batch row, each row another request at its own position: positions [B] instead
+of [S] (S == 1), the window bias [B, 1, 1, L] (built as [B, L] and unsqueezed) and the HCA bias [B, 1, 1, E];
+then ``per_row`` is set and query (b, 0) is at qpos[b] (and epos[b]).
 
 The kernel (``codegen/kernels/compressed_attention.py``) reads per query only the window rows
 [max(0, qpos-W+1), qpos] of ``kv`` and then either the entry rows idx[b, s, :] that lie in [0, E) (CSA: the
@@ -37,7 +42,7 @@ from dayzero.passes.ir.node import Node, TensorType, view_node
 from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Rule, V, filled, isin, many, need, strip_views, with_scalar
 from dayzero.passes.pipeline import pattern_pass
 from dayzero.passes.sparse_attention import (LAST4, MASK_BIAS, SCALED_QK, _cache_operands, _int, arange_row,
-                                             mask_terms, positions, positive_int, sink_attention)
+                                             mask_terms, per_row, positions, positive_int, sink_attention)
 
 OP = "compressed_attention"
 
@@ -76,14 +81,17 @@ def _compressed(n: Node, m: Match, kind: str) -> Node:
     B, H, S, D = q.shape
     L, E = kv.shape[2], ent.shape[2]
     need(isinstance(L, int) and isinstance(E, int) and sinks.shape[0] == H and q.dtype == kv.dtype == ent.dtype)
-    t = mask_terms(m.mask, S, L, m.constants)
-    m.update(S=S, E=E)
+    t = mask_terms(m.mask, S, L, m.constants, B=B)
+    rows = per_row(t.qpos, S)
+    m.update(S=S, E=E, B=B)
     b = strip_views(m.block)
     need(b.type.ndim == 4 and b.shape[-1] == E and b.shape[-2] == S and b.shape[1] == 1)
     need(_CSA.match(b, m) and m.idx.shape[0] == B if kind == "csa" else _HCA.match(b, m))
+    # HCA's entry positions are per row exactly when the window's are (and then its bias is [B, 1, 1, E])
+    need(kind == "csa" or (per_row(m.epos, S) == rows and (not rows or b.shape[0] == B)))
     sel = m.idx if kind == "csa" else m.epos
     attrs = {"scale": float(m.value(m.scale)), "window": t.W, "rate": int(m.value(m.rate)) if kind == "hca" else 0,
-             "idx": kind == "csa", "epos": kind == "hca"}
+             "idx": kind == "csa", "epos": kind == "hca", **({"per_row": True} if rows else {})}
     att = Node.make(OP, (q, kv, t.qpos, ent, sinks, sel), attrs, (TensorType(q.dtype, (B, H, S, D)),), n.span)
     return view_node(att, n.shape, n.span)
 

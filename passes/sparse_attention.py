@@ -17,6 +17,9 @@ attrs and shapes only (never names, never the model type):
         ==>  cache_attention(q, k_state, v_state, qpos, [sinks]) {scale, window}
              reads rows [max(0, qpos-W+1), qpos] of the cache for each query, GQA through h // (Hq/Hkv)
 
+    One query per batch row, each row at its own position (DeepSeek-V4's row-batched decode step, S == 1): qpos
+    [B] instead of [S], the mask [B, L] (unsqueezed to [B, 1, 1, L]) ==> the same op with ``per_row``.
+
 (b) DeepSeek-V3.2 DSA: the indexer's top-k is scattered into a dense mask::
 
     indexer scores [B,S,L] ─ where(future, -inf) ─ topk(k) ─ getitem 1 ─ to int ─ idx [B,S,k]
@@ -110,8 +113,16 @@ def arange_row(L: str = "L") -> Pat:
 
 
 def positions(name: str) -> Pat:
-    """Int positions [m.S] read through unsqueezes, views and broadcasts (captured as ``name``)."""
-    return V(P(name=name, ndim=1, dtype=_int, where=lambda n, m: n.shape[0] == m.S), broadcast=True)
+    """Int positions [m.S] read through unsqueezes, views and broadcasts (captured as ``name``); with one query
+    per batch row (m.S == 1, ``m.B`` bound and not 1: the row-batched decode step, each row another request at its
+    own position), positions [m.B], one per row (``per_row``; ``mask_terms`` checks the mask is laid out so)."""
+    return V(P(name=name, ndim=1, dtype=_int, where=lambda n, m: n.shape[0] == m.S or (
+        m.S == 1 and m.get("B") not in (None, 1) and n.shape[0] == m.B)), broadcast=True)
+
+
+def per_row(pos: Node, S) -> bool:
+    """True when positions ``pos`` (matched by ``positions``) are one per batch row rather than one per query."""
+    return pos.shape[0] != S
 
 
 def positive_int(name: str) -> Pat:
@@ -131,11 +142,13 @@ _MASK_TERMS = (
 )
 
 
-def mask_terms(mask: Node, S, L: int, constants, selection: bool = False) -> Match:
+def mask_terms(mask: Node, S, L: int, constants, selection: bool = False, B=None) -> Match:
     """A bool mask [.., S, L] -> its terms: ``qpos`` (causal), ``W`` (window, 0 = none), ``idx`` (the DSA
-    selection, present exactly when ``selection``); raises NoMatch on any other term."""
+    selection, present exactly when ``selection``); raises NoMatch on any other term. With the batch size ``B``
+    and one query (S == 1), the positions may be one per batch row (``per_row``): the mask is then [B, (1, 1,) L],
+    row b compared with qpos[b]."""
     m = Match(constants)
-    m.update(S=S, L=L)
+    m.update(S=S, L=L, B=B)
     stack = [mask]
     while stack:
         n = strip_views(stack.pop())
@@ -143,7 +156,11 @@ def mask_terms(mask: Node, S, L: int, constants, selection: bool = False) -> Mat
             stack.extend(n.inputs)
         else:
             need(any(p.match(n, m) for p in _MASK_TERMS))
-    need("causal" in m and tuple(mask.shape[-2:]) == (S, L) and ("idx" in m) == selection)
+    need("causal" in m and ("idx" in m) == selection)
+    if per_row(m.qpos, S):  # [B, 1.., L]: the positions run along the batch axis, one query per row
+        need(mask.shape[0] == B and mask.shape[-1] == L and all(d == 1 for d in mask.shape[1:-1]))
+    else:
+        need(tuple(mask.shape[-2:]) == (S, L))
     m["W"] = int(m.value(m.window)) if "window" in m else 0
     return m
 
@@ -268,8 +285,8 @@ SCALED_QK = P("mul.Tensor", P(VIEW3, P("bmm", flat_heads(P(name="q")),
                                        flat_heads(P("permute", P(name="k"), attrs={"dims": (0, 1, 3, 2)}))), ndim=4),
               const(lambda t: t.numel() == 1, name="scale"))
 # where(mask, 0, -big): a bool mask as an additive bias
-MASK_BIAS = P("where.self", P(name="mask"), scalar_is(lambda v: float(v) == 0.0),
-              scalar_is(lambda v: float(v) <= -1e30))
+MASK_BIAS = V(P("where.self", P(name="mask"), scalar_is(lambda v: float(v) == 0.0),
+                scalar_is(lambda v: float(v) <= -1e30)))
 _EAGER = sink_attention(P("add.Tensor", SCALED_QK, MASK_BIAS, attrs=ALPHA1))
 
 
@@ -279,9 +296,10 @@ def _eager_with_sinks(n: Node, m: Match) -> Node:
     k, v = _cache_operands(q, m.k, m.v)
     L = k.shape[2]
     need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
-    t = mask_terms(m.mask, q.shape[2], L, m.constants)
-    att = _make(DENSE, (q, k, v, t.qpos, sinks), {"scale": float(m.value(m.scale)), "window": t.W, "sinks": True},
-                q, v, n.span)
+    t = mask_terms(m.mask, q.shape[2], L, m.constants, B=q.shape[0])
+    rows = {"per_row": True} if per_row(t.qpos, q.shape[2]) else {}
+    att = _make(DENSE, (q, k, v, t.qpos, sinks), {"scale": float(m.value(m.scale)), "window": t.W, "sinks": True,
+                                                  **rows}, q, v, n.span)
     return view_node(att, n.shape, n.span)
 
 

@@ -349,7 +349,8 @@ class Engine:
     def _decode(self, batch: list[tuple[int, Request]]) -> None:
         self.decode_steps += 1
         # a lone request steps through the decode program: the batched program pays for its generality at B = 1
-        # (DeepSeek-V4's row program gathers the request's states and attends densely: 79 vs 50 ms a step)
+        # (DeepSeek-V4's row program gathers the request's states in and scatters them back: 0.84 vs 0.39 ms a step
+        # on tiny V4, max-seq 128, a lightly loaded host)
         if self._decode_batch is not None and len(batch) > 1:
             try:
                 logits = self._decode_batch([t for t, _ in batch], [r.slot for _, r in batch])

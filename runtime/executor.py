@@ -11,6 +11,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Callable
@@ -216,16 +217,17 @@ class _Program:
         """Run the steps; ``observe(step_index, node, output_views)`` (debugging, compare) sees each step's
         outputs right after it ran, before the arena reuses their bytes. Inputs shorter than (or not aligned to)
         what the program accepts are padded on the right and the outputs sliced back (see ``pad``)."""
-        inputs, orig = self.pad(inputs)
-        outs = self._run(inputs, observe, slot)
-        if orig:
-            res = []
-            for bid, o in zip(self.user_outputs, outs):
-                for axis, d in enumerate(self.buffers[bid]["shape"]):
-                    if isinstance(d, str) and d in orig:
-                        o = o.narrow(axis, 0, orig[d])
-                res.append(o.contiguous())
-            outs = res
+        with _glue_on_this_thread():
+            inputs, orig = self.pad(inputs)
+            outs = self._run(inputs, observe, slot)
+            if orig:
+                res = []
+                for bid, o in zip(self.user_outputs, outs):
+                    for axis, d in enumerate(self.buffers[bid]["shape"]):
+                        if isinstance(d, str) and d in orig:
+                            o = o.narrow(axis, 0, orig[d])
+                    res.append(o.contiguous())
+                outs = res
         return outs
 
     def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
@@ -248,6 +250,22 @@ class _Program:
                 n_in = len(bids) - n_out
                 observe(k, node, args[n_in:n_in + n_out])
         return [o.clone() for o in out_views]
+
+
+@contextmanager
+def _glue_on_this_thread():
+    """torch's copies, clones and indexing around the kernels (inputs into the arena, outputs out of it, a row
+    program's gathers) run on the calling thread: above its grain size (32768 elements) torch hands them to its
+    OpenMP pool, whose threads and TVM's (use_all_cores) then contend for the same cores. Measured on tiny
+    DeepSeek-V4 (2 cores, median of 25): a 16-request decode_batch step took 47 ms of CPU (100 ms wall) with
+    torch's 2 threads, 3 ms (7 ms wall) with 1; 8 requests (under the grain): 1.6 ms either way. The kernels keep
+    TVM's pool."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _native(t: torch.Tensor):
@@ -657,32 +675,47 @@ class Runtime:
         return plan
 
     @cached_property
-    def _row_views(self) -> dict:
-        """(state, slot) -> its view in the decode program (slot None: a paged pool): the arena stays put."""
-        return {}
+    def _row_views(self) -> dict[str, torch.Tensor]:
+        """State -> its view in the decode program's arena: a per-request state as every slot's copy at once,
+        [slots, ...] (slot k's copy lies ``state_stride`` bytes after slot k-1's: one strided view), so a step
+        gathers and scatters it with one indexed op, not one per request; a paged pool [H, blocks * bs, D]."""
+        dec = self.programs["decode"]
+        views = {}
+        for name, table_name, _ in self._row_plan:
+            if table_name is not None:
+                views[name] = dec.view(dec.shared_states[name], ())[0]
+                continue
+            bid, n = dec.states[name], dec.state_slots
+            first, last = dec.view(bid, (), 0), dec.view(bid, (), n - 1)  # view() checks every slot's bounds
+            step, rem = divmod(dec.state_stride, first.element_size())
+            if first.shape[0] != 1 or rem or (n > 1 and step < first.numel()):
+                raise InternalError(f"state {name}: slot copies {dec.state_stride} bytes apart do not stack")
+            views[name] = first.as_strided((n, *first.shape[1:]), (step, *first.stride()[1:]),
+                                           first.storage_offset())
+            if views[name][n - 1].data_ptr() != last.data_ptr():
+                raise InternalError(f"state {name}: the stacked view misses slot {n - 1}'s copy")
+        return views
 
     def _decode_rows(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """One run of the row program: each input state is the requests' states stacked (a per-request state: the
         slots' copies; a paged K=V cache: the rows of positions [0, L) read through each request's block table,
         blocks handed back read the scratch block, behind the window the mask hides), and each output's new
         contents go back (a per-request state: whole; a paged cache: the one row each request wrote)."""
-        dec = self.programs["decode"]
+        with _glue_on_this_thread():
+            return self._decode_rows_here(prog, ids, pos, slots)
+
+    def _decode_rows_here(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
         views = self._row_views
         bs = self.kv.block_size
         rows = torch.arange(len(slots))
+        at_slots = torch.tensor(slots, dtype=torch.int64)
         inputs, back = [ids, pos], []
         for name, table_name, length in self._row_plan:
             if table_name is None:
-                for k in slots:
-                    if (name, k) not in views:
-                        views[name, k] = dec.view(dec.states[name], (), k)
-                own = [views[name, k] for k in slots]
-                inputs.append(torch.cat(own))
-                back.append(own)
+                inputs.append(views[name].index_select(0, at_slots))
+                back.append(views[name])
                 continue
-            if (name, None) not in views:
-                views[name, None] = dec.view(dec.shared_states[name], ())[0]  # [H, blocks * bs, D]
-            pool = views[name, None]
+            pool = views[name]
             table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
             p = torch.arange(length)
             where = table[:, p // bs] * bs + p % bs  # [B, L]: pool row of each position
@@ -691,9 +724,8 @@ class Runtime:
             back.append((pool, table[rows, pos // bs] * bs + pos % bs))
         out = prog.run(inputs)
         for dest, new in zip(back, out[1:]):
-            if isinstance(dest, list):
-                for b, v in enumerate(dest):
-                    v.copy_(new[b:b + 1])
+            if isinstance(dest, torch.Tensor):
+                dest.index_copy_(0, at_slots, new)
             else:
                 pool, at = dest
                 pool[:, at] = new[rows, :, pos].transpose(0, 1)

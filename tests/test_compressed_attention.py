@@ -17,6 +17,7 @@ import tvm
 from dayzero.codegen.kernels import compressed_attention as kern
 from dayzero.passes import compressed_attention as ca
 from dayzero.passes.ir import reference_attention as ra
+from dayzero.passes.ir.ops import get as op_def
 
 HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 from conftest import SHARED_MAX_SEQ as MAX_SEQ  # the shared artifacts' length: their traces are reused
@@ -216,6 +217,43 @@ def test_kernel_matches_reference_reading_only_visible_rows(csa, B, H, Hkv, S, s
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
+def test_per_row_kernel_gives_each_row_its_own_position(csa):
+    """The row-batched decode step (per_row): one query per batch row, row b at positions[b], B symbolic (one
+    kernel for every batch size). Each row equals upstream's eager attention of that request alone, and the op's
+    reference agrees; rows no query sees are NaN."""
+    H, Hkv, L, E, D, K, R, W = 4, 1, 64, 17, 16, 2, 4, 8
+    pos = torch.tensor([0, 37, 7, 63, 20])
+    B = len(pos)
+    attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa, "per_row": True}
+    p = _params(csa, B, H, Hkv, 1, L, E, D, K, R, W)
+    p.update(B=None, per_row=True)
+    lib = tvm.compile(tvm.IRModule({"main": kern.build(p, "llvm")}), target=HOST)
+    rows = [_case(1, H, Hkv, 1, int(s), L, E, D, K, R, seed=int(s)) for s in pos]
+    q, kv, ent = (torch.cat([r[k] for r in rows]) for k in range(3))
+    idx = torch.cat([r[5] for r in rows])
+    sinks = rows[0][3]
+    want = []
+    for b, s in enumerate(pos.tolist()):
+        qp = torch.tensor([s])
+        if csa:
+            block = torch.full((1, 1, 1, E + 1), float("-inf")).scatter_(-1, idx[b:b + 1].unsqueeze(1), 0.0)[..., :E]
+        else:
+            block = torch.zeros(1, 1, 1, E).masked_fill(torch.arange(E).view(1, 1, 1, -1) >= (s + 1) // R,
+                                                        float("-inf"))
+        bias = torch.cat([_window_bias(L, qp, W)[None, None], block], dim=-1)
+        want.append(_upstream(q[b:b + 1], kv[b:b + 1], ent[b:b + 1], sinks, bias, 0.3))
+    want = torch.cat(want)
+    ins = [q, kv, pos, ent, sinks, idx if csa else pos.clone()]
+    torch.testing.assert_close(op_def(ca.OP).call(ins, attrs), want, rtol=1e-5, atol=1e-6)
+    for b, s in enumerate(pos.tolist()):  # what row b does not see is NaN
+        kv[b, :, ~ra.valid_positions(L, torch.tensor([s]), W)[0]] = float("nan")
+    for n in (B, 1):
+        o = torch.full((n, H, 1, D), float("nan"))
+        lib["main"](*[x[:n] if x is not sinks else x for x in ins], o)
+        torch.testing.assert_close(o, want[:n], rtol=1e-5, atol=1e-5)
+
+
 def test_csa_reads_only_selected_entries_of_a_long_history():
     """4096 entries, all NaN but the two a decode query selects: the kernel still returns the reference."""
     B, H, L, E, D, W = 1, 4, 64, 4096, 16, 8
@@ -234,10 +272,12 @@ def test_csa_reads_only_selected_entries_of_a_long_history():
 
 
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
-@pytest.mark.parametrize("S", [1, None])
+@pytest.mark.parametrize("S", [1, None, "rows"])
 def test_cuda_sm90_compiles(csa, S):
     p = _params(csa, 1, 4, 1, 1, 64, 17, 32, 2, 4, 8)
     p["S"] = S
+    if S == "rows":  # the row-batched decode step: a symbolic batch, one query per row at its own position
+        p.update(S=1, B=None, per_row=True)
     f = kern.build(p, "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()

@@ -3,6 +3,7 @@
     cache_attention(q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos [S], [sinks [Hq]]) -> o [B,Hq,S,Dv]
         query (b, h, s) reads rows j in [max(0, qpos[s]-W+1), min(qpos[s], L-1)] (W = window, 0: from row 0)
         of kv head g = h // (Hq/Hkv); o = sum_j softmax_j(scale * q·k_j [, sink_h]) v_j
+        per_row (the row-batched decode step, S == 1, B symbolic): qpos [B], query (b, h, 0) at qpos[b]
     sparse_attention(q, k, v, qpos [S], idx [B,S,K]) -> o [B,Hq,S,Dv]
         query (b, h, s) reads rows j = idx[b, s, t], t < K, kept where 0 <= j <= qpos[s] (and j < L); the
         indices of one query are distinct (they come from a top-k), so each row is counted once
@@ -45,12 +46,13 @@ def params(n: Node) -> dict:
     q, k, v, qpos = n.inputs[:4]
     B, Hq, S, D = q.shape
     _, Hkv, L, _ = k.shape
-    p = {"op": n.op, "B": int(B), "Hq": int(Hq), "Hkv": int(Hkv), "S": S if isinstance(S, int) else None,
+    p = {"op": n.op, "B": B if isinstance(B, int) else None, "Hq": int(Hq), "Hkv": int(Hkv),
+         "S": S if isinstance(S, int) else None,
          "L": int(L), "D": int(D), "Dv": int(v.shape[-1]), "dtype": q.dtype, "out_dtype": n.dtype,
          "pos_dtype": qpos.dtype, "scale": float(n.attr["scale"])}
     if n.op == "cache_attention":
         p.update(window=int(n.attr["window"]), sinks=bool(n.attr["sinks"]),
-                 sink_dtype=n.inputs[4].dtype if n.attr["sinks"] else None)
+                 sink_dtype=n.inputs[4].dtype if n.attr["sinks"] else None, per_row=bool(n.attr.get("per_row")))
     else:
         idx = n.inputs[4]
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype, window=0, sinks=False)
@@ -112,9 +114,10 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     if p["op"] in ("mla_sparse_attention", "mla_attention"):
         return build_mla(p, kind)
     sparse = p["op"] == "sparse_attention"
-    B, Hq, Hkv, L, D, Dv = p["B"], p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
+    Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep = Hq // Hkv
     S = _i(p["S"]) if p["S"] is not None else "S"
+    B = _i(p["B"]) if p["B"] is not None else "B"  # symbolic: the row-batched decode step's requests
     decode = p["S"] == 1
     # per-token tables: each query reads its own request's rows, so no K/V row is shared by a block of queries
     qb = 1 if (decode or sparse or kind == "cuda" or p.get("per_token")) else QB
@@ -125,17 +128,19 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     lines = ['    T.func_attr({"tirx.noalias": True})']
     if p["S"] is None:
         lines.append("    S = T.int64()")
-    lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(Hq)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    k = T.match_buffer(k_, ({_i(B)}, {_i(Hkv)}, {_i(rows)}, {_i(D)}), "{p["dtype"]}")',
-              f'    v = T.match_buffer(v_, ({_i(B)}, {_i(Hkv)}, {_i(rows)}, {_i(Dv)}), "{p["dtype"]}")',
-              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")'] + table_decl(p)
+    if p["B"] is None:
+        lines.append("    B = T.int64()")
+    lines += [f'    q = T.match_buffer(q_, ({B}, {_i(Hq)}, {S}, {_i(D)}), "{p["dtype"]}")',
+              f'    k = T.match_buffer(k_, ({B}, {_i(Hkv)}, {_i(rows)}, {_i(D)}), "{p["dtype"]}")',
+              f'    v = T.match_buffer(v_, ({B}, {_i(Hkv)}, {_i(rows)}, {_i(Dv)}), "{p["dtype"]}")',
+              f'    p = T.match_buffer(p_, ({B if p.get("per_row") else S},), "{p["pos_dtype"]}")'] + table_decl(p)
     if sparse:
-        lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
+        lines.append(f'    x = T.match_buffer(x_, ({B}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
     if p["sinks"]:
         lines.append(f'    sk = T.match_buffer(sk_, ({_i(Hq)},), "{p["sink_dtype"]}")')
-    lines.append(f'    o = T.match_buffer(o_, ({_i(B)}, {_i(Hq)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")')
+    lines.append(f'    o = T.match_buffer(o_, ({B}, {_i(Hq)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")')
     nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}" if qb > 1 else S
-    total = f"{_i(B * Hq)} * ({nqb})"
+    total = f"{B} * {_i(Hq)} * ({nqb})"
     scope = ', scope="local"' if kind == "cuda" else ""
     lines += task_loop(total, kind)
     I = "        "
@@ -176,9 +181,10 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         body += update("pos", "0", "            ")
     else:
         W = p["window"]
-        lo_q = (f'T.max(T.Cast("int64", p[T.min(s0 + i, {S} - {_i(1)})]) - {_i(W - 1)}, {_i(0)})' if W
-                else _i(0))
-        hi_q = f'T.min(T.Cast("int64", p[T.min(s0 + i, {S} - {_i(1)})]), {_i(L - 1)})'
+        # a query's position: per query, or per batch row (per_row: one query a row)
+        at = "b" if p.get("per_row") else f"T.min(s0 + i, {S} - {_i(1)})"
+        lo_q = f'T.max(T.Cast("int64", p[{at}]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
+        hi_q = f'T.min(T.Cast("int64", p[{at}]), {_i(L - 1)})'
         body += [f"rng[0] = {_i(L)}", f"rng[1] = {_i(-1)}",
                  f"for i in range({_i(qb)}):",
                  f"    if s0 + i < {S}:",

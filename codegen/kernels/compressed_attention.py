@@ -11,9 +11,10 @@ query (b, h, s) with kv head g = h // (H/Hkv) and p = qpos[s] reads
 * HCA (``epos``, rate R): the entry rows e < min((epos[s] + 1) // R, E), all of them (HCA is dense over its few
   valid entries by design),
 
-and o = sum_r softmax_r(scale * q·x_r ; sink_h) x_r over those rows x_r (K = V: one tensor per branch), the per-head
-sink logit in the denominator only. One pass of online softmax (running max m, denominator l, fp32 accumulator
-acc[D]), so a query costs O(W + K) rows (CSA) or O(W + p/R) rows (HCA), never O(L + E).
+and o = sum_r softmax_r(scale * q·x_r ; sink_h) x_r over those rows x_r (K = V: one tensor per branch), the
+per-head sink logit in the denominator only (``per_row``, the row-batched decode step: S == 1, B symbolic, qpos and
+epos [B], row b's query at qpos[b] and epos[b]). One pass of online softmax (running max m, denominator l, fp32
+accumulator acc[D]), so a query costs O(W + K) rows (CSA) or O(W + p/R) rows (HCA), never O(L + E).
 
 Variants, chosen from the shapes and the target:
 
@@ -43,10 +44,12 @@ def params(n: Node) -> dict:
     q, kv, qpos, ent, sinks = n.inputs[:5]
     rest = list(n.inputs[5:])
     B, H, S, D = q.shape
-    p = {"op": n.op, "B": int(B), "H": int(H), "Hkv": int(kv.shape[1]), "S": S if isinstance(S, int) else None,
+    p = {"op": n.op, "B": B if isinstance(B, int) else None, "H": int(H), "Hkv": int(kv.shape[1]),
+         "S": S if isinstance(S, int) else None,
          "L": int(kv.shape[2]), "E": int(ent.shape[2]), "D": int(D), "dtype": q.dtype, "kv_dtype": kv.dtype,
          "ent_dtype": ent.dtype, "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "sink_dtype": sinks.dtype,
-         "scale": float(n.attr["scale"]), "window": int(n.attr["window"]), "rate": int(n.attr["rate"])}
+         "scale": float(n.attr["scale"]), "window": int(n.attr["window"]), "rate": int(n.attr["rate"]),
+         "per_row": bool(n.attr.get("per_row"))}
     if n.attr.get("idx"):
         idx = rest.pop(0)
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype)
@@ -72,9 +75,11 @@ def _i(x) -> str:
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
-    B, H, Hkv, L, E, D, W = (p[x] for x in ("B", "H", "Hkv", "L", "E", "D", "window"))
+    H, Hkv, L, E, D, W = (p[x] for x in ("H", "Hkv", "L", "E", "D", "window"))
     csa, hca = "K" in p, "epos_dtype" in p
     S = _i(p["S"]) if p["S"] is not None else "S"
+    B = _i(p["B"]) if p["B"] is not None else "B"  # symbolic: the row-batched decode step's requests
+    P = B if p.get("per_row") else S  # positions: one per query, or one per batch row (S == 1)
     HG = head_group(H, Hkv, p["S"] == 1, kind)
     NG, rep = H // HG, H // Hkv
     f32 = "T.float32"
@@ -84,18 +89,21 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     lines = ['    T.func_attr({"tirx.noalias": True})']
     if p["S"] is None:
         lines.append("    S = T.int64()")
-    lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(H)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    kv = T.match_buffer(kv_, ({_i(B)}, {_i(Hkv)}, {_i(p.get("P", L))}, {_i(D)}), "{p["kv_dtype"]}")',
-              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
-              f'    en = T.match_buffer(en_, ({_i(B)}, {_i(Hkv)}, {_i(E)}, {_i(D)}), "{p["ent_dtype"]}")',
+    if p["B"] is None:
+        lines.append("    B = T.int64()")
+    lines += [f'    q = T.match_buffer(q_, ({B}, {_i(H)}, {S}, {_i(D)}), "{p["dtype"]}")',
+              f'    kv = T.match_buffer(kv_, ({B}, {_i(Hkv)}, {_i(p.get("P", L))}, {_i(D)}), "{p["kv_dtype"]}")',
+              f'    p = T.match_buffer(p_, ({P},), "{p["pos_dtype"]}")',
+              f'    en = T.match_buffer(en_, ({B}, {_i(Hkv)}, {_i(E)}, {_i(D)}), "{p["ent_dtype"]}")',
               f'    sk = T.match_buffer(sk_, ({_i(H)},), "{p["sink_dtype"]}")']
     if csa:
-        lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
+        lines.append(f'    x = T.match_buffer(x_, ({B}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
     if hca:
-        lines.append(f'    ep = T.match_buffer(ep_, ({S},), "{p["epos_dtype"]}")')
+        lines.append(f'    ep = T.match_buffer(ep_, ({P},), "{p["epos_dtype"]}")')
     lines += attention.table_decl(p)
-    lines.append(f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(D)}), "{p["out_dtype"]}")')
-    total = f"{_i(B * NG)} * {S}"
+    lines.append(f'    o = T.match_buffer(o_, ({B}, {_i(H)}, {S}, {_i(D)}), "{p["out_dtype"]}")')
+    total = f"{B} * {_i(NG)} * {S}"
+    at = "b" if p.get("per_row") else "s"  # the index of a query's position
     lines += attention.task_loop(total, kind)
     body = [f"b = t // {_i(NG)} // {S}", f"h0 = t // {S} % {_i(NG)} * {_i(HG)}", f"s = t % {S}",
             f"g = h0 // {_i(rep)}",
@@ -127,7 +135,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                 ind + f'        acc[hh, d] = acc[hh, d] * corr + ex * T.Cast("float32", {buf}[b, g, r, d])',
                 ind + "    m[hh] = mn"]
 
-    pos = 'T.Cast("int64", p[s])'
+    pos = f'T.Cast("int64", p[{at}])'
     lo = f"T.max({pos} - {_i(W - 1)}, {_i(0)})" if W else _i(0)
     hi = f"T.min({pos}, {_i(L - 1)})"
     # the sliding-window branch: rows [lo, hi] of the K=V state
@@ -139,7 +147,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f"    if e >= {_i(0)} and e < {_i(E)}:"]
         body += update("en", "e", "        ")
     if hca:  # every causally valid entry: e < (epos + 1) // R
-        nvalid = f'T.min(T.max((T.Cast("int64", ep[s]) + {_i(1)}) // {_i(p["rate"])}, {_i(0)}), {_i(E)})'
+        nvalid = f'T.min(T.max((T.Cast("int64", ep[{at}]) + {_i(1)}) // {_i(p["rate"])}, {_i(0)}), {_i(E)})'
         body += [f"for e in range({nvalid}):"]
         body += update("en", "e", "    ")
     body += [f"for hh in range({_i(HG)}):",

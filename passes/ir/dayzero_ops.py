@@ -22,7 +22,7 @@ from dayzero import InternalError
 from .collective import (all_gather_reference, all_reduce_reference, all_to_all_reference,
                          group_rank_reference)
 from .opdef import ATTR, OPT_TENSOR, TENSOR, OpDef
-from .reference_attention import (by_token, compressed_reference, dense_reference, indexer_reference,
+from .reference_attention import (by_row, by_token, compressed_reference, dense_reference, indexer_reference,
                                   mla_dense_reference, mla_sparse_reference, paged_write_reference, sparse_reference)
 from .reference_dequant import dequant_reference, linear_reference
 from .reference_fused import fused_reference
@@ -178,11 +178,13 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
             reference=linear_reference(fmt), doc=_LINEAR_DOCS[fmt]) for fmt in ("int4", "mxfp4", "fp8")),
     # ---- attention over a KV cache (passes/sparse_attention.py, passes/compressed_attention.py) --------------
     OpDef("cache_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR),
-                                   ("sinks", OPT_TENSOR), ("scale", ATTR), ("window", ATTR), PAGED),
-          reference=by_token("cache_attention", dense_reference),
+                                   ("sinks", OPT_TENSOR), ("scale", ATTR), ("window", ATTR), ("per_row", ATTR),
+                                   PAGED),
+          reference=by_token("cache_attention", by_row(dense_reference)),
           doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
-              "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool); reads rows "
-              "[max(0, qpos-window+1), qpos] only; out [B,Hq,S,Dv]"),
+              "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool), per_row (S == 1 "
+              "and qpos int [B]: row b's query at qpos[b]); reads rows [max(0, qpos-window+1), qpos] only; "
+              "out [B,Hq,S,Dv]"),
     OpDef("sparse_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR), ("idx", TENSOR),
                                     ("scale", ATTR), PAGED),
           reference=by_token("sparse_attention", sparse_reference),
@@ -211,13 +213,14 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
               "j <= qpos[s] else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie order)"),
     OpDef("compressed_attention", args=(("q", TENSOR), ("kv", TENSOR), ("qpos", TENSOR), ("entries", TENSOR),
                                         ("sinks", TENSOR), ("idx", OPT_TENSOR), ("epos", OPT_TENSOR),
-                                        ("scale", ATTR), ("window", ATTR), ("rate", ATTR), PAGED),
-          reference=compressed_reference,
+                                        ("scale", ATTR), ("window", ATTR), ("rate", ATTR), ("per_row", ATTR),
+                                        PAGED),
+          reference=by_row(compressed_reference),
           doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, "
               "every position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx "
               "int [B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
               "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 "
-              "for CSA), idx / epos (bool); reads window rows [max(0, qpos-window+1), qpos] and the selected / "
-              "valid entries only; out [B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), "
-              "length, the block table last"),
+              "for CSA), idx / epos (bool), per_row (S == 1 and qpos, epos int [B]: row b's query at qpos[b]); "
+              "reads window rows [max(0, qpos-window+1), qpos] and the selected / valid entries only; out "
+              "[B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the block table last"),
 )

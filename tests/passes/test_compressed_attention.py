@@ -119,3 +119,113 @@ def test_a_window_mask_filled_with_a_finite_value_stays_dense():
     after, found = compressed_attention(before, _constants(big=-1.0))  # masked scores still count
     assert_ir(after, before, shapes=False)
     assert found.patterns == {}
+
+
+# the same HCA layer in the row-batched decode step (frontend/decode_export.py RowDecodeStep, DeepSeek-V4's
+# ``decode_batch``): batch row b is request b, one query at its own position ``positions[b]``; the window bias is
+# built per row as [batch, 64] and unsqueezed to [batch, 1, 1, 64], the block bias per row [batch, 1, 1, 9]
+ROW_HCA = """
+graph main symbols(batch in [1, 16]) {
+  %0 = input {name="positions"} : int64[batch]
+  %1 = input {name="q"} : float32[batch, 4, 1, 32]
+  %2 = input {name="kv"} : float32[batch, 1, 64, 32]
+  %3 = input {name="entries"} : float32[batch, 1, 9, 32]
+  %4 = view(%1) {size=[`4*batch`, 1, 32]} : float32[`4*batch`, 1, 32]
+  %5 = cat(%2, %3) {dim=2, tensors=2} : float32[batch, 1, 73, 32]
+  %6 = unsqueeze(%5) {dim=2} : float32[batch, 1, 1, 73, 32]
+  %7 = expand(%6) {implicit=false, size=[`batch`, 1, 4, 73, 32]} : float32[batch, 1, 4, 73, 32]
+  %8 = view(%7) {size=[`batch`, 4, 73, 32]} : float32[batch, 4, 73, 32]
+  %9 = permute(%8) {dims=[0, 1, 3, 2]} : float32[batch, 4, 32, 73]
+  %10 = clone(%9) : float32[batch, 4, 32, 73]
+  %11 = view(%10) {size=[`4*batch`, 32, 73]} : float32[`4*batch`, 32, 73]
+  %12 = bmm(%4, %11) : float32[`4*batch`, 1, 73]
+  %13 = view(%12) {size=[`batch`, 4, 1, 73]} : float32[batch, 4, 1, 73]
+  %14 = weight {name="const.scale"} : float32[]
+  %15 = mul.Tensor(%13, %14) : float32[batch, 4, 1, 73]
+  %16 = view(%0) {size=[-1, 1]} : int64[batch, 1]
+  %17 = weight {name="const.rows"} : int64[1, 64]
+  %18 = le.Tensor(%17, %16) : bool[batch, 64]
+  %19 = weight {name="const.window"} : int64[]
+  %20 = sub.Tensor(%16, %19) {alpha=1} : int64[batch, 1]
+  %21 = gt.Tensor(%17, %20) : bool[batch, 64]
+  %22 = bitwise_and.Tensor(%18, %21) : bool[batch, 64]
+  %23 = weight {name="const.zero"} : float32[]
+  %24 = weight {name="const.big"} : float32[]
+  %25 = where.self(%22, %23, %24) : float32[batch, 64]
+  %26 = unsqueeze(%25) {dim=1} : float32[batch, 1, 64]
+  %27 = unsqueeze(%26) {dim=2} : float32[batch, 1, 1, 64]
+  %28 = weight {name="const.entries"} : int64[1, 1, 1, 9]
+  %29 = weight {name="const.one"} : int64[]
+  %30 = add.Tensor(%16, %29) {alpha=1} : int64[batch, 1]
+  %31 = weight {name="const.rate"} : int64[]
+  %32 = div.Tensor_mode(%30, %31) {rounding_mode="floor"} : int64[batch, 1]
+  %33 = unsqueeze(%32) {dim=1} : int64[batch, 1, 1]
+  %34 = unsqueeze(%33) {dim=-1} : int64[batch, 1, 1, 1]
+  %35 = ge.Tensor(%28, %34) : bool[batch, 1, 1, 9]
+  %36 = weight {name="const.inf"} : float32[]
+  %37 = full {dtype="float32", fill_value=0, size=[`batch`, 1, 1, 9]} : float32[batch, 1, 1, 9]
+  %38 = where.self(%35, %36, %37) : float32[batch, 1, 1, 9]
+  %39 = cat(%27, %38) {dim=-1, tensors=2} : float32[batch, 1, 1, 73]
+  %40 = add.Tensor(%15, %39) {alpha=1} : float32[batch, 4, 1, 73]
+  %41 = weight {name="sinks"} : float32[4]
+  %42 = view(%41) {size=[1, -1, 1, 1]} : float32[1, 4, 1, 1]
+  %43 = expand(%42) {implicit=false, size=[`batch`, -1, 1, -1]} : float32[batch, 4, 1, 1]
+  %44 = cat(%40, %43) {dim=-1, tensors=2} : float32[batch, 4, 1, 74]
+  %45 = max.dim(%44) {dim=-1, keepdim=true} : (float32[batch, 4, 1, 1], int64[batch, 4, 1, 1])
+  %46 = getitem(%45) {index=0} : float32[batch, 4, 1, 1]
+  %47 = sub.Tensor(%44, %46) {alpha=1} : float32[batch, 4, 1, 74]
+  %48 = softmax.int(%47) {dim=-1, dtype="float32"} : float32[batch, 4, 1, 74]
+  %49 = slice.Tensor(%48) {dim=3, end=-1, start=0, step=1} : float32[batch, 4, 1, 73]
+  %50 = clone(%49) : float32[batch, 4, 1, 73]
+  %51 = view(%50) {size=[`4*batch`, 1, 73]} : float32[`4*batch`, 1, 73]
+  %52 = clone(%8) : float32[batch, 4, 73, 32]
+  %53 = view(%52) {size=[`4*batch`, 73, 32]} : float32[`4*batch`, 73, 32]
+  %54 = bmm(%51, %53) : float32[`4*batch`, 1, 32]
+  return %54
+}
+"""
+
+
+def _row_constants() -> dict:
+    return dict(_constants(), **{"const.rows": torch.arange(64).reshape(1, 64)})
+
+
+def test_row_batched_decode_attention_reads_each_rows_own_positions():
+    after, found = compressed_attention(ir(ROW_HCA, shapes=False), _row_constants())
+    assert found.patterns == {"compressed_attention.hca": 1}
+    # one query per row: the window's and the block bias's positions are the rows' (qpos = epos = positions)
+    assert_ir(after, """
+    graph main symbols(batch in [1, 16]) {
+      %0 = input {name="positions"} : int64[batch]
+      %1 = input {name="q"} : float32[batch, 4, 1, 32]
+      %2 = input {name="kv"} : float32[batch, 1, 64, 32]
+      %3 = input {name="entries"} : float32[batch, 1, 9, 32]
+      %4 = weight {name="sinks"} : float32[4]
+      %5 = compressed_attention(%1, %2, %0, %3, %4, %0) {epos=true, idx=false, per_row=true, rate=4,
+                                                         scale=0.1767766922712326, window=8} : float32[batch, 4, 1, 32]
+      %6 = view(%5) {size=[`4*batch`, 1, 32]} : float32[`4*batch`, 1, 32]
+      return %6
+    }
+    """, shapes=False)
+
+
+def test_a_block_bias_at_one_position_for_every_row_stays_dense():
+    # the window per row, but the HCA block bias from one position shared by the batch (not each row's): the
+    # kernel could not give each row its own entries, so the attention stays dense
+    text = ROW_HCA.replace('%30 = add.Tensor(%16, %29) {alpha=1} : int64[batch, 1]',
+                           '%55 = input {name="cache_position"} : int64[1]\n'
+                           '  %56 = view(%55) {size=[1, 1]} : int64[1, 1]\n'
+                           '  %30 = add.Tensor(%56, %29) {alpha=1} : int64[1, 1]')
+    text = text.replace("int64[batch, 1]\n  %31", "int64[1, 1]\n  %31")
+    for a, b in (("%32 = div.Tensor_mode(%30, %31) {rounding_mode=\"floor\"} : int64[batch, 1]",
+                  "%32 = div.Tensor_mode(%30, %31) {rounding_mode=\"floor\"} : int64[1, 1]"),
+                 ("%33 = unsqueeze(%32) {dim=1} : int64[batch, 1, 1]", "%33 = unsqueeze(%32) {dim=1} : int64[1, 1, 1]"),
+                 ("%34 = unsqueeze(%33) {dim=-1} : int64[batch, 1, 1, 1]",
+                  "%34 = unsqueeze(%33) {dim=-1} : int64[1, 1, 1, 1]"),
+                 ("%35 = ge.Tensor(%28, %34) : bool[batch, 1, 1, 9]", "%35 = ge.Tensor(%28, %34) : bool[1, 1, 1, 9]")):
+        assert a in text
+        text = text.replace(a, b)
+    before = ir(text, shapes=False)
+    after, found = compressed_attention(before, _row_constants())
+    assert found.patterns == {}
+    assert_ir(after, before, shapes=False)
