@@ -358,3 +358,48 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)),
                     lambda name: t.weights.get(name, found.constants.get(name)))[0]
     assert torch.equal(out, m(*ins))
+
+
+class _UpstreamV4Selection(torch.nn.Module):
+    """DeepseekV4Indexer.forward's selection on explicit inputs: upstream's scorer module itself, then its
+    future mask at rate R, top-k and -1 sentinel (modeling_deepseek_v4.py)."""
+
+    def __init__(self, rate, k):
+        from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+        super().__init__()
+        cfg = DeepseekV4Config(hidden_size=8, index_n_heads=4, index_head_dim=16)  # scales 1/4 and 1/2: exact
+        self.scorer, self.rate, self.k = DeepseekV4IndexerScorer(cfg), rate, k
+        g = torch.Generator().manual_seed(rate)
+        self.scorer.weights_proj.weight.data = torch.randint(-2, 3, (4, 8), generator=g).float()
+
+    def forward(self, q, keys, hidden, pos):
+        scores = self.scorer(q, keys, hidden)
+        thr = (pos[None] + 1) // self.rate
+        future = torch.arange(keys.shape[1]).view(1, 1, -1) >= thr.unsqueeze(-1)
+        top = scores.masked_fill(future, float("-inf")).topk(self.k, dim=-1).indices
+        return torch.where(top >= thr.unsqueeze(-1), torch.full_like(top, -1), top)
+
+
+@pytest.mark.parametrize("start,rate", [(10, 4), (0, 8)])  # (0, 8): no window complete yet, every pick -1
+def test_v4_indexer_pattern_on_upstream_scorer(start, rate):
+    """Upstream's DeepseekV4IndexerScorer (heads summed by mul + sum, ReLU before the scale) under the future
+    mask of compressed keys becomes dsa_indexer_topk with the rate; the graph computes what upstream does
+    (the same indices and -1 sentinels, exact small-integer scores, many ties)."""
+    from dayzero.frontend.torch_export import export_module, to_graph
+    from dayzero.passes.ir.interp import run_graph
+    from dayzero.tools.compiler import run_pipeline
+
+    g = torch.Generator().manual_seed(start)
+    r = lambda *sh: torch.randint(-2, 3, sh, generator=g).float()  # noqa: E731
+    ins = (r(1, 6, 4, 16), r(1, 9, 16), r(1, 6, 8), torch.arange(6) + start)
+    m = _UpstreamV4Selection(rate, 3)
+    t = to_graph(export_module(m, ins))
+    gr, found = run_pipeline(t.graph, verify=True)
+    assert found.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == 1
+    assert [n.attr["rate"] for n in gr.nodes() if n.op == sa.INDEXER] == [rate]
+    assert not [n for n in gr.nodes() if n.op == "topk"]
+    weights = {**t.weights, **found.constants}
+    out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)), weights.get)[0]
+    assert torch.equal(out, m(*ins))
