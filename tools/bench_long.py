@@ -9,9 +9,10 @@ count rule) and ``--prefill-chunk`` (default 32), then for each context C (defau
   prefilled ones are zero (a decode step's cost depends on the position, not on the values); the result says so
   (``prefilled_tokens`` < ``context`` - 1) and the prefill rate is the measured one.
 * decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
-  per-step hook (``Program.run(observe=...)``): ``indexer`` (the steps of the indexer modules: V4's CSA indexer with
-  its compressor, V3.2's ``dsa_indexer_topk``), ``attention`` (the attention kernels: ``compressed_attention``,
-  ``cache_attention``, ``sparse_attention``, ``mla_*``) and ``rest`` (everything else: projections, MoE, norms, mHC).
+  per-step hook (``Program.run(observe=...)``), classified by the step's op: ``indexer`` (``dsa_indexer_topk``: the
+  lightning indexer's scan over its keys, V3.2's per position and V4's CSA over its compressed entries), ``attention``
+  (the attention kernels: ``compressed_attention``, ``cache_attention``, ``sparse_attention``, ``mla_*``) and
+  ``rest`` (everything else: projections, MoE, norms, mHC, V4's compressors including the indexer's own).
 * KV: the request's resident cache bytes read off the compiled states (``dayzero report``'s kv_cache section:
   bytes per token x C + the per-sequence constant) beside ``tools/capacity.py``'s ``kv_bytes_per_sequence`` for
   the config at C (fp32 values and indexer keys, as the tiny artifacts store them); the ratio (target: within 1%).
@@ -30,14 +31,15 @@ import click
 
 MODELS = ("deepseek_v4", "deepseek_v32")
 CONTEXTS = ("4k", "64k", "256k", "1M")
+INDEXER_OP = "dsa_indexer_topk"
 ATTENTION_OPS = ("compressed_attention", "cache_attention", "sparse_attention", "mla_sparse_attention",
                  "mla_attention")
 
 
 def _kind(node: str) -> str:
-    """A program step (its node: "<op> at <module path> (...)") -> indexer / attention / rest."""
-    op, _, where = node.partition(" at ")
-    if op.startswith("dsa_indexer_topk") or ".indexer" in where.split(" ", 1)[0]:
+    """A program step (its node: "<op> at <module path> (...)") -> indexer / attention / rest, by its op."""
+    op = node.partition(" at ")[0]
+    if op == INDEXER_OP:
         return "indexer"
     return "attention" if op in ATTENTION_OPS else "rest"
 
