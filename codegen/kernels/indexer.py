@@ -1,10 +1,18 @@
 """The DSA lightning indexer as one kernel: scores over the index-key cache, ReLU, weighted head sum, causal mask
 and torch.topk's exact selection (op ``dsa_indexer_topk`` from passes/sparse_attention.py).
 
-    dsa_indexer_topk(q [B,S,Hi,Di], w [B,S,Hi], keys [B,L,Di], qpos [S]) {scale, k, sorted, fill} -> idx [B,S,k]
-        score[b,s,j] = sum_h w[b,s,h] * relu(scale * q[b,s,h]·keys[b,j])   for j <= qpos[s]
+    dsa_indexer_topk(q [B,S,Hi,Di], w [B,S,Hi], keys [B,L,Di], qpos [S]) {scale, k, sorted, fill, rate}
+        -> idx [B,S,k]
+        score[b,s,j] = sum_h w[b,s,h] * relu(scale * q[b,s,h]·keys[b,j])   for j < (qpos[s] + 1) // rate
                      = fill (-inf)                                           otherwise
         idx[b,s]     = torch.topk(score[b,s], k, sorted=sorted).indices     (ties resolved as torch does)
+    rate 1: a key per position (DeepSeek-V3.2, j <= qpos); rate R: DeepSeek-V4's compressed keys, one per R
+    positions, L = max_seq / R + 1.
+
+Only the visible key rows are read, each once. On torch's partial_sort path (k * 64 <= L, fill -inf) the top-k
+reads the first max(visible, k) entries of the row only (``topk_exact.program``'s ``scan``: a -inf tail never
+enters its heap), so a query costs O(its visible rows), not O(L): a decode step early in a long context, or a
+prefill chunk, touches no row past its position.
 
 Why one kernel: upstream materialises [B,S,Hi,L] per-head scores, a weighted [B,S,L] sum, a masked copy and a
 generic top-k. Here each key row is read once and turned into its final score in registers, and the top-k runs on
@@ -14,12 +22,12 @@ the indexer keeps exactly the rows upstream keeps, ties (ReLU zeros, -inf rows) 
 Variants:
 * host CPU, decode (S == 1): phase 1, parallel over (b, chunk of CHUNK key rows): a tile of JB rows is
   transposed into registers ([Di, JB]) and every head's dot products run as JB-wide vector FMAs, then ReLU and
-  the weighted head sum, also JB-wide; the scores go to a workspace row. Phase 2, per (b): top-k on that row.
-  The key cache is streamed once; the top-k touches the [L] score row a few times (introselect).
+  the weighted head sum, also JB-wide; the scores go to a workspace row (chunks past the visible rows do
+  nothing). Phase 2, per (b): top-k on that row. The visible keys are streamed once.
 * host CPU, prefill (S symbolic or > 1): parallel over (b, block of QB queries): each JB-row key tile is
   transposed once and used by all QB queries of the block (blocked over queries), scores into a per-block
-  [QB, L] workspace, then each query's top-k. Tiles past the block's last visible row are not read (their
-  scores are the fill value): a causal prefill reads about half the key tiles.
+  [QB, L] workspace, then each query's top-k. Tiles past the block's last visible row are neither read nor
+  written: a causal prefill reads about half the key tiles, a chunk deep in a long context only its prefix.
 * per-token block tables (the batched decode step, passes/paged_kv.py): the prefill variant with one query per
   block, its key rows read through its own table row.
 * CUDA: phase 1 one thread per (b, s, j) score; phase 2 one thread per (b, s) row running the top-k
