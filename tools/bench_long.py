@@ -8,6 +8,10 @@ count rule) and ``--prefill-chunk`` (default 32), then for each context C (defau
   skipped: the request's length is set to C - 1 so that decode runs at position C - 1 over a cache whose rows past the
   prefilled ones are zero (a decode step's cost depends on the position, not on the values); the result says so
   (``prefilled_tokens`` < ``context`` - 1) and the prefill rate is the measured one.
+* prefill at the end: the seconds of the prompt's last chunk, at positions [C - 1 - n, C - 1) (after a skipped
+  tail: prefilled there over the zero rows, the same way). A chunk's cost grows with its position (the indexer and
+  HCA read every visible key), so the whole prompt's prefill lies between C / n chunks at the first rate and at
+  this one (about their mean for a cost linear in the position).
 * decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
   per-step hook (``Program.run(observe=...)``), classified by the step's op: ``indexer`` (``dsa_indexer_topk``: the
   lightning indexer's scan over its keys, V3.2's per position and V4's CSA over its compressed entries), ``attention``
@@ -54,6 +58,14 @@ def _artifact(model: str, work: Path, max_seq: int, chunk: int) -> Path:
     if not (art / "artifact.json").exists():
         compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=1, prefill_chunk=chunk))
     return art
+
+
+def _skip_to(rt, length: int) -> None:
+    """Request 0 continues at position ``length``: the rows it skips stay zero, and the window blocks behind
+    that position go back to the pool (as after a call that ended there)."""
+    rt.lengths[0] = length
+    if rt.kv is not None:
+        rt.kv.trim(0, length)
 
 
 def _timed_decode(rt, token: int, steps: int) -> dict:
@@ -119,15 +131,21 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                 ids = torch.tensor([prompt])
                 while done < c - 1 and (done == 0 or time.perf_counter() - t0 < prefill_budget):
                     n = min(rt.prefill_chunk, c - 1 - done)
+                    t1 = time.perf_counter()
                     if done == 0:
                         rt.prefill(ids[:, :n])
                     else:
                         rt.prefill(ids[:, done:done + n], append=True)
+                    last = (n, time.perf_counter() - t1)
                     done += n
                 prefill_s = time.perf_counter() - t0
-                rt.lengths[0] = c - 1  # decode at position c - 1 (rows past the prefilled ones stay zero, see the
-                if rt.kv is not None:  # module docstring)
-                    rt.kv.trim(0, c - 1)  # a skipped tail: window blocks are handed out from position c's window on
+                if done < c - 1:  # a skipped tail: its last chunk at its own position (see the module docstring)
+                    n = min(rt.prefill_chunk, c - 1 - done)
+                    _skip_to(rt, c - 1 - n)
+                    t1 = time.perf_counter()
+                    rt.prefill(ids[:, c - 1 - n:], append=True)
+                    last = (n, time.perf_counter() - t1)
+                _skip_to(rt, c - 1)  # decode at position c - 1 (rows past the prefilled ones stay zero)
                 d = _timed_decode(rt, prompt[-1], steps)
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d
@@ -136,6 +154,8 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                 results += [
                     {"case": f"{model}/{c}/prefill_tokens_per_s", "unit": "tok/s", "dayzero": done / prefill_s,
                      "baselines": {}, "prefilled_tokens": done, "prefill_s": prefill_s, **common},
+                    {"case": f"{model}/{c}/prefill_last_chunk", "unit": "s", "dayzero": last[1], "baselines": {},
+                     "tokens": last[0], "tokens_per_s": last[0] / last[1], "end_position": c - 1, **common},
                     {"case": f"{model}/{c}/decode_step", "unit": "s", "dayzero": d["step_s"], "baselines": {},
                      "split_s": {k: d[k] for k in ("indexer", "attention", "rest")}, **common},
                     {"case": f"{model}/{c}/decode_attention_vs_smallest", "unit": "x",
