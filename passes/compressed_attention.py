@@ -28,7 +28,8 @@ The kernel (``codegen/kernels/compressed_attention.py``) reads per query only th
 [max(0, qpos-W+1), qpos] of ``kv`` and then either the entry rows idx[b, s, :] that lie in [0, E) (CSA: the
 indexer's top-k; the -inf columns are never read) or every entry e < (epos + 1) // R (HCA: dense over its few valid
 entries by design; R = ``rate``). The HCA block bias is upstream's own in prefill and the decode pre-hook's
-(``frontend/v4_cache.py``) in decode: the same graph shape. The indexer itself stays as it is.
+(``frontend/v4_cache.py``) in decode: the same graph shape. The indexer's scores and top-k are sparse_attention's
+``dsa_indexer_topk`` (rate R) by then; the idx above is its output or a generic topk's.
 
 Ordering: after sparse_attention (it shares its helpers; the sliding-only layers are already ``cache_attention``
 there) and after fold_constants (arange rows, the window, the scale and the fills are read from
@@ -41,7 +42,7 @@ from __future__ import annotations
 from dayzero.passes.ir.node import Node, TensorType, view_node
 from dayzero.passes.ir.pattern import ALPHA1, Alt, Match, P, Rule, V, filled, isin, many, need, strip_views, with_scalar
 from dayzero.passes.pipeline import pattern_pass
-from dayzero.passes.sparse_attention import (LAST4, MASK_BIAS, SCALED_QK, _cache_operands, _int, arange_row,
+from dayzero.passes.sparse_attention import (INDEXER, LAST4, MASK_BIAS, SCALED_QK, _cache_operands, _int, arange_row,
                                              mask_terms, per_row, positions, positive_int, sink_attention)
 
 OP = "compressed_attention"
@@ -50,11 +51,12 @@ OP = "compressed_attention"
 # ---- the match -----------------------------------------------------------------------------------------------
 
 _INF = float("-inf")
-# top-k indices, some replaced by out-of-range fills (upstream's where(ge(i, thr), -1, i) and where(i >= 0, i, E)):
-# the in-range values are distinct per query, so a row is never counted twice
+# top-k indices (a generic topk, or the indexer op sparse_attention made of it), some replaced by out-of-range fills
+# (upstream's where(ge(i, thr), -1, i) and where(i >= 0, i, E)): the in-range values are distinct per query, so a
+# row is never counted twice
 _OUT = filled(lambda v, m: v < 0 or v >= m.E)
 _TOPK_IDX = many(lambda p: Alt(P("where.self", P(), _OUT, p), P("where.self", P(), p, _OUT)),
-                 P("getitem", P("topk"), attrs={"index": 1}))
+                 Alt(P("getitem", P("topk"), attrs={"index": 1}), P(INDEXER)))
 # CSA: slice(scatter(full(-inf) [.,1,S,E'], unsqueeze(idx [B,S,K], 1), dim=-1, value=0), dim=-1, 0:E)
 _SCATTER = P("scatter.value", filled(_INF), P("unsqueeze", Alt(_TOPK_IDX, name="idx"), attrs={"dim": 1}),
              attrs={"dim": LAST4, "value": isin(0, 0.0)},

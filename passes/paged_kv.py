@@ -45,12 +45,19 @@ from dayzero.passes.ir.reference_attention import READERS
 from dayzero.passes.pipeline import Found, counted
 
 TABLE = "block_table"
+INDEXER = "dsa_indexer_topk"
 ZONE = "kv_pages"
 WRITE = "paged_state_index_put"
 
 # op -> input index of its query positions (qpos [S])
 READER_POSITION = {"cache_attention": 3, "sparse_attention": 3, "mla_sparse_attention": 4, "mla_attention": 4,
                    "dsa_indexer_topk": 3, "compressed_attention": 2}
+
+
+def _position_read(n: Node, k: int) -> bool:
+    """Input ``k`` of ``n`` is a cache read along its position dimension (``READERS``). An indexer with rate R > 1
+    reads compressed keys, one per R positions (DeepSeek-V4's CSA entries): not a per-position cache."""
+    return n.op in READERS and k in READERS[n.op] and not (n.op == INDEXER and n.attr.get("rate", 1) != 1)
 
 
 def _cache_root(n: Node) -> Node:
@@ -89,7 +96,7 @@ def paged_kv(g: Graph, cfg: dict | None, per_token: bool = False) -> tuple[Graph
                     rejected.add(id(root))
                 else:
                     claim(root, present.index(True))
-            elif n.op in READERS and k in READERS[n.op]:
+            elif _position_read(n, k):
                 claim(root, READERS[n.op][k])
             else:
                 rejected.add(id(root))

@@ -47,16 +47,20 @@ latent cache, i.e. kv_b_proj over all L rows every step (O(L) even though the to
              (upstream: L*H*(n+Dv)*R per step). Prefill is absorbed too (every program reads the cache the same
              way, so the cache pages alike in both, passes/paged_kv.py).
 
-(d) the DSA lightning indexer (DeepSeek-V3.2), traced as generic ops::
+(d) the DSA lightning indexer, traced as generic ops, in either of two spellings of its head sum::
 
     q [B,S,Hi,Di] ─ view [B*S,Hi,Di] ─┐
-    keys state [B,L,Di] ─ permute(0,2,1) ─ unsqueeze(1) ─ expand ─ view [B*S,Di,L] ─ bmm ─ view ─ mul(scale) ─ relu
-    w [B,S,Hi] ─ unsqueeze(-2) ─ view [B*S,1,Hi] ─ bmm(w, relu) ─ view/squeeze [B,S,L]
-    ─ where(~causal mask, -inf) ─ topk(k) ─ getitem 1
+    keys state [B,L,Di] ─ permute(0,2,1) ─ unsqueeze(1) ─ expand ─ view [B*S,Di,L] ─ bmm ─ view [B,S,Hi,L] ─┐
+      DeepSeek-V3.2:  mul(scale) ─ relu ─ bmm(w [B,S,Hi] ─ unsqueeze(-2) ─ view [B*S,1,Hi], ·) ─ view [B,S,L]
+      DeepSeek-V4:    relu ─ mul(scale > 0) ─ mul(w [B,S,Hi] ─ unsqueeze(-1)) ─ sum(dim 2) [B,S,L]
+    ─ where(future, -inf) ─ topk(k) ─ getitem 1
+      future: ~(causal mask) (a key per position: rate 1), or
+              ge(arange(L), (pos + 1) // R)  (DeepSeek-V4's compressed keys: key j pools positions [jR, jR + R))
 
-        ==>  dsa_indexer_topk(q, w, keys, qpos) {scale, k, sorted, fill}
-             one kernel (codegen/kernels/indexer.py): each key row read once, scores never materialised per
-             head, and torch.topk's exact selection (ties included) on the score row.
+        ==>  dsa_indexer_topk(q, w, keys, qpos) {scale, k, sorted, fill, rate}
+             one kernel (codegen/kernels/indexer.py): only the visible key rows j < (qpos + 1) // rate are read,
+             each once; scores never materialised per head, nor over the hidden rows; torch.topk's exact
+             selection (ties included) on the score row (relu(x) * s = relu(x * s) exactly for s > 0).
 
 The indexer is the linear part of a DSA step (O(L) per query by design) and is reported separately by
 ``dayzero bench attention``. Both ops have one kernel per target with a
@@ -74,7 +78,7 @@ import torch
 
 from dayzero.passes.ir.node import Node, TensorType, view_node
 from dayzero.passes.ir.pattern import (ALPHA1, Alt, Match, P, Pat, Rule, V, cast, const, filled, isin, last_dim, need,
-                                       scalar_is, strip_views)
+                                       scalar_is, strip_views, with_scalar)
 from dayzero.passes.pipeline import pattern_pass
 
 DENSE = "cache_attention"
@@ -308,32 +312,64 @@ def _up(p: Pat) -> Pat:
     return cast(p, "float32", _UPCAST)
 
 
-# getitem(topk(where(~mask, -inf, bmm(w, relu(bmm(q, keys) * scale))), k), 1): the DSA lightning indexer
-_INDEXER = P("getitem", P("topk", P("where.self", P("bitwise_not", Alt(
-    P("select.int", P(name="imask"), attrs={"dim": 1, "index": 0}, where=lambda n, m: n.inputs[0].shape[1] == 1),
-    P(name="imask"))), scalar_is(lambda v: float(v) == float("-inf")),
-    _up(P("bmm", _up(P(name="w", ndim=3)), _up(P("relu", P("mul.Tensor", _up(P(
-        "bmm", _up(P(name="iq", ndim=4)), P(name="kv"), name="qk")), const(lambda t: t.numel() == 1, name="scale")),
-        ndim=4, name="r")), name="hs")), ndim=3, name="x"),
+# the per-head scores bmm(q, keys) [B*S,Hi,L] (heads flattened), and the scale
+_QK = _up(P("bmm", _up(P(name="iq", ndim=4)), P(name="kv"), name="qk"))
+_SCALE = const(lambda t: t.numel() == 1, name="scale")
+# DeepSeek-V3.2's head sum: bmm(w, relu(qk * scale)) [B*S,1,L]
+_HEADS_BMM = P("bmm", _up(P(name="w", ndim=3)), _up(P("relu", P("mul.Tensor", _QK, _SCALE), ndim=4, name="r")),
+               name="hs")
+# DeepSeek-V4's: sum(relu(qk) * scale * unsqueeze(w, -1), dim 2) [B,S,L]
+_HEADS_SUM = P("sum.dim_IntList", P("mul.Tensor", P("mul.Tensor", P("relu", _QK, ndim=4, name="r"), _SCALE),
+                                    P("unsqueeze", _up(P(name="w", ndim=3)), attrs={"dim": isin(-1, 3)}),
+                                    commute=True, name="hw"),
+               attrs={"dim": lambda v: v is not None and tuple(v) in ((2,), (-2,)), "keepdim": lambda v: not v,
+                      "dtype": None}, name="hsum")
+# getitem(topk(where(future, -inf, scores), k), 1): the DSA lightning indexer
+_INDEXER = P("getitem", P("topk", P(
+    "where.self", P(name="future"), scalar_is(lambda v: float(v) == float("-inf")), _up(Alt(_HEADS_BMM, _HEADS_SUM)),
+    ndim=3, name="x"),
     attrs={"largest": lambda v: v is None or v}, name="tk",
     where=lambda n, m: n.attr.get("dim", -1) in (-1, len(n.inputs[0].shape) - 1)), attrs={"index": 1})
 _KEYS = V(P("permute", _up(P(name="index_keys")), attrs={"dims": (0, 2, 1)}), broadcast=True)
+# where a key is hidden: ~(causal mask) (rate 1), or ge(arange(L), (pos + 1) // R) (key j pools R positions)
+_FUTURE_MASK = P("bitwise_not", Alt(
+    P("select.int", P(name="imask"), attrs={"dim": 1, "index": 0}, where=lambda n, m: n.inputs[0].shape[1] == 1),
+    P(name="imask")))
+_FUTURE_RATE = P("ge.Tensor", arange_row(), V(P(
+    "div.Tensor_mode", with_scalar("add", positions("qpos"), 1), positive_int("rate"),
+    attrs={"rounding_mode": "floor"}), broadcast=True))
+
+
+def _future(mask: Node, S, L: int, constants) -> tuple[Node, int]:
+    """The where's hidden-key condition -> (qpos, rate); raises NoMatch on any other condition."""
+    m = Match(constants)
+    m.update(S=S, L=L)
+    if _FUTURE_MASK.match(mask, m):
+        t = mask_terms(m.imask, S, L, constants)
+        need(t.W == 0)
+        return t.qpos, 1
+    need(_FUTURE_RATE.match(mask, m))
+    return m.qpos, int(m.value(m.rate))
 
 
 def _indexer(n: Node, m: Match) -> Node:
     (B, S, L), K = m.x.shape, m.tk.attr["k"]
     need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
-    t = mask_terms(m.imask, S, L, m.constants)
-    need(t.W == 0)
+    qpos, rate = _future(m.future, S, L, m.constants)
     w, q, Hi = m.w, m.iq, m.w.shape[2]
-    need(tuple(m.hs.shape) == (B * S, 1, L) and tuple(m.hs.inputs[0].shape) == (B * S, 1, Hi))
+    if "hs" in m:
+        need(tuple(m.hs.shape) == (B * S, 1, L) and tuple(m.hs.inputs[0].shape) == (B * S, 1, Hi))
+    else:  # relu(x) * s == relu(x * s) (the kernel's order) needs s > 0
+        need(tuple(m.hsum.shape) == (B, S, L) and tuple(m.hw.shape) == (B, S, Hi, L)
+             and float(m.value(m.scale)) > 0)
     need(tuple(w.shape[:2]) == (B, S) and tuple(m.r.shape) == (B, S, Hi, L))
     need(tuple(m.qk.shape) == (B * S, Hi, L) and tuple(q.shape[:3]) == (B, S, Hi))
     need(tuple(m.kv.shape) == (B * S, q.shape[3], L) and _KEYS.match(m.kv, m))
     need(tuple(m.index_keys.shape) == (B, L, q.shape[3]) and m.index_keys.dtype in _UPCAST and q.dtype in _UPCAST
          and w.dtype in _UPCAST)
-    return Node.make(INDEXER, (q, w, m.index_keys, t.qpos), {"scale": float(m.value(m.scale)), "k": K,
-                     "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf")}, n.types, n.span)
+    return Node.make(INDEXER, (q, w, m.index_keys, qpos), {"scale": float(m.value(m.scale)), "k": K,
+                     "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf"), "rate": rate},
+                     n.types, n.span)
 
 
 # attention over a cache -> the ops above; counts ``sparse_attention.<op>``

@@ -35,12 +35,13 @@ def test_compile_counts_take_suffixes(args, needle, tmp_path):
 
 
 def test_bench_long_kinds():
-    """bench long splits a decode step by the step's node (op, module path): the indexer's modules, the attention
-    kernels, the rest."""
+    """bench long splits a decode step by the step's op: the indexer op, the attention kernels, the rest (a
+    module path decides nothing: the indexer's compressor projections are rest)."""
     from dayzero.tools.bench_long import _kind
 
     assert _kind("dsa_indexer_topk at model.layers.0.self_attn.indexer (x.py:1)") == "indexer"
-    assert _kind("bmm at model.layers.1.self_attn.compressor.indexer.scorer (x.py:467)") == "indexer"
+    assert _kind("dsa_indexer_topk at model.layers.1.self_attn.compressor.indexer (x.py:592)") == "indexer"
+    assert _kind("linear at model.layers.1.self_attn.compressor.indexer.kv_proj (x.py:529)") == "rest"
     assert _kind("compressed_attention at model.layers.0.self_attn (x.py:857)") == "attention"
     assert _kind("mla_sparse_attention at model.layers.0.self_attn (x.py:9)") == "attention"
     assert _kind("linear at model.layers.0.self_attn.q_b_proj (x.py:9)") == "rest"

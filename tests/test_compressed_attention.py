@@ -65,6 +65,15 @@ def test_pattern_fires_on_every_compressed_layer(v4_programs, which):
         else:  # HCA: the causal rule at rate m'
             assert ent.shape[2] == -(-MAX_SEQ // rates["heavily_compressed_attention"]) + 1
             assert n.attr["rate"] == rates["heavily_compressed_attention"] and n.inputs[5].dtype == "int64"
+    # the CSA indexer is one dsa_indexer_topk over its compressed keys (the state itself) at the CSA rate: no
+    # per-head score over every entry row is left
+    rate = rates["compressed_sparse_attention"]
+    ix = [n for n in g.nodes() if n.op == "dsa_indexer_topk"]
+    assert found.patterns.get("sparse_attention.dsa_indexer_topk") == len(ix) == n_csa
+    for n in ix:
+        assert n.attr["rate"] == rate and n.attr["k"] == cfg["index_topk"]
+        assert n.inputs[2].op == "state_index_put" and n.inputs[2].shape[1] == -(-MAX_SEQ // rate) + 1
+    assert not [m for m in g.nodes() if m.op in ("bmm", "relu") and m.shape[-1] == -(-MAX_SEQ // rate) + 1]
     # nothing dense over the L + E rows is left: no softmax, no scatter of the block bias, no cat of the caches
     total = {MAX_SEQ + n.inputs[3].shape[2] for n in nodes}
     assert not [m for m in g.nodes() if m.op in ("softmax.int", "_softmax") and m.shape[-1] - 1 in total]
@@ -94,21 +103,24 @@ def test_pattern_fires_when_the_position_arange_is_too_long_to_fold(tmp_path_fac
         assert found.patterns.get(f"{ca.OP}.csa") == types.count("compressed_sparse_attention")
         assert found.patterns.get(f"{ca.OP}.hca") == types.count("heavily_compressed_attention")
         assert found.patterns.get("sparse_attention.cache_attention") == types.count("sliding_attention")
+        assert found.patterns.get("sparse_attention.dsa_indexer_topk") == types.count("compressed_sparse_attention")
         assert not [m for m in g.nodes() if m.op == "bmm" and MAX_SEQ in m.shape[-1:]]
 
 
 @pytest.mark.slow
 def test_compiled_programs_run_the_hand_scheduled_kernel(tiny_compiled):
     """In the compiled tiny V4 artifact (the session's shared one), every CSA and HCA layer of the prefill and the
-    decode program is one compressed_attention step, through the hand-scheduled kernel."""
+    decode program is one compressed_attention step, and every CSA indexer one dsa_indexer_topk step, through
+    the hand-scheduled kernels."""
     ckpt, art, report = tiny_compiled("deepseek_v4")
     types = json.loads((ckpt / "config.json").read_text())["layer_types"]
     n = types.count("compressed_sparse_attention") + types.count("heavily_compressed_attention")
     progs = json.loads((art / "program.json").read_text())["programs"]
     for name in ("prefill", "decode"):
-        steps = [s for s in progs[name]["steps"] if report["kernel_ops"][s["kernel"]] == ca.OP]
-        assert len(steps) == n, name
-        assert {report["routes"][s["kernel"]] for s in steps} == {"hand-scheduled"}
+        for op, count in ((ca.OP, n), ("dsa_indexer_topk", types.count("compressed_sparse_attention"))):
+            steps = [s for s in progs[name]["steps"] if report["kernel_ops"][s["kernel"]] == op]
+            assert len(steps) == count, (name, op)
+            assert {report["routes"][s["kernel"]] for s in steps} == {"hand-scheduled"}
     assert report["patterns"][f"{ca.OP}.csa"] == types.count("compressed_sparse_attention")
     assert report["patterns"][f"{ca.OP}.hca"] == types.count("heavily_compressed_attention")
 

@@ -242,6 +242,20 @@ def test_bad_requests_get_400_while_a_good_one_completes(served):
 
 
 @pytest.mark.slow
+def test_a_prompt_longer_than_the_chunk_is_served_within_the_length_budget(served):
+    """A prompt of most of --max-seq is prefilled over several engine iterations (64 tokens each: on V4 across its
+    compressor windows and sliding window) and completes as offline generate does; one token past the artifact's
+    length budget (its --max-seq) is one 400 that names the budget."""
+    n = served.offline.max_length
+    prompt = _prompt(n - 20, 21)
+    status, r = served.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+    assert status == 200 and r["choices"][0]["token_ids"] == served.generate(prompt, 20), r
+    assert r["usage"]["prompt_tokens"] == n - 20
+    status, r = served.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 21, "temperature": 0})
+    assert status == 400 and f"exceeds the length budget of {n} tokens" in r["error"]["message"], r
+
+
+@pytest.mark.slow
 def test_stop_strings_and_stop_ids(served):
     prompt = _prompt(6, 4)
     ref = served.generate(prompt, 20)

@@ -233,27 +233,29 @@ def test_mla_cuda_sm90_compiles(S):
 _IX_LIBS: dict = {}
 
 
-def _indexer_lib(B, S, Hi, Di, L, K, sorted_=True, kind="llvm"):
+def _indexer_lib(B, S, Hi, Di, L, K, sorted_=True, rate=1, kind="llvm"):
     from dayzero.codegen.kernels import indexer
 
-    key = (B, S, Hi, Di, L, K, sorted_)
+    key = (B, S, Hi, Di, L, K, sorted_, rate)
     if key not in _IX_LIBS:
         p = dict(op=sa.INDEXER, B=B, S=S if S == 1 else None, Hi=Hi, Di=Di, L=L, K=K, sorted=sorted_, scale=0.25,
-                 fill=float("-inf"), q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+                 fill=float("-inf"), rate=rate, q_dtype="float32", w_dtype="float32", k_dtype="float32",
+                 pos_dtype="int64")
         _IX_LIBS[key] = tvm.compile(tvm.IRModule({"main": indexer.build(p, kind)}), target=HOST)["main"]
     return _IX_LIBS[key]
 
 
-def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3):
+def _indexer_check(B, S, Hi, Di, L, K, start, sorted_=True, seed=0, values=3, rate=1):
     """Small-integer q/k/w and a power-of-two scale make every score exact whatever the summation order, so
     the kernel must return torch.topk's indices exactly: ReLU zeros and equal sums give many ties."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *sh: torch.randint(-values, values + 1, sh, generator=g).float()  # noqa: E731
     q, w, keys = r(B, S, Hi, Di), r(B, S, Hi), r(B, L, Di)
     qpos = torch.arange(S) + start
-    ref = ra.indexer_reference([q, w, keys, qpos], {"scale": 0.25, "k": K, "sorted": sorted_, "fill": float("-inf")})
+    attrs = {"scale": 0.25, "k": K, "sorted": sorted_, "fill": float("-inf"), "rate": rate}
+    ref = ra.indexer_reference([q, w, keys, qpos], attrs)
     out = torch.full((B, S, K), -1, dtype=torch.int64)
-    _indexer_lib(B, S, Hi, Di, L, K, sorted_)(q, w, keys, qpos, out)
+    _indexer_lib(B, S, Hi, Di, L, K, sorted_, rate)(q, w, keys, qpos, out)
     assert torch.equal(out, ref), (out, ref)
 
 
@@ -270,6 +272,36 @@ def test_indexer_kernel_equals_torch_topk(B, S, L, K, start, sorted_):
     _indexer_check(B, S, 8, 16, L, K, start, sorted_, seed=B + S + L + K)
 
 
+@pytest.mark.parametrize("B,S,L,K,start,rate", [
+    (1, 1, 65, 2, 40, 4),         # decode over compressed keys (DeepSeek-V4's CSA, rate 4): keys j < 41 // 4
+    (1, 1, 320, 2, 250, 4),       # partial_sort path: the top-k reads max(visible, k) rows, not L
+    (1, 1, 320, 5, 9, 4),         # two visible keys, k 5: -inf rows past them complete the top-k, as in torch
+    (1, 1, 320, 2, 2, 4),         # no complete window yet: every score -inf
+    pytest.param(1, 37, 320, 2, 0, 4, marks=pytest.mark.slow),  # prefill from 0, the first queries see nothing
+    pytest.param(2, 9, 129, 3, 100, 8, marks=pytest.mark.slow),  # prefill after a prefix, rate 8, batch 2
+    pytest.param(1, 1, 4096, 4, 1000, 1, marks=pytest.mark.slow),  # rate 1: a query reads rows <= qpos only
+])
+def test_indexer_kernel_rate_equals_torch_topk(B, S, L, K, start, rate):
+    """Rate R: key j is visible iff j < (qpos + 1) // R (upstream V4's ``future_mask``); the kernel scores the
+    visible keys only and still returns torch.topk's indices over the whole -inf-filled row, ties included."""
+    _indexer_check(B, S, 8, 16, L, K, start, True, seed=B + S + L + K, rate=rate)
+
+
+def test_topk_prefix_equals_the_whole_row():
+    """topk_exact's ``scan``: on the partial_sort path, a row whose tail is -inf selects as its first
+    max(visible, k) entries do (exact ties included), so the indexer's top-k costs its visible rows only."""
+    from dayzero.codegen.kernels.topk_exact import python_topk
+
+    g = torch.Generator().manual_seed(0)
+    for k, n in [(1, 64), (2, 128), (2, 200), (3, 192), (5, 400)]:
+        for nv in (0, 1, k - 1, k, k + 1, n // 2, n - 1, n):
+            for values in (0, 2):  # 0: every visible score ties
+                row = torch.randint(-values, values + 1, (n,), generator=g).float()
+                row[nv:] = float("-inf")
+                want = torch.topk(row, k).indices.tolist()
+                assert python_topk(row.tolist(), k, True, scan=min(n, max(nv, k))) == want, (k, n, nv, values)
+
+
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), values=st.integers(0, 3), start=st.integers(0, 299))
@@ -279,12 +311,12 @@ def test_indexer_ties_hypothesis(seed, values, start):
     _indexer_check(1, 1, 4, 8, 320, 5, start, True, seed=seed, values=values)   # partial_sort (5*64 <= 320)
 
 
-@pytest.mark.parametrize("S", [1, None])
-def test_indexer_cuda_sm90_compiles(S):
+@pytest.mark.parametrize("S,rate", [(1, 1), (None, 1), (None, 4)])
+def test_indexer_cuda_sm90_compiles(S, rate):
     from dayzero.codegen.kernels import indexer
 
     p = dict(op=sa.INDEXER, B=1, S=S, Hi=8, Di=16, L=64, K=4, sorted=True, scale=0.25, fill=float("-inf"),
-             q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+             rate=rate, q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
     f = indexer.build(p, "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()
@@ -325,4 +357,49 @@ def test_indexer_pattern_on_a_traced_module(B, act, fires):
     assert bool([n for n in gr.nodes() if n.op == "topk"]) != fires
     out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)),
                     lambda name: t.weights.get(name, found.constants.get(name)))[0]
+    assert torch.equal(out, m(*ins))
+
+
+class _UpstreamV4Selection(torch.nn.Module):
+    """DeepseekV4Indexer.forward's selection on explicit inputs: upstream's scorer module itself, then its
+    future mask at rate R, top-k and -1 sentinel (modeling_deepseek_v4.py)."""
+
+    def __init__(self, rate, k):
+        from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+        super().__init__()
+        cfg = DeepseekV4Config(hidden_size=8, index_n_heads=4, index_head_dim=16)  # scales 1/4 and 1/2: exact
+        self.scorer, self.rate, self.k = DeepseekV4IndexerScorer(cfg), rate, k
+        g = torch.Generator().manual_seed(rate)
+        self.scorer.weights_proj.weight.data = torch.randint(-2, 3, (4, 8), generator=g).float()
+
+    def forward(self, q, keys, hidden, pos):
+        scores = self.scorer(q, keys, hidden)
+        thr = (pos[None] + 1) // self.rate
+        future = torch.arange(keys.shape[1]).view(1, 1, -1) >= thr.unsqueeze(-1)
+        top = scores.masked_fill(future, float("-inf")).topk(self.k, dim=-1).indices
+        return torch.where(top >= thr.unsqueeze(-1), torch.full_like(top, -1), top)
+
+
+@pytest.mark.parametrize("start,rate", [(10, 4), (0, 8)])  # (0, 8): no window complete yet, every pick -1
+def test_v4_indexer_pattern_on_upstream_scorer(start, rate):
+    """Upstream's DeepseekV4IndexerScorer (heads summed by mul + sum, ReLU before the scale) under the future
+    mask of compressed keys becomes dsa_indexer_topk with the rate; the graph computes what upstream does
+    (the same indices and -1 sentinels, exact small-integer scores, many ties)."""
+    from dayzero.frontend.torch_export import export_module, to_graph
+    from dayzero.passes.ir.interp import run_graph
+    from dayzero.tools.compiler import run_pipeline
+
+    g = torch.Generator().manual_seed(start)
+    r = lambda *sh: torch.randint(-2, 3, sh, generator=g).float()  # noqa: E731
+    ins = (r(1, 6, 4, 16), r(1, 9, 16), r(1, 6, 8), torch.arange(6) + start)
+    m = _UpstreamV4Selection(rate, 3)
+    t = to_graph(export_module(m, ins))
+    gr, found = run_pipeline(t.graph, verify=True)
+    assert found.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == 1
+    assert [n.attr["rate"] for n in gr.nodes() if n.op == sa.INDEXER] == [rate]
+    assert not [n for n in gr.nodes() if n.op == "topk"]
+    weights = {**t.weights, **found.constants}
+    out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)), weights.get)[0]
     assert torch.equal(out, m(*ins))

@@ -8,10 +8,15 @@ count rule) and ``--prefill-chunk`` (default 32), then for each context C (defau
   skipped: the request's length is set to C - 1 so that decode runs at position C - 1 over a cache whose rows past the
   prefilled ones are zero (a decode step's cost depends on the position, not on the values); the result says so
   (``prefilled_tokens`` < ``context`` - 1) and the prefill rate is the measured one.
+* prefill at the end: the seconds of the prompt's last chunk, at positions [C - 1 - n, C - 1) (after a skipped
+  tail: prefilled there over the zero rows, the same way). A chunk's cost grows with its position (the indexer and
+  HCA read every visible key), so the whole prompt's prefill lies between C / n chunks at the first rate and at
+  this one (about their mean for a cost linear in the position).
 * decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
-  per-step hook (``Program.run(observe=...)``): ``indexer`` (the steps of the indexer modules: V4's CSA indexer with
-  its compressor, V3.2's ``dsa_indexer_topk``), ``attention`` (the attention kernels: ``compressed_attention``,
-  ``cache_attention``, ``sparse_attention``, ``mla_*``) and ``rest`` (everything else: projections, MoE, norms, mHC).
+  per-step hook (``Program.run(observe=...)``), classified by the step's op: ``indexer`` (``dsa_indexer_topk``: the
+  lightning indexer's scan over its keys, V3.2's per position and V4's CSA over its compressed entries), ``attention``
+  (the attention kernels: ``compressed_attention``, ``cache_attention``, ``sparse_attention``, ``mla_*``) and
+  ``rest`` (everything else: projections, MoE, norms, mHC, V4's compressors including the indexer's own).
 * KV: the request's resident cache bytes read off the compiled states (``dayzero report``'s kv_cache section:
   bytes per token x C + the per-sequence constant) beside ``tools/capacity.py``'s ``kv_bytes_per_sequence`` for
   the config at C (fp32 values and indexer keys, as the tiny artifacts store them); the ratio (target: within 1%).
@@ -30,14 +35,15 @@ import click
 
 MODELS = ("deepseek_v4", "deepseek_v32")
 CONTEXTS = ("4k", "64k", "256k", "1M")
+INDEXER_OP = "dsa_indexer_topk"
 ATTENTION_OPS = ("compressed_attention", "cache_attention", "sparse_attention", "mla_sparse_attention",
                  "mla_attention")
 
 
 def _kind(node: str) -> str:
-    """A program step (its node: "<op> at <module path> (...)") -> indexer / attention / rest."""
-    op, _, where = node.partition(" at ")
-    if op.startswith("dsa_indexer_topk") or ".indexer" in where.split(" ", 1)[0]:
+    """A program step (its node: "<op> at <module path> (...)") -> indexer / attention / rest, by its op."""
+    op = node.partition(" at ")[0]
+    if op == INDEXER_OP:
         return "indexer"
     return "attention" if op in ATTENTION_OPS else "rest"
 
@@ -52,6 +58,14 @@ def _artifact(model: str, work: Path, max_seq: int, chunk: int) -> Path:
     if not (art / "artifact.json").exists():
         compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=1, prefill_chunk=chunk))
     return art
+
+
+def _skip_to(rt, length: int, slot: int = 0) -> None:
+    """Request ``slot`` continues at position ``length``: the rows it skips stay zero, and the window blocks behind
+    that position go back to the pool (as after a call that ended there)."""
+    rt.lengths[slot] = length
+    if rt.kv is not None:
+        rt.kv.trim(slot, length)
 
 
 def _timed_decode(rt, token: int, steps: int) -> dict:
@@ -92,10 +106,11 @@ def _kv_figures(art: Path, ckpt: Path, context: int) -> dict:
     return {"resident": resident, "plan": plan}
 
 
-def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple[int, float]:
+def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple[int, float, tuple[int, float]]:
     """Prefill ``prompt`` into ``slot`` chunk by chunk for at most ``budget`` seconds (one chunk at least); a tail
     left then is skipped: the request's length is set to len(prompt) all the same, its rows past the prefilled ones
-    zero (a decode step's cost depends on the position, not on the values). Returns (tokens prefilled, seconds)."""
+    zero (a decode step's cost depends on the position, not on the values). Returns (tokens prefilled, seconds,
+    (tokens, seconds) of the last chunk run)."""
     import torch
 
     rt.reset(slot)
@@ -103,13 +118,13 @@ def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple
     done, ids, n_all = 0, torch.tensor([prompt]), len(prompt)
     while done < n_all and (done == 0 or time.perf_counter() - t0 < budget):
         n = min(rt.prefill_chunk, n_all - done)
+        t1 = time.perf_counter()
         rt.prefill(ids[:, done:done + n], slot=slot, append=done > 0)
+        last = (n, time.perf_counter() - t1)
         done += n
     seconds = time.perf_counter() - t0
-    rt.lengths[slot] = n_all
-    if rt.kv is not None:
-        rt.kv.trim(slot, n_all)  # a skipped tail: window blocks are handed out from the position's window on
-    return done, seconds
+    _skip_to(rt, n_all, slot)
+    return done, seconds, last
 
 
 def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int, prefill_budget: float,
@@ -131,7 +146,14 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
             for c in sorted(contexts):
                 # a prompt of c - 1 tokens, then the decode step that makes the context c tokens
                 prompt = torch.randint(0, 256, (c - 1,), generator=torch.Generator().manual_seed(c)).tolist()
-                done, prefill_s = prefill_within(rt, prompt, prefill_budget)
+                done, prefill_s, last = prefill_within(rt, prompt, prefill_budget)
+                if done < c - 1:  # a skipped tail: its last chunk at its own position (see the module docstring)
+                    n = min(rt.prefill_chunk, c - 1 - done)
+                    _skip_to(rt, c - 1 - n)
+                    t1 = time.perf_counter()
+                    rt.prefill(torch.tensor([prompt[c - 1 - n:]]), append=True)
+                    last = (n, time.perf_counter() - t1)
+                _skip_to(rt, c - 1)  # decode at position c - 1 (rows past the prefilled ones stay zero)
                 d = _timed_decode(rt, prompt[-1], steps)
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d
@@ -140,6 +162,8 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                 results += [
                     {"case": f"{model}/{c}/prefill_tokens_per_s", "unit": "tok/s", "dayzero": done / prefill_s,
                      "baselines": {}, "prefilled_tokens": done, "prefill_s": prefill_s, **common},
+                    {"case": f"{model}/{c}/prefill_last_chunk", "unit": "s", "dayzero": last[1], "baselines": {},
+                     "tokens": last[0], "tokens_per_s": last[0] / last[1], "end_position": c - 1, **common},
                     {"case": f"{model}/{c}/decode_step", "unit": "s", "dayzero": d["step_s"], "baselines": {},
                      "split_s": {k: d[k] for k in ("indexer", "attention", "rest")}, **common},
                     {"case": f"{model}/{c}/decode_attention_vs_smallest", "unit": "x",

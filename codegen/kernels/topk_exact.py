@@ -220,14 +220,20 @@ def _lg(e: _Emit, n: str, out: str) -> None:
         e(f"{out} = {out} + 1")
 
 
-def program(n: str, k: int, sorted_: bool) -> tuple[list[str], int]:
+def program(n: str, k: int, sorted_: bool, scan: str | None = None) -> tuple[list[str], int]:
     """Statements that leave torch.topk(V[0:n], k, largest=True, sorted=sorted_) in V[0:k] / I[0:k] (n >= k,
-    I[j] = j on entry). Returns (lines, registers used). Uses buffers V, I, r, hv [1], hv2 [1], stk [3*STACK]."""
+    I[j] = j on entry). Returns (lines, registers used). Uses buffers V, I, r, hv [1], hv2 [1], stk [3*STACK].
+
+    ``scan`` (k <= scan <= n): every V[j] with j >= scan is -inf, and only V[0:scan] / I[0:scan] need be set. On
+    the partial_sort path the heap select then stops at ``scan``, with the same result: the heap holds k
+    elements from its start, and a -inf never compares before one of them (the comparator is NaN first, then
+    ``>``), so the rest of the row would never enter it. The nth_element path depends on the whole row's layout
+    and reads all n."""
     e = _Emit()
     first, last, nth, dep, cut = e.reg("first"), e.reg("last"), e.reg("nth"), e.reg("depth"), e.reg("cut")
     with e.block(f"if {k} * 64 <= {n}:"):  # std::partial_sort(0, k, n)
         e(f"{first} = 0")
-        _heap_select(e, first, str(k), n)
+        _heap_select(e, first, str(k), scan or n)
         _sort_heap(e, first, str(k))
     with e.block("else:"):  # std::nth_element(0, k - 1, n), then std::sort(0, k - 1)
         e(f"{first} = 0")
@@ -294,25 +300,26 @@ def _introsort(e: _Emit, m: int) -> None:
         _insertion_sort(e, "0", str(m))
 
 
-def tir_text(n: str, k: int, sorted_: bool, indent: str) -> tuple[str, int]:
+def tir_text(n: str, k: int, sorted_: bool, indent: str, scan: str | None = None) -> tuple[str, int]:
     """The program in TVMScript spelling, each line prefixed with ``indent``."""
-    lines, nreg = program(n, k, sorted_)
+    lines, nreg = program(n, k, sorted_, scan)
     out = "\n".join(indent + ln.replace("TDIV(", "T.truncdiv(").replace("ISNAN(", "T.isnan(") for ln in lines)
     return out + "\n", nreg
 
 
-def python_topk(values, k: int, sorted_: bool = True) -> list[int]:
-    """Run the same program in Python on a list of float32 values: the indices torch.topk returns."""
+def python_topk(values, k: int, sorted_: bool = True, scan: int | None = None) -> list[int]:
+    """Run the same program in Python on a list of float32 values: the indices torch.topk returns (``scan``: as
+    ``program``'s, the row past it is -inf)."""
     import math
 
     import numpy as np
 
-    lines, nreg = program("n", k, sorted_)
-    src = "def _run(V, I, r, hv, hv2, stk, n):\n" + "".join("    " + ln + "\n" for ln in lines)
+    lines, nreg = program("n", k, sorted_, None if scan is None else "scan")
+    src = "def _run(V, I, r, hv, hv2, stk, n, scan):\n" + "".join("    " + ln + "\n" for ln in lines)
     env = {"TDIV": lambda a, b: int(a / b) if (a < 0) != (b < 0) and a % b else a // b,
            "ISNAN": math.isnan}
     exec(src, env)
     V = [float(x) for x in np.asarray(values, dtype=np.float32)]
     I = list(range(len(V)))
-    env["_run"](V, I, [0] * nreg, [0.0], [0.0], [0] * (3 * STACK), len(V))
+    env["_run"](V, I, [0] * nreg, [0.0], [0.0], [0] * (3 * STACK), len(V), scan)
     return I[:k]

@@ -206,11 +206,14 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
               "int [S]; = cache_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand) for "
               "rows <= qpos, without expanding the cache; out [B,H,S,Dv]"),
     OpDef("dsa_indexer_topk", args=(("q", TENSOR), ("w", TENSOR), ("keys", TENSOR), ("qpos", TENSOR),
-                                    ("scale", ATTR), ("k", ATTR), ("sorted", ATTR), ("fill", ATTR), PAGED),
+                                    ("scale", ATTR), ("k", ATTR), ("sorted", ATTR), ("fill", ATTR), ("rate", ATTR),
+                                    PAGED),
           reference=by_token("dsa_indexer_topk", indexer_reference),
-          doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache), "
-              "qpos int [S]; attrs scale, k, sorted, fill; score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
-              "j <= qpos[s] else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie order)"),
+          doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache: "
+              "a key per position, or per rate positions), qpos int [S]; attrs scale, k, sorted, fill, rate (1: "
+              "DeepSeek-V3.2; R: DeepSeek-V4's compressed keys); score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
+              "j < (qpos[s] + 1) // rate else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie "
+              "order); reads only the visible key rows"),
     OpDef("compressed_attention", args=(("q", TENSOR), ("kv", TENSOR), ("qpos", TENSOR), ("entries", TENSOR),
                                         ("sinks", TENSOR), ("idx", OPT_TENSOR), ("epos", OPT_TENSOR),
                                         ("scale", ATTR), ("window", ATTR), ("rate", ATTR), ("per_row", ATTR),

@@ -189,16 +189,25 @@ def mla_dense_reference(ins, attrs):
     return dense_reference([q, k, v, qpos], {"scale": attrs["scale"], "window": 0, "sinks": False})
 
 
+def indexed_rows(L: int, qpos: torch.Tensor, rate: int) -> torch.Tensor:
+    """[S, L] bool: index-key row j is visible from query s iff j < (qpos[s] + 1) // rate. Rate 1 (a key per
+    position, DeepSeek-V3.2) is j <= qpos[s]; rate R (DeepSeek-V4's CSA: key j pools positions [jR, jR + R)) is
+    upstream's ``future_mask``: a key counts once its window is complete."""
+    thr = torch.div(qpos.long() + 1, rate, rounding_mode="floor")
+    return torch.arange(L, device=qpos.device)[None, :] < thr[:, None]
+
+
 def indexer_reference(ins, attrs):
-    """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward after the projections): per-head
-    scores, ReLU, weighted head sum, causal mask with ``fill``, torch.topk."""
+    """Upstream's lightning indexer, op for op (DeepseekV32Indexer.forward / DeepseekV4IndexerScorer after the
+    projections): per-head scores, ReLU, weighted head sum, causal mask (``indexed_rows``) with ``fill``,
+    torch.topk."""
     q, w, keys, qpos = unpage(ins, attrs, "dsa_indexer_topk")
     B, S = q.shape[:2]
     if q.device.type == "meta":
         return torch.empty(B, S, attrs["k"], dtype=torch.int64, device="meta")
     scores = torch.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * attrs["scale"])
     x = torch.matmul(w.float().unsqueeze(-2), scores).squeeze(-2)
-    x = x.masked_fill(~valid_positions(keys.shape[1], qpos.reshape(-1), 0)[None], attrs["fill"])
+    x = x.masked_fill(~indexed_rows(keys.shape[1], qpos.reshape(-1), attrs.get("rate", 1))[None], attrs["fill"])
     return x.topk(attrs["k"], dim=-1, sorted=attrs["sorted"]).indices
 
 

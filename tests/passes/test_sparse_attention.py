@@ -61,3 +61,71 @@ def test_a_mask_that_is_not_causal_stays_dense():
     after, found = sparse_attention(before, _constants(torch.arange(1, 65)))  # row r compares as r + 1: not row <= position
     assert_ir(after, before)
     assert found.patterns == {}
+
+
+# ---- the lightning indexer over compressed keys (DeepSeek-V4's DeepseekV4Indexer + IndexerScorer) -------------
+
+# 2 index heads of 16 over 17 compressed keys (a key per 4 positions: 64 / 4 + the scratch row); the scores are
+# sum_h(relu(q_h·k) * scale * w_h) and key j is hidden from position p when j >= (p + 1) // 4 (upstream's
+# future_mask: a key counts once its window of 4 positions is complete)
+V4_KEYS = """
+graph main symbols(seq in [1, 64]) {
+  %0 = input {name="q"} : float32[1, seq, 2, 16]
+  %1 = input {name="w"} : float32[1, seq, 2]
+  %2 = input {name="cache_position"} : int64[seq]
+  %3 = state {name="cache_1_indexer_entries", zone="kv_cache"} : float32[1, 17, 16]
+"""
+V4_INDEXER = V4_KEYS + """
+  %4 = expand(%0) {implicit=false, size=[1, `seq`, 2, 16]} : float32[1, seq, 2, 16]
+  %5 = view(%4) {size=[`seq`, 2, 16]} : float32[seq, 2, 16]
+  %6 = permute(%3) {dims=[0, 2, 1]} : float32[1, 16, 17]
+  %7 = unsqueeze(%6) {dim=1} : float32[1, 1, 16, 17]
+  %8 = expand(%7) {implicit=false, size=[1, `seq`, 16, 17]} : float32[1, seq, 16, 17]
+  %9 = view(%8) {size=[`seq`, 16, 17]} : float32[seq, 16, 17]
+  %10 = bmm(%5, %9) : float32[seq, 2, 17]
+  %11 = view(%10) {size=[1, `seq`, 2, 17]} : float32[1, seq, 2, 17]
+  %12 = relu(%11) : float32[1, seq, 2, 17]
+  %13 = weight {name="const.scale"} : float32[]
+  %14 = mul.Tensor(%12, %13) : float32[1, seq, 2, 17]
+  %15 = unsqueeze(%1) {dim=-1} : float32[1, seq, 2, 1]
+  %16 = mul.Tensor(%14, %15) : float32[1, seq, 2, 17]
+  %17 = sum.dim_IntList(%16) {dim=[2], dtype=null, keepdim=false} : float32[1, seq, 17]
+  %18 = weight {name="const.keys"} : int64[1, 1, 17]
+  %19 = unsqueeze(%2) {dim=0} : int64[1, seq]
+  %20 = weight {name="const.one"} : int64[]
+  %21 = add.Tensor(%19, %20) {alpha=1} : int64[1, seq]
+  %22 = weight {name="const.rate"} : int64[]
+  %23 = div.Tensor_mode(%21, %22) {rounding_mode="floor"} : int64[1, seq]
+  %24 = unsqueeze(%23) {dim=-1} : int64[1, seq, 1]
+  %25 = ge.Tensor(%18, %24) : bool[1, seq, 17]
+  %26 = weight {name="const.ninf"} : float32[]
+  %27 = where.self(%25, %26, %17) : float32[1, seq, 17]
+  %28 = topk(%27) {dim=-1, k=2, largest=true, sorted=true} : (float32[1, seq, 2], int64[1, seq, 2])
+  %29 = getitem(%28) {index=1} : int64[1, seq, 2]
+  return %29
+}
+"""
+
+
+def _v4_constants(scale: float = 0.25, one: int = 1) -> dict:
+    return {"const.scale": torch.tensor(scale), "const.keys": torch.arange(17).reshape(1, 1, 17),
+            "const.one": torch.tensor(one), "const.rate": torch.tensor(4), "const.ninf": torch.tensor(float("-inf"))}
+
+
+def test_indexer_over_compressed_keys_becomes_dsa_indexer_topk_with_its_rate():
+    after, found = sparse_attention(ir(V4_INDEXER), _v4_constants())
+    assert found.patterns == {"sparse_attention.dsa_indexer_topk": 1}
+    assert_ir(after, V4_KEYS + """
+      %4 = dsa_indexer_topk(%0, %1, %3, %2) {fill=-inf, k=2, rate=4, scale=0.25, sorted=true} : int64[1, seq, 2]
+      return %4
+    }
+    """)
+
+
+def test_indexer_with_a_negative_scale_or_another_bound_stays_generic():
+    """relu(x) * s is relu(x * s) (the op's order) only for s > 0; a bound (p + 2) // 4 is not the op's rule."""
+    before = ir(V4_INDEXER)
+    for constants in (_v4_constants(scale=-0.25), _v4_constants(one=2)):
+        after, found = sparse_attention(before, constants)
+        assert found.patterns == {}
+        assert_ir(after, before)
