@@ -436,12 +436,17 @@ def bench_group():
 @bench_group.command("e2e")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=20, show_default=True)
-def bench_e2e_cmd(as_json, repeat):
-    """Tiny Qwen3-MoE: prefill latency and one-token step, compiled vs torch eager, torch.compile and stock TVM
-    Relax (same export, default pipeline), with both compile times."""
-    from dayzero.tools.bench import bench_e2e
+@click.option("--model", "models", multiple=True, help="tiny architecture(s); default: all of E2E_MODELS")
+def bench_e2e_cmd(as_json, repeat, models):
+    """Tiny Qwen3-MoE, gpt-oss, DeepSeek-V3.2, DeepSeek-V4: prefill latency, one-token forward and a decode step,
+    compiled vs torch eager, torch.compile and stock TVM Relax (same export, default pipeline), with the compile
+    times."""
+    from dayzero.tools.bench import E2E_MODELS, bench_e2e
 
-    _emit(bench_e2e(repeat), as_json, _bench_human)
+    unknown = set(models) - set(E2E_MODELS)
+    if unknown:
+        raise UserError(f"bench e2e: unknown model {sorted(unknown)[0]!r} (one of {', '.join(E2E_MODELS)})")
+    _emit(bench_e2e(repeat, models or E2E_MODELS), as_json, _bench_human)
 
 
 @bench_group.command("decode-batch")
@@ -459,8 +464,8 @@ def _bench_human(r):
     for row in r["results"]:
         base = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row["baselines"].items())
         click.echo(f"  {row['case']:<28} dayzero {row['dayzero'] * 1e3:.2f} ms | {base}")
-    if "compile_s" in r:
-        click.echo("  compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["compile_s"].items()))
+    for model, cs in r.get("compile_s", {}).items():
+        click.echo(f"  compile {model}: " + ", ".join(f"{k} {v:.1f} s" for k, v in cs.items()))
 
 
 def _register_optional():
