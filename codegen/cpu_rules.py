@@ -1,7 +1,7 @@
 """The rule-based default tier for CPU: ordered schedule rules, each returning None where it does not apply.
 
-    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])  ->  dlight_reduction
-    ->  parallel_loops (the generic, last)
+    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])  ->  conv2d (NCHW)
+    ->  dlight_reduction  ->  parallel_loops (the generic, last)
 
 A rule takes the normalised kernel (an ``IRModule`` with ``main``) and the target and returns a scheduled module,
 or None: "not mine". Whether a loop a rule marks parallel really runs on the thread pool is decided afterwards,
@@ -360,6 +360,97 @@ def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
     return sch.mod
 
 
+def _conv_block(sch, block_rv):
+    """(OC, OW) when the block is a 2-D convolution ``C[n, oc, oh, ow] += cast(X[n, rc, oh*s + kh*d, ow*s + kw*d])
+    * cast(W[oc, rc, kh, kw])`` (no groups: X's channel is the reduction's own) with fp32 / bf16 inputs, a fp32
+    accumulator and static extents; else None."""
+    block = sch.get(block_rv)
+    iters = list(block.iter_vars)
+    kinds = [iv.iter_type for iv in iters]
+    if len(iters) != 7 or kinds != [tvm.tirx.IterVar.DataPar] * 4 + [tvm.tirx.IterVar.CommReduce] * 3:
+        return None
+    if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters):
+        return None
+    body = block.body
+    if not isinstance(body, tvm.tirx.BufferStore) or block.init is None or body.buffer.dtype != "float32":
+        return None
+    if not isinstance(body.value, tvm.tirx.Add) or not isinstance(body.value.b, tvm.tirx.Mul):
+        return None
+    acc, prod = body.value.a, body.value.b
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
+        return None
+    x, w = _strip_cast(prod.a), _strip_cast(prod.b)
+    if not (isinstance(x, TensorLoad) and isinstance(w, TensorLoad)) or len(x.indices) != 4 or len(w.indices) != 4:
+        return None
+    if x.source.dtype not in INPUT_DTYPES or w.source.dtype not in INPUT_DTYPES:
+        return None
+    n, oc, _, _, rc, kh, kw = [iv.var for iv in iters]
+    if not all(_same(_var_of(i), v) for i, v in zip(w.indices, (oc, rc, kh, kw))):
+        return None
+    if not (_same(_var_of(x.indices[0]), n) and _same(_var_of(x.indices[1]), rc)):
+        return None  # grouped / depthwise: X's channel depends on oc (declined: the generic loops take it)
+    return int(iters[1].dom.extent), int(iters[3].dom.extent)
+
+
+def _conv_tile(oc: int, ow: int, simd: Simd) -> tuple[int, int]:
+    """(MR output channels, OWT output columns) of the register tile: OWT the widest divisor of OW up to two
+    vectors (no tail, no predicate: 56 -> 28, 7 -> 7), MR the most output channels dividing OC whose MR x
+    vectors(OWT) accumulators leave registers for the loaded x vectors and the broadcast weight."""
+    owt = max(d for d in range(1, min(ow, simd.lanes) + 1) if ow % d == 0)
+    vecs = -(-owt // simd.lanes) + (1 if owt % simd.lanes and owt > simd.lanes else 0)  # LLVM's split of a tail
+    budget = simd.regs - vecs - 2
+    mr = next(m for m in (16, 12, 8, 6, 4, 3, 2, 1) if oc % m == 0 and m * vecs <= budget)
+    return mr, owt
+
+
+def conv2d(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
+    """Direct NCHW 2-D convolution (``convolution`` lowering, ``codegen/lower/nn.py``): a register tile of MR
+    output channels x OWT output columns (``_conv_tile``), accumulated in registers over the whole reduction
+    (input channel, kernel row, kernel column; the column loop unrolled): each x vector (a run of the input row,
+    contiguous at stride 1) is shared by MR FMAs, each weight broadcast by vectors(OWT). Parallel over (n, oc
+    tile, oh); the bias / cast epilogue is written from the registers. The padded copy of x (the lowering's
+    ``pad``) runs parallel over its rows first::
+
+        for n, oco, oh in parallel:  for owo:
+            acc[MR, OWT] = 0                                                    # registers
+            for rc, kh, kw:  acc[oci, :] += X[n, rc, oh*s + kh, (owo*OWT + :)*s + kw] * W[oco*MR + oci, rc, kh, kw]
+            Y[n, oco*MR + oci, oh, owo*OWT + :] = epilogue(acc[oci, :])
+
+    None for any other kernel (grouped and depthwise convolutions included)."""
+    simd = Simd.of(target)
+    sch = tvm.s_tir.Schedule(mod)
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    found = [(b, _conv_block(sch, b)) for b in blocks]
+    found = [(b, f) for b, f in found if f is not None]
+    if len(found) != 1:
+        return None
+    block, (oc_extent, ow_extent) = found[0]
+    others = [b for b in blocks if not b.same_as(block)]
+    if any(sch.get(b).init is not None for b in others):  # only the pad copy and elementwise epilogues
+        return None
+    producers = [b for b in others if any(c.same_as(block) for c in sch.get_consumers(b))]
+    consumers = [b for b in others if not any(p.same_as(b) for p in producers)]
+    mr, owt = _conv_tile(oc_extent, ow_extent, simd)
+    acc = sch.cache_write(block, 0, "local")
+    n, oc, oh, ow, rc, kh, kw = sch.get_loops(block)
+    oco, oci = sch.split(oc, [None, mr])
+    owo, owi = sch.split(ow, [None, owt])
+    sch.reorder(n, oco, oh, owo, rc, kh, kw, oci, owi)
+    sch.vectorize(owi)
+    sch.unroll(oci)
+    sch.unroll(kw)
+    sch.parallel(sch.fuse(n, oco, oh))
+    epilogue = consumers[0] if len(consumers) == 1 else None
+    if epilogue is not None and len(sch.get_consumers(acc)) == 1:
+        sch.reverse_compute_inline(epilogue)  # the write-back from registers computes the epilogue itself
+        consumers = []
+    sch.reverse_compute_at(acc, owo)
+    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.decompose_reduction(block, rc)
+    _parallel_epilogues(sch, producers + consumers)
+    return sch.mod
+
+
 def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     """dlight's CPU reduction rule (row reductions: softmax, norms). Not ``dl.cpu.GEMV``: it vectorises across
     strided rows with a 256-step unroll, LLVM then spends 10-40 s on one small expert bmm, and the code is no
@@ -425,7 +516,7 @@ def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 
 
 # the CPU default tier, in order: the first that returns a module schedules the kernel
-CPU_DEFAULT_RULES = (dense_linear, batched_matmul, dlight_reduction, parallel_loops)
+CPU_DEFAULT_RULES = (dense_linear, batched_matmul, conv2d, dlight_reduction, parallel_loops)
 
 
 def cpu_default_rule(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[str, tvm.IRModule]:

@@ -5,7 +5,8 @@ Shapes (N batch, C channels, spatial dims last; every value contiguous row-major
 
     convolution     x [N, Cin, *S], w [Cout, Cin/groups, *K], bias [Cout]?  -> [N, Cout, *O]
                     out[n, oc, o] = sum_{c, k} x[n, g*Cin/groups + c, o*stride - pad + k*dilation] * w[oc, c, k]
-                    (g = oc // (Cout/groups); reads outside x are zero)
+                    (g = oc // (Cout/groups); reads outside x are zero: a padded copy of x, ``pad``, is
+                    read, so the reduction has no predicate for a schedule to carry)
     max_pool2d      x [N, C, H, W] -> [N, C, OH, OW]; max over the window, padding reads -inf
     avg_pool2d      same windows; sum / count, count = the window clipped to the padded input
                     (count_include_pad) or to the input itself
@@ -105,14 +106,18 @@ def _convolution(ctx, ins, attrs, outs):
     rc = te.reduce_axis((0, cin_g), name="rc")
     rk = [te.reduce_axis((0, w.shape[2 + i]), name=f"rk{i}") for i in range(nsp)]
 
+    if any(pad):  # a padded copy of x (zeros around), so the reduction reads without a predicate
+        xp = te.compute((*x.shape[:2], *[x.shape[2 + i] + 2 * pad[i] for i in range(nsp)]), lambda n, c, *p: (
+            tvm.tirx.if_then_else(in_bounds([p[i] - pad[i] for i in range(nsp)], x.shape[2:]),
+                                  x[(n, c, *[p[i] - pad[i] for i in range(nsp)])], const(0.0, dtype_of(x)))),
+            name="pad")
+    else:
+        xp = x
+
     def body(n, oc, *o):
         c = tvm.tirx.floordiv(oc, cout_g) * cin_g + rc if groups > 1 else rc
-        sp = [o[i] * stride[i] - pad[i] + rk[i] * dil[i] for i in range(nsp)]
-        if any(pad):
-            v = tvm.tirx.if_then_else(in_bounds(sp, x.shape[2:]), cast(x[(n, c, *sp)], cd), const(0.0, cd))
-        else:
-            v = cast(x[(n, c, *sp)], cd)
-        return te.sum(v * cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
+        sp = [o[i] * stride[i] + rk[i] * dil[i] for i in range(nsp)]
+        return te.sum(cast(xp[(n, c, *sp)], cd) * cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
     acc = te.compute(ctx.shape(out.shape), body, name="conv")
     if b is None:
         return te.compute(acc.shape, lambda *i: cast(acc[i], out.dtype), name="T")
