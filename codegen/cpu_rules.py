@@ -363,13 +363,13 @@ def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 def _conv_block(sch, block_rv):
     """(OC, OW) when the block is a 2-D convolution ``C[n, oc, oh, ow] += cast(X[n, rc, oh*s + kh*d, ow*s + kw*d])
     * cast(W[oc, rc, kh, kw])`` (no groups: X's channel is the reduction's own) with fp32 / bf16 inputs, a fp32
-    accumulator and static extents; else None."""
+    accumulator and static extents but the batch; else None."""
     block = sch.get(block_rv)
     iters = list(block.iter_vars)
     kinds = [iv.iter_type for iv in iters]
     if len(iters) != 7 or kinds != [tvm.tirx.IterVar.DataPar] * 4 + [tvm.tirx.IterVar.CommReduce] * 3:
         return None
-    if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters):
+    if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters[1:]):  # the batch may be a symbol
         return None
     body = block.body
     if not isinstance(body, tvm.tirx.BufferStore) or block.init is None or body.buffer.dtype != "float32":

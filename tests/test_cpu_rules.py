@@ -248,3 +248,69 @@ def test_a_declined_dlight_schedule_leaves_the_kernel_to_the_next_rule_untouched
     before = mod.script()
     assert cpu_rules.dlight_reduction(mod, TARGET) is None
     assert mod.script() == before  # dlight rewrote it in place: parallel_loops got the quadratic schedule
+
+
+def conv_node(n, c, hw, oc, k, stride=1, pad=0, groups=1, bias=True, dtype="float32") -> Node:
+    """convolution(x [n, c, h, w], w [oc, c/groups, k, k], b [oc]?) as the frontend builds it."""
+    h, w = hw
+    shapes = [(n, c, h, w), (oc, c // groups, k, k)] + ([(oc,)] if bias else [])
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType(dtype, s)]) for i, s in enumerate(shapes)]
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    attrs = {"bias": bias, "stride": [stride, stride], "padding": [pad, pad], "dilation": [1, 1],
+             "transposed": False, "output_padding": [0, 0], "groups": groups}
+    return Node.make("convolution", ins, attrs, [TensorType(dtype, (n, oc, oh, ow))])
+
+
+@pytest.mark.parametrize("n,c,hw,oc,k,stride,pad,bias", [
+    (1, 5, (11, 13), 6, 3, 1, 1, True),    # 3x3 s1, odd sizes: OW 13 a prime (the tile is the whole row), OC 6
+    (2, 7, (9, 10), 12, 3, 2, 1, False),   # 3x3 s2 (strided x reads), batch 2, no bias
+    (1, 9, (5, 7), 10, 1, 1, 0, True),     # 1x1 s1 (no padded copy)
+    (1, 3, (23, 21), 8, 7, 2, 3, True),    # the 7x7 s2 stem: 3 input channels
+    (1, 4, (34, 34), 5, 3, 1, 1, True),    # OW 34 = 2 x 17: a tile of 17 columns, OC 5 a prime
+    (SEQ, 8, (6, 32), 16, 3, 1, 1, True),  # a symbolic batch (an ONNX export's dynamic batch), checked at 1 and 3
+])
+def test_conv2d_matches_the_reference(n, c, hw, oc, k, stride, pad, bias):
+    node = conv_node(n, c, hw, oc, k, stride, pad, bias=bias)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "conv2d"
+    lib, mod = compile_node(node)
+    assert "conv_local" in mod.script()  # the register tile
+    for batch in ((1, 3) if n == SEQ else (n,)):
+        check_node(node, lib, batch, tol=1e-4)
+
+
+def test_conv2d_bf16_accumulates_in_fp32():
+    node = conv_node(1, 6, (9, 9), 8, 3, 1, 1, dtype="bfloat16")
+    lib, mod = compile_node(node)
+    assert "conv_local" in mod.script()
+    check_node(node, lib, 1, tol=2e-2)
+
+
+def test_conv2d_tile_fits_the_registers():
+    avx512, avx2 = cpu_rules.Simd(16, 32), cpu_rules.Simd(8, 16)
+    assert cpu_rules._conv_tile(64, 56, avx512) == (16, 14)  # OW 56: 14 columns (no tail), 16 channels
+    assert cpu_rules._conv_tile(64, 112, avx512) == (16, 16)
+    assert cpu_rules._conv_tile(512, 7, avx2) == (8, 7)  # 12 fit 13 free registers but do not divide 512
+    assert cpu_rules._conv_tile(5, 13, avx512) == (1, 13)  # OC a prime: one channel a tile
+    for oc, ow, simd in ((64, 56, avx2), (48, 28, avx2), (96, 112, avx512)):
+        mr, owt = cpu_rules._conv_tile(oc, ow, simd)
+        assert oc % mr == 0 and ow % owt == 0 and mr * -(-owt // simd.lanes) + 2 < simd.regs
+
+
+def test_conv2d_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # grouped and depthwise: declined, and the generic rules still compute them
+    for node in (conv_node(1, 6, (7, 7), 4, 3, 1, 1, groups=2), conv_node(1, 4, (6, 6), 4, 3, 2, 1, groups=4)):
+        assert cpu_rules.conv2d(mod_of(node), TARGET) is None
+        lib, _ = compile_node(node)
+        check_node(node, lib, 1)
+    # a linear, a matmul, a row reduction, an elementwise op: not a convolution
+    assert cpu_rules.conv2d(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    assert cpu_rules.conv2d(mod_of(mm_node("bmm", (2, 5, 8), (2, 8, 16), (2, 5, 16))), TARGET) is None
+    a = te.placeholder((4, 32), name="a")
+    kk = te.reduce_axis((0, 32), "k")
+    assert cpu_rules.conv2d(normalize(te.create_prim_func([a, te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk))])),
+                            TARGET) is None
+    assert cpu_rules.conv2d(normalize(te.create_prim_func([a, te.compute((4, 32), lambda i, j: a[i, j] * 2.0)])),
+                            TARGET) is None
