@@ -268,6 +268,8 @@ def conv_node(n, c, hw, oc, k, stride=1, pad=0, groups=1, bias=True, dtype="floa
     (1, 3, (23, 21), 8, 7, 2, 3, True),    # the 7x7 s2 stem: 3 input channels
     (1, 4, (34, 34), 5, 3, 1, 1, True),    # OW 34 = 2 x 17: a tile of 17 columns, OC 5 a prime
     (SEQ, 8, (6, 32), 16, 3, 1, 1, True),  # a symbolic batch (an ONNX export's dynamic batch), checked at 1 and 3
+    (1, 6, (9, 11), 8, 1, 2, 0, True),     # a strided 1x1 (ResNet's downsample): x sampled once, then stride 1
+    (2, 5, (7, 8), 4, 1, 2, 1, False),     # a strided 1x1 with padding: the sampled border reads zeros
 ])
 def test_conv2d_matches_the_reference(n, c, hw, oc, k, stride, pad, bias):
     node = conv_node(n, c, hw, oc, k, stride, pad, bias=bias)

@@ -6,7 +6,8 @@ Shapes (N batch, C channels, spatial dims last; every value contiguous row-major
     convolution     x [N, Cin, *S], w [Cout, Cin/groups, *K], bias [Cout]?  -> [N, Cout, *O]
                     out[n, oc, o] = sum_{c, k} x[n, g*Cin/groups + c, o*stride - pad + k*dilation] * w[oc, c, k]
                     (g = oc // (Cout/groups); reads outside x are zero: a padded copy of x, ``pad``, is
-                    read, so the reduction has no predicate for a schedule to carry)
+                    read, so the reduction has no predicate for a schedule to carry; a strided 1x1 reads
+                    ``sample``, x at its sampled positions, and runs at stride 1: contiguous vector reads)
     max_pool2d      x [N, C, H, W] -> [N, C, OH, OW]; max over the window, padding reads -inf
     avg_pool2d      same windows; sum / count, count = the window clipped to the padded input
                     (count_include_pad) or to the input itself
@@ -106,7 +107,17 @@ def _convolution(ctx, ins, attrs, outs):
     rc = te.reduce_axis((0, cin_g), name="rc")
     rk = [te.reduce_axis((0, w.shape[2 + i]), name=f"rk{i}") for i in range(nsp)]
 
-    if any(pad):  # a padded copy of x (zeros around), so the reduction reads without a predicate
+    pointwise = all(int(w.shape[2 + i]) == 1 for i in range(nsp))
+    if pointwise and any(v != 1 for v in stride):  # a strided 1x1: x's sampled positions gathered once, stride 1
+        osh = ctx.shape(out.shape)[2:]
+
+        def sample(n, c, *o):
+            at = [o[i] * stride[i] - pad[i] for i in range(nsp)]
+            v = x[(n, c, *at)]
+            return tvm.tirx.if_then_else(in_bounds(at, x.shape[2:]), v, const(0.0, dtype_of(x))) if any(pad) else v
+        xp = te.compute((*x.shape[:2], *osh), sample, name="sample")
+        stride, pad = [1] * nsp, [0] * nsp
+    elif any(pad):  # a padded copy of x (zeros around), so the reduction reads without a predicate
         xp = te.compute((*x.shape[:2], *[x.shape[2 + i] + 2 * pad[i] for i in range(nsp)]), lambda n, c, *p: (
             tvm.tirx.if_then_else(in_bounds([p[i] - pad[i] for i in range(nsp)], x.shape[2:]),
                                   x[(n, c, *[p[i] - pad[i] for i in range(nsp)])], const(0.0, dtype_of(x)))),
