@@ -316,3 +316,44 @@ def test_conv2d_returns_none_where_it_does_not_apply():
                             TARGET) is None
     assert cpu_rules.conv2d(normalize(te.create_prim_func([a, te.compute((4, 32), lambda i, j: a[i, j] * 2.0)])),
                             TARGET) is None
+
+
+def scale_shift_node(shape, scale_shape) -> Node:
+    """relu(x * scale + shift + r): BatchNorm folded by the ONNX importer, a residual add and a relu, as the fuse
+    pass makes them one ``fused`` node (scale and shift [C, 1, 1] against x [N, C, H, W]: broadcast along rows)."""
+    shapes = [shape, scale_shape, scale_shape, shape]
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType("float32", s)]) for i, s in enumerate(shapes)]
+    body = (("mul.Tensor", (0, 1), (), "float32", shape), ("add.Tensor", (4, 2), (("alpha", 1),), "float32", shape),
+            ("add.Tensor", (5, 3), (("alpha", 1),), "float32", shape), ("relu", (6,), (), "float32", shape))
+    return Node.make("fused", ins, {"body": body}, [TensorType("float32", shape)])
+
+
+@pytest.mark.parametrize("shape,scale", [
+    ((1, 8, 7, 56), (8, 1, 1)),     # a row of 56: vectorised whole
+    ((2, 3, 5, 96), (3, 1, 1)),     # a row of 96: in runs of 16
+    ((SEQ, 6, 9, 13), (6, 1, 1)),   # a symbolic batch, a row of 13
+])
+def test_elementwise_rows_matches_the_reference(shape, scale):
+    node = scale_shift_node(shape, scale)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "elementwise_rows"
+    lib, _ = compile_node(node)
+    for seq in (1, 2):
+        ins = [torch.randn(*[seq if d == SEQ else d for d in i.type.shape], generator=g) for i in node.inputs]
+        out = torch.empty_like(ins[0])
+        lib(*ins, out)
+        torch.testing.assert_close(out, torch.relu(ins[0] * ins[1] + ins[2] + ins[3]))
+
+
+def test_elementwise_rows_returns_none_where_it_does_not_apply():
+    def rule(node):
+        return cpu_rules.elementwise_rows(normalize(program.make_prim_func(node, "k")), TARGET)
+
+    assert rule(scale_shift_node((1, 4, 6, 67), (4, 1, 1))) is None  # a prime row over 64: no vector run
+    assert rule(scale_shift_node((1, 4, 6, 3), (4, 1, 1))) is None    # a row shorter than 4
+    a, b = te.placeholder((4, 32), name="a"), te.placeholder((32,), name="b")
+    kk = te.reduce_axis((0, 32), "k")
+    assert cpu_rules.elementwise_rows(normalize(te.create_prim_func(  # no broadcast along the row
+        [a, b, te.compute((4, 32), lambda i, j: a[i, j] * b[j])])), TARGET) is None
+    assert cpu_rules.elementwise_rows(normalize(te.create_prim_func(  # a reduction
+        [a, te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk))])), TARGET) is None
+    assert rule(conv_node(1, 4, (6, 6), 4, 3, 1, 1)) is None  # a convolution (its bias broadcasts, but it reduces)
