@@ -362,7 +362,8 @@ def batched_matmul(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 
 def _conv_block(sch, block_rv):
     """(OC, OW) when the block is a 2-D convolution ``C[n, oc, oh, ow] += cast(X[n, rc, oh*s + kh*d, ow*s + kw*d])
-    * cast(W[oc, rc, kh, kw])`` (no groups: X's channel is the reduction's own) with fp32 / bf16 inputs, a fp32
+    * cast(W[oc, rc, kh, kw])`` (or X's row split into its stride's phases, ``X[n, rc, oh*s + kh*d, kw*d % s,
+    ow + kw*d // s]``) (no groups: X's channel is the reduction's own) with fp32 / bf16 inputs, a fp32
     accumulator and static extents but the batch; else None."""
     block = sch.get(block_rv)
     iters = list(block.iter_vars)
@@ -380,7 +381,7 @@ def _conv_block(sch, block_rv):
     if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
         return None
     x, w = _strip_cast(prod.a), _strip_cast(prod.b)
-    if not (isinstance(x, TensorLoad) and isinstance(w, TensorLoad)) or len(x.indices) != 4 or len(w.indices) != 4:
+    if not (isinstance(x, TensorLoad) and isinstance(w, TensorLoad)) or len(x.indices) < 4 or len(w.indices) != 4:
         return None
     if x.source.dtype not in INPUT_DTYPES or w.source.dtype not in INPUT_DTYPES:
         return None
