@@ -357,3 +357,17 @@ def test_elementwise_rows_returns_none_where_it_does_not_apply():
     assert cpu_rules.elementwise_rows(normalize(te.create_prim_func(  # a reduction
         [a, te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk))])), TARGET) is None
     assert rule(conv_node(1, 4, (6, 6), 4, 3, 1, 1)) is None  # a convolution (its bias broadcasts, but it reduces)
+
+
+@pytest.mark.parametrize("n,c,hw,oc", [
+    (1, 131, (5, 9), 6),      # a prime channel count, OW 9
+    (SEQ, 128, (4, 12), 8),   # a symbolic batch
+])
+def test_conv2d_wide_1x1_packs_x_and_matches_the_reference(n, c, hw, oc):
+    node = conv_node(n, c, hw, oc, 1)
+    lib, mod = compile_node(node)
+    assert "_global" in mod.script() and "conv_local" in mod.script()  # x's column run packed; the register tile
+    for batch in ((1, 2) if n == SEQ else (n,)):
+        check_node(node, lib, batch, tol=1e-4)
+    narrow = conv_node(1, 64, (5, 9), 6, 1)  # 64 input channels: no packing (x's rows stay in L1)
+    assert "_global" not in cpu_rules.conv2d(normalize(program.make_prim_func(narrow, "k")), TARGET).script()
