@@ -183,12 +183,10 @@ def _tile(m_extent, n_extent: int, simd: Simd) -> tuple[int, int, int]:
 def _match(sch, simd: Simd):
     """(dense block, epilogue blocks, N, K, lanes, W buffer) when the kernel is one dense block of the ``linear``
     form plus elementwise epilogues and K takes a lane width; else None."""
-    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
-    dense = [(b, _dense_block(sch, b)) for b in blocks]
-    dense = [(b, d) for b, d in dense if d is not None]
-    if len(dense) != 1:
+    one = _one_block(sch, _dense_block)
+    if one is None:
         return None
-    block, (n_extent, k_extent, w_buf) = dense[0]
+    blocks, block, (n_extent, k_extent, w_buf) = one
     lanes = next((v for v in simd.lane_choices if k_extent % v == 0), None)
     if lanes is None:
         return None
@@ -428,12 +426,10 @@ def conv2d(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     None for any other kernel (grouped and depthwise convolutions included)."""
     simd = Simd.of(target)
     sch = tvm.s_tir.Schedule(mod)
-    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
-    found = [(b, _conv_block(sch, b)) for b in blocks]
-    found = [(b, f) for b, f in found if f is not None]
-    if len(found) != 1:
+    one = _one_block(sch, _conv_block)
+    if one is None:
         return None
-    block, (oc_extent, ow_extent, x_buf) = found[0]
+    blocks, block, (oc_extent, ow_extent, x_buf) = one
     others = [b for b in blocks if not b.same_as(block)]
     if any(sch.get(b).init is not None for b in others):  # only the pad copy and elementwise epilogues
         return None
@@ -616,6 +612,14 @@ def _has_root(sch) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a function without a root block (written scheduled): not this rule's
         return False
+
+
+def _one_block(sch, matcher):
+    """(the root's child blocks, the one of them ``matcher(sch, block)`` takes, what it returned); None where it
+    takes none or several."""
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    found = [(b, m) for b in blocks if (m := matcher(sch, b)) is not None]
+    return (blocks, *found[0]) if len(found) == 1 else None
 
 
 def _below(sch, block, loop) -> list:
