@@ -371,3 +371,14 @@ def test_conv2d_wide_1x1_packs_x_and_matches_the_reference(n, c, hw, oc):
         check_node(node, lib, batch, tol=1e-4)
     narrow = conv_node(1, 64, (5, 9), 6, 1)  # 64 input channels: no packing (x's rows stay in L1)
     assert "_global" not in cpu_rules.conv2d(normalize(program.make_prim_func(narrow, "k")), TARGET).script()
+
+
+@pytest.mark.skipif(not tvm.target.codegen.target_has_features(["avx2"], TARGET), reason="host without AVX2")
+def test_conv2d_on_an_avx2_target_gets_avx2_tiles_that_compute_the_reference():
+    """8 lanes and 16 registers: a 3x3 s2 of OW 12 takes 6-column tiles (12's widest divisor up to 8) and 12
+    output channels (12 x 1 accumulators + a loaded vector + the broadcast weight fit 16 registers)."""
+    node = conv_node(1, 5, (11, 24), 24, 3, 2, 1)
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", "convolution", func, "key", node=node), AVX2, None)
+    assert "T.vectorized(T.int64(6))" in mod.script() and "T.unroll(T.int64(12))" in mod.script()
+    check_node(node, tvm.compile(mod, target=AVX2)["main"], 1)
