@@ -1,8 +1,8 @@
 """The rule-based default tier for CPU: ordered schedule rules, each returning None where it does not apply.
 
-    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])
+    dense_linear (x[.., k] . w[n, k])  ->  batched_matmul (a[.., m, k] . b[.., k, n])  ->  conv2d (NCHW)
     ->  row_reduction (softmax / norms: reductions over the last axis + an element-wise output)
-    ->  dlight_reduction  ->  parallel_loops (the generic, last)
+    ->  dlight_reduction  ->  elementwise_rows (a row-broadcast operand)  ->  parallel_loops (the generic, last)
 
 A rule takes the normalised kernel (an ``IRModule`` with ``main``) and the target and returns a scheduled module,
 or None: "not mine". Whether a loop a rule marks parallel really runs on the thread pool is decided afterwards,
@@ -69,6 +69,11 @@ INPUT_DTYPES = ("float32", "bfloat16")
 # what a schedule primitive raises on a kernel it cannot take (TVM's errors arrive as these Python types); a rule
 # that raises one does not apply. (``tvm.error.TVMError``, named here before, does not exist in TVM 0.27: the
 # except clause itself raised, and the kernel fell past every later rule to the generic loops.)
+# conv2d: a 1x1 convolution packs x's column run per task (``[IC, OWT]``, read by every oc tile from L1) from
+# this many input channels (256-channel 1x1s at 56x56: 1.9 -> 1.3 ms; at 64 channels the strided x rows stayed in
+# L1 and packing cost 15%), while its weights stay in L2 (they are re-read once per task)
+PACKED_1X1_MIN_IC = 128
+PACKED_1X1_MAX_W_BYTES = 1 << 20
 RULE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, tvm.error.InternalError)
 
 
@@ -189,12 +194,10 @@ def _tile(m_extent, n_extent: int, simd: Simd) -> tuple[int, int, int]:
 def _match(sch, simd: Simd):
     """(dense block, epilogue blocks, N, K, lanes, W buffer) when the kernel is one dense block of the ``linear``
     form plus elementwise epilogues and K takes a lane width; else None."""
-    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
-    dense = [(b, _dense_block(sch, b)) for b in blocks]
-    dense = [(b, d) for b, d in dense if d is not None]
-    if len(dense) != 1:
+    one = _one_block(sch, _dense_block)
+    if one is None:
         return None
-    block, (n_extent, k_extent, w_buf) = dense[0]
+    blocks, block, (n_extent, k_extent, w_buf) = one
     lanes = next((v for v in simd.lane_choices if k_extent % v == 0), None)
     if lanes is None:
         return None
@@ -570,6 +573,162 @@ def _split_row_schedule(sch, out, col, rfs, cores_rfs, cores: int, lanes: int) -
     return tvm.IRModule({"main": _fast_exp(sch.mod["main"])})
 
 
+def _conv_block(sch, block_rv):
+    """(OC, OW, X buffer) when the block is a 2-D convolution ``C[n, oc, oh, ow] += cast(X[n, rc, oh*s + kh*d, ow*s + kw*d])
+    * cast(W[oc, rc, kh, kw])`` (or X's row split into its stride's phases, ``X[n, rc, oh*s + kh*d, kw*d % s,
+    ow + kw*d // s]``) (no groups: X's channel is the reduction's own) with fp32 / bf16 inputs, a fp32
+    accumulator and static extents but the batch; else None."""
+    block = sch.get(block_rv)
+    iters = list(block.iter_vars)
+    kinds = [iv.iter_type for iv in iters]
+    if len(iters) != 7 or kinds != [tvm.tirx.IterVar.DataPar] * 4 + [tvm.tirx.IterVar.CommReduce] * 3:
+        return None
+    if not all(isinstance(iv.dom.extent, tvm.tirx.IntImm) for iv in iters[1:]):  # the batch may be a symbol
+        return None
+    body = block.body
+    if not isinstance(body, tvm.tirx.BufferStore) or block.init is None or body.buffer.dtype != "float32":
+        return None
+    if not isinstance(body.value, tvm.tirx.Add) or not isinstance(body.value.b, tvm.tirx.Mul):
+        return None
+    acc, prod = body.value.a, body.value.b
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(body.buffer)):
+        return None
+    x, w = _strip_cast(prod.a), _strip_cast(prod.b)
+    if not (isinstance(x, TensorLoad) and isinstance(w, TensorLoad)) or len(x.indices) < 4 or len(w.indices) != 4:
+        return None
+    if x.source.dtype not in INPUT_DTYPES or w.source.dtype not in INPUT_DTYPES:
+        return None
+    n, oc, _, _, rc, kh, kw = [iv.var for iv in iters]
+    if not all(_same(_var_of(i), v) for i, v in zip(w.indices, (oc, rc, kh, kw))):
+        return None
+    if not (_same(_var_of(x.indices[0]), n) and _same(_var_of(x.indices[1]), rc)):
+        return None  # grouped / depthwise: X's channel depends on oc (declined: the generic loops take it)
+    return int(iters[1].dom.extent), int(iters[3].dom.extent), x.source
+
+
+def _conv_tile(oc: int, ow: int, simd: Simd) -> tuple[int, int]:
+    """(MR output channels, OWT output columns) of the register tile: OWT the widest divisor of OW up to two
+    vectors (no tail, no predicate: 56 -> 28, 7 -> 7), MR the most output channels dividing OC whose MR x
+    vectors(OWT) accumulators leave registers for the loaded x vectors and the broadcast weight."""
+    owt = max(d for d in range(1, min(ow, simd.lanes) + 1) if ow % d == 0)
+    vecs = -(-owt // simd.lanes) + (1 if owt % simd.lanes and owt > simd.lanes else 0)  # LLVM's split of a tail
+    budget = simd.regs - vecs - 2
+    mr = next(m for m in (16, 12, 8, 6, 4, 3, 2, 1) if oc % m == 0 and m * vecs <= budget)
+    return mr, owt
+
+
+def conv2d(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
+    """Direct NCHW 2-D convolution (``convolution`` lowering, ``codegen/lower/nn.py``): a register tile of MR
+    output channels x OWT output columns (``_conv_tile``), accumulated in registers over the whole reduction
+    (input channel, kernel row, kernel column; the column loop unrolled): each x vector (a run of the input row,
+    contiguous at stride 1) is shared by MR FMAs, each weight broadcast by vectors(OWT). Parallel over (n, oc
+    tile, oh); the bias / cast epilogue is written from the registers. The padded copy of x (the lowering's
+    ``pad``) runs parallel over its rows first::
+
+        for n, oco, oh in parallel:  for owo:
+            acc[MR, OWT] = 0                                                    # registers
+            for rc, kh, kw:  acc[oci, :] += X[n, rc, oh*s + kh, (owo*OWT + :)*s + kw] * W[oco*MR + oci, rc, kh, kw]
+            Y[n, oco*MR + oci, oh, owo*OWT + :] = epilogue(acc[oci, :])
+
+    A 1x1 of many input channels and weights that stay in L2 runs ``for n, oh in parallel: for owo: Xp[IC, OWT]
+    = x's column run; for oco: ...`` instead (``PACKED_1X1_*``): its x rows lie a whole plane apart.
+
+    None for any other kernel (grouped and depthwise convolutions included)."""
+    simd = Simd.of(target)
+    sch = tvm.s_tir.Schedule(mod)
+    one = _one_block(sch, _conv_block)
+    if one is None:
+        return None
+    blocks, block, (oc_extent, ow_extent, x_buf) = one
+    others = [b for b in blocks if not b.same_as(block)]
+    if any(sch.get(b).init is not None for b in others):  # only the pad copy and elementwise epilogues
+        return None
+    producers = [b for b in others if any(c.same_as(block) for c in sch.get_consumers(b))]
+    consumers = [b for b in others if not any(p.same_as(b) for p in producers)]
+    mr, owt = _conv_tile(oc_extent, ow_extent, simd)
+    iters = sch.get(block).iter_vars
+    ic_extent, taps = int(iters[4].dom.extent), int(iters[5].dom.extent) * int(iters[6].dom.extent)
+    packed = taps == 1 and ic_extent >= PACKED_1X1_MIN_IC and oc_extent * ic_extent * 4 <= PACKED_1X1_MAX_W_BYTES
+    acc = sch.cache_write(block, 0, "local")
+    n, oc, oh, ow, rc, kh, kw = sch.get_loops(block)
+    oco, oci = sch.split(oc, [None, mr])
+    owo, owi = sch.split(ow, [None, owt])
+    if packed:  # x's column run packed once per task, [IC, OWT] (L1), read by every oc tile
+        sch.reorder(n, oh, owo, oco, rc, kh, kw, oci, owi)
+        x_read = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(x_buf))
+        xc = sch.cache_read(block, x_read, "global")
+        sch.compute_at(xc, owo)
+        sch.vectorize(sch.get_loops(xc)[-1])
+        task, tile = sch.fuse(n, oh), oco
+    else:
+        sch.reorder(n, oco, oh, owo, rc, kh, kw, oci, owi)
+        task, tile = sch.fuse(n, oco, oh), owo
+    sch.vectorize(owi)
+    sch.unroll(oci)
+    sch.unroll(kw)
+    sch.parallel(task)
+    epilogue = consumers[0] if len(consumers) == 1 else None
+    if epilogue is not None and len(sch.get_consumers(acc)) == 1:
+        sch.reverse_compute_inline(epilogue)  # the write-back from registers computes the epilogue itself
+        consumers = []
+    sch.reverse_compute_at(acc, tile)
+    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.decompose_reduction(block, rc)
+    _parallel_epilogues(sch, producers + consumers)
+    return sch.mod
+
+
+def _row_broadcast(block) -> bool:
+    """Whether an elementwise block reads some buffer that does not vary along its last iterator (a per-channel
+    scale [C, 1, 1] against an NCHW value: a broadcast along the row)."""
+    last = block.iter_vars[-1].var
+    for region in block.reads:
+        used = []
+        for r in region.region:
+            tvm_ffi.structural_walk(r.min, [(tvm.tirx.Var, used.append)])
+        if not any(v.same_as(last) for v in used):
+            return True
+    return False
+
+
+def elementwise_rows(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
+    """Elementwise kernels (every block spatial, no reduction) of which some block reads an operand broadcast
+    along its rows (BatchNorm's folded per-channel scale and shift, a bias over NCHW): the leading loops fused and
+    parallel, the last dim vectorised, whole up to four vectors (56: no tail loop) or in runs of a vector, so a
+    broadcast operand is one scalar per vector. (parallel_loops vectorises the flat index: the channel of each
+    lane is then its own quotient and the scale a gather; a [1, 256, 56, 56] scale-shift-add-relu ran 3x slower
+    than torch.) None for any other kernel."""
+    simd = Simd.of(target)
+    sch = tvm.s_tir.Schedule(mod)
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    if not blocks:
+        return None
+    for b in blocks:
+        blk = sch.get(b)
+        if blk.init is not None or len(blk.iter_vars) < 2 or len(sch.get_loops(b)) != len(blk.iter_vars):
+            return None
+        if any(iv.iter_type != tvm.tirx.IterVar.DataPar for iv in blk.iter_vars):
+            return None
+        if not isinstance(blk.iter_vars[-1].dom.extent, tvm.tirx.IntImm) or int(blk.iter_vars[-1].dom.extent) < 4:
+            return None
+    if not any(_row_broadcast(sch.get(b)) for b in blocks):
+        return None
+    runs = []
+    for b in blocks:
+        extent = int(sch.get(b).iter_vars[-1].dom.extent)
+        runs.append(extent if extent <= 4 * simd.lanes else
+                    max(d for d in range(1, simd.lanes + 1) if extent % d == 0))
+    if min(runs) < 4:  # a wide row of a prime length: no vector run divides it
+        return None
+    for b, run in zip(blocks, runs):
+        *lead, last = sch.get_loops(b)
+        if run != int(sch.get(last).extent):
+            last = sch.split(last, [None, run])[1]
+        sch.vectorize(last)
+        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+    return sch.mod
+
+
 def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
     """dlight's CPU reduction rule (row reductions: softmax, norms). Not ``dl.cpu.GEMV``: it vectorises across
     strided rows with a 256-step unroll, LLVM then spends 10-40 s on one small expert bmm, and the code is no
@@ -635,7 +794,8 @@ def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
 
 
 # the CPU default tier, in order: the first that returns a module schedules the kernel
-CPU_DEFAULT_RULES = (dense_linear, batched_matmul, row_reduction, dlight_reduction, parallel_loops)
+CPU_DEFAULT_RULES = (dense_linear, batched_matmul, conv2d, row_reduction, dlight_reduction, elementwise_rows,
+                     parallel_loops)
 
 
 def cpu_default_rule(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[str, tvm.IRModule]:
@@ -663,6 +823,14 @@ def _has_root(sch) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a function without a root block (written scheduled): not this rule's
         return False
+
+
+def _one_block(sch, matcher):
+    """(the root's child blocks, the one of them ``matcher(sch, block)`` takes, what it returned); None where it
+    takes none or several."""
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    found = [(b, m) for b in blocks if (m := matcher(sch, b)) is not None]
+    return (blocks, *found[0]) if len(found) == 1 else None
 
 
 def _below(sch, block, loop) -> list:

@@ -344,3 +344,137 @@ def test_row_reduction_on_one_core_keeps_one_serial_row(shape):
     mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), one, None)
     assert "_rf_local" in mod.script() and "_rf_rf" not in mod.script()
     check_node(node, tvm.compile(mod, target=one)["main"], 1, tol=1e-5)
+
+
+def conv_node(n, c, hw, oc, k, stride=1, pad=0, groups=1, bias=True, dtype="float32") -> Node:
+    """convolution(x [n, c, h, w], w [oc, c/groups, k, k], b [oc]?) as the frontend builds it."""
+    h, w = hw
+    shapes = [(n, c, h, w), (oc, c // groups, k, k)] + ([(oc,)] if bias else [])
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType(dtype, s)]) for i, s in enumerate(shapes)]
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    attrs = {"bias": bias, "stride": [stride, stride], "padding": [pad, pad], "dilation": [1, 1],
+             "transposed": False, "output_padding": [0, 0], "groups": groups}
+    return Node.make("convolution", ins, attrs, [TensorType(dtype, (n, oc, oh, ow))])
+
+
+@pytest.mark.parametrize("n,c,hw,oc,k,stride,pad,bias", [
+    (1, 5, (11, 13), 6, 3, 1, 1, True),    # 3x3 s1, odd sizes: OW 13 a prime (the tile is the whole row), OC 6
+    (2, 7, (9, 10), 12, 3, 2, 1, False),   # 3x3 s2 (strided x reads), batch 2, no bias
+    (1, 9, (5, 7), 10, 1, 1, 0, True),     # 1x1 s1 (no padded copy)
+    (1, 3, (23, 21), 8, 7, 2, 3, True),    # the 7x7 s2 stem: 3 input channels
+    (1, 4, (34, 34), 5, 3, 1, 1, True),    # OW 34 = 2 x 17: a tile of 17 columns, OC 5 a prime
+    (SEQ, 8, (6, 32), 16, 3, 1, 1, True),  # a symbolic batch (an ONNX export's dynamic batch), checked at 1 and 3
+    (1, 6, (9, 11), 8, 1, 2, 0, True),     # a strided 1x1 (ResNet's downsample): x sampled once, then stride 1
+    (2, 5, (7, 8), 4, 1, 2, 1, False),     # a strided 1x1 with padding: the sampled border reads zeros
+])
+def test_conv2d_matches_the_reference(n, c, hw, oc, k, stride, pad, bias):
+    node = conv_node(n, c, hw, oc, k, stride, pad, bias=bias)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "conv2d"
+    lib, mod = compile_node(node)
+    assert "conv_local" in mod.script()  # the register tile
+    for batch in ((1, 3) if n == SEQ else (n,)):
+        check_node(node, lib, batch, tol=1e-4)
+
+
+def test_conv2d_bf16_accumulates_in_fp32():
+    node = conv_node(1, 6, (9, 9), 8, 3, 1, 1, dtype="bfloat16")
+    lib, mod = compile_node(node)
+    assert "conv_local" in mod.script()
+    check_node(node, lib, 1, tol=2e-2)
+
+
+def test_conv2d_tile_fits_the_registers():
+    avx512, avx2 = cpu_rules.Simd(16, 32), cpu_rules.Simd(8, 16)
+    assert cpu_rules._conv_tile(64, 56, avx512) == (16, 14)  # OW 56: 14 columns (no tail), 16 channels
+    assert cpu_rules._conv_tile(64, 112, avx512) == (16, 16)
+    assert cpu_rules._conv_tile(512, 7, avx2) == (8, 7)  # 12 fit 13 free registers but do not divide 512
+    assert cpu_rules._conv_tile(5, 13, avx512) == (1, 13)  # OC a prime: one channel a tile
+    for oc, ow, simd in ((64, 56, avx2), (48, 28, avx2), (96, 112, avx512)):
+        mr, owt = cpu_rules._conv_tile(oc, ow, simd)
+        assert oc % mr == 0 and ow % owt == 0 and mr * -(-owt // simd.lanes) + 2 < simd.regs
+
+
+def test_conv2d_returns_none_where_it_does_not_apply():
+    def mod_of(node):
+        return normalize(program.make_prim_func(node, "k"))
+
+    # grouped and depthwise: declined, and the generic rules still compute them
+    for node in (conv_node(1, 6, (7, 7), 4, 3, 1, 1, groups=2), conv_node(1, 4, (6, 6), 4, 3, 2, 1, groups=4)):
+        assert cpu_rules.conv2d(mod_of(node), TARGET) is None
+        lib, _ = compile_node(node)
+        check_node(node, lib, 1)
+    # a linear, a matmul, a row reduction, an elementwise op: not a convolution
+    assert cpu_rules.conv2d(mod_of(linear_node((SEQ,), 32, 32)), TARGET) is None
+    assert cpu_rules.conv2d(mod_of(mm_node("bmm", (2, 5, 8), (2, 8, 16), (2, 5, 16))), TARGET) is None
+    a = te.placeholder((4, 32), name="a")
+    kk = te.reduce_axis((0, 32), "k")
+    assert cpu_rules.conv2d(normalize(te.create_prim_func([a, te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk))])),
+                            TARGET) is None
+    assert cpu_rules.conv2d(normalize(te.create_prim_func([a, te.compute((4, 32), lambda i, j: a[i, j] * 2.0)])),
+                            TARGET) is None
+
+
+def scale_shift_node(shape, scale_shape) -> Node:
+    """relu(x * scale + shift + r): BatchNorm folded by the ONNX importer, a residual add and a relu, as the fuse
+    pass makes them one ``fused`` node (scale and shift [C, 1, 1] against x [N, C, H, W]: broadcast along rows)."""
+    shapes = [shape, scale_shape, scale_shape, shape]
+    ins = [Node.make("input", (), {"name": f"x{i}"}, [TensorType("float32", s)]) for i, s in enumerate(shapes)]
+    body = (("mul.Tensor", (0, 1), (), "float32", shape), ("add.Tensor", (4, 2), (("alpha", 1),), "float32", shape),
+            ("add.Tensor", (5, 3), (("alpha", 1),), "float32", shape), ("relu", (6,), (), "float32", shape))
+    return Node.make("fused", ins, {"body": body}, [TensorType("float32", shape)])
+
+
+@pytest.mark.parametrize("shape,scale", [
+    ((1, 8, 7, 56), (8, 1, 1)),     # a row of 56: vectorised whole
+    ((2, 3, 5, 96), (3, 1, 1)),     # a row of 96: in runs of 16
+    ((SEQ, 6, 9, 13), (6, 1, 1)),   # a symbolic batch, a row of 13
+])
+def test_elementwise_rows_matches_the_reference(shape, scale):
+    node = scale_shift_node(shape, scale)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == "elementwise_rows"
+    lib, _ = compile_node(node)
+    for seq in (1, 2):
+        ins = [torch.randn(*[seq if d == SEQ else d for d in i.type.shape], generator=g) for i in node.inputs]
+        out = torch.empty_like(ins[0])
+        lib(*ins, out)
+        torch.testing.assert_close(out, torch.relu(ins[0] * ins[1] + ins[2] + ins[3]))
+
+
+def test_elementwise_rows_returns_none_where_it_does_not_apply():
+    def rule(node):
+        return cpu_rules.elementwise_rows(normalize(program.make_prim_func(node, "k")), TARGET)
+
+    assert rule(scale_shift_node((1, 4, 6, 67), (4, 1, 1))) is None  # a prime row over 64: no vector run
+    assert rule(scale_shift_node((1, 4, 6, 3), (4, 1, 1))) is None    # a row shorter than 4
+    a, b = te.placeholder((4, 32), name="a"), te.placeholder((32,), name="b")
+    kk = te.reduce_axis((0, 32), "k")
+    assert cpu_rules.elementwise_rows(normalize(te.create_prim_func(  # no broadcast along the row
+        [a, b, te.compute((4, 32), lambda i, j: a[i, j] * b[j])])), TARGET) is None
+    assert cpu_rules.elementwise_rows(normalize(te.create_prim_func(  # a reduction
+        [a, te.compute((4,), lambda i: te.sum(a[i, kk], axis=kk))])), TARGET) is None
+    assert rule(conv_node(1, 4, (6, 6), 4, 3, 1, 1)) is None  # a convolution (its bias broadcasts, but it reduces)
+
+
+@pytest.mark.parametrize("n,c,hw,oc", [
+    (1, 131, (5, 9), 6),      # a prime channel count, OW 9
+    (SEQ, 128, (4, 12), 8),   # a symbolic batch
+])
+def test_conv2d_wide_1x1_packs_x_and_matches_the_reference(n, c, hw, oc):
+    node = conv_node(n, c, hw, oc, 1)
+    lib, mod = compile_node(node)
+    assert "_global" in mod.script() and "conv_local" in mod.script()  # x's column run packed; the register tile
+    for batch in ((1, 2) if n == SEQ else (n,)):
+        check_node(node, lib, batch, tol=1e-4)
+    narrow = conv_node(1, 64, (5, 9), 6, 1)  # 64 input channels: no packing (x's rows stay in L1)
+    assert "_global" not in cpu_rules.conv2d(normalize(program.make_prim_func(narrow, "k")), TARGET).script()
+
+
+@pytest.mark.skipif(not tvm.target.codegen.target_has_features(["avx2"], TARGET), reason="host without AVX2")
+def test_conv2d_on_an_avx2_target_gets_avx2_tiles_that_compute_the_reference():
+    """8 lanes and 16 registers: a 3x3 s2 of OW 12 takes 6-column tiles (12's widest divisor up to 8) and 12
+    output channels (12 x 1 accumulators + a loaded vector + the broadcast weight fit 16 registers)."""
+    node = conv_node(1, 5, (11, 24), 24, 3, 2, 1)
+    func = program.make_prim_func(node, "k")
+    mod = schedule_kernel(Kernel("k", "convolution", func, "key", node=node), AVX2, None)
+    assert "T.vectorized(T.int64(6))" in mod.script() and "T.unroll(T.int64(12))" in mod.script()
+    check_node(node, tvm.compile(mod, target=AVX2)["main"], 1)

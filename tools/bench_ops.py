@@ -18,7 +18,7 @@ better (``best_torch_time``). Each figure is the best of ``repeats`` timings (no
 ``bound`` is the physical lower bound measured in this run: the larger of FLOPs / peak (the peak is torch's fp32
 ``mm`` of 2048^3 here, the best this machine showed) and bytes / read bandwidth (a torch sum over an array of the
 case's own byte count, so a working set that stays in cache gets the cache's bandwidth).
-Not here yet: ResNet-50 convolutions (no conv rule yet) and the tuned route.
+ResNet-50 and its convolutions: ``dayzero bench cnn`` (tools/bench_cnn.py). Not here yet: the tuned route.
 """
 
 from __future__ import annotations

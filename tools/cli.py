@@ -471,6 +471,7 @@ def _bench_human(r):
 def _register_optional():
     """Commands that live in their own modules."""
     from dayzero.tools.bench_attention import attention_command
+    from dayzero.tools.bench_cnn import cnn_command
     from dayzero.tools.bench_dequant import dequant_command
     from dayzero.tools.bench_dist import dist_command
     from dayzero.tools.bench_full import full_command
@@ -489,7 +490,7 @@ def _register_optional():
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, linear_command, ops_command, moe_command, tuning_command, attention_command,
-                serve_command, long_command, dist_command, full_command):
+                serve_command, long_command, dist_command, full_command, cnn_command):
         bench_group.add_command(cmd)
 
 

@@ -5,7 +5,10 @@ Shapes (N batch, C channels, spatial dims last; every value contiguous row-major
 
     convolution     x [N, Cin, *S], w [Cout, Cin/groups, *K], bias [Cout]?  -> [N, Cout, *O]
                     out[n, oc, o] = sum_{c, k} x[n, g*Cin/groups + c, o*stride - pad + k*dilation] * w[oc, c, k]
-                    (g = oc // (Cout/groups); reads outside x are zero)
+                    (g = oc // (Cout/groups); reads outside x are zero: a padded copy of x, ``pad``, is
+                    read, so the reduction has no predicate for a schedule to carry; a strided 1x1 reads
+                    ``sample``, x at its sampled positions, and runs at stride 1; a row stride s > 1 reads
+                    the padded rows split into their s phases: contiguous vector reads either way)
     max_pool2d      x [N, C, H, W] -> [N, C, OH, OW]; max over the window, padding reads -inf
     avg_pool2d      same windows; sum / count, count = the window clipped to the padded input
                     (count_include_pad) or to the input itself
@@ -105,14 +108,42 @@ def _convolution(ctx, ins, attrs, outs):
     rc = te.reduce_axis((0, cin_g), name="rc")
     rk = [te.reduce_axis((0, w.shape[2 + i]), name=f"rk{i}") for i in range(nsp)]
 
+    pointwise = all(int(w.shape[2 + i]) == 1 for i in range(nsp))
+    if pointwise and any(v != 1 for v in stride):  # a strided 1x1: x's sampled positions gathered once, stride 1
+        osh = ctx.shape(out.shape)[2:]
+
+        def sample(n, c, *o):
+            at = [o[i] * stride[i] - pad[i] for i in range(nsp)]
+            v = x[(n, c, *at)]
+            return tvm.tirx.if_then_else(in_bounds(at, x.shape[2:]), v, const(0.0, dtype_of(x))) if any(pad) else v
+        xp = te.compute((*x.shape[:2], *osh), sample, name="sample")
+        stride, pad, s_w = [1] * nsp, [0] * nsp, 1
+    elif any(pad) or stride[-1] > 1:
+        # a padded copy of x (zeros around), so the reduction reads without a predicate; a row stride s > 1
+        # splits the row into its s phases, xp[.., h, phase, q] = x_padded[.., h, q*s + phase], so the columns
+        # one kernel tap reads for a run of outputs (x[(ow + j)*s + kw]) are contiguous: xp[.., kw % s, ow + j +
+        # kw // s], not a strided gather
+        s_w = stride[-1]
+        rows = [x.shape[2 + i] + 2 * pad[i] for i in range(nsp)]
+        lead_shape, wq = rows[:-1], (rows[-1] + s_w - 1) // s_w
+
+        def padded(n, c, *p):
+            at = [p[i] - pad[i] for i in range(nsp - 1)] + [p[-1] * s_w + p[-2] - pad[-1]]
+            return tvm.tirx.if_then_else(in_bounds(at, x.shape[2:]), x[(n, c, *at)], const(0.0, dtype_of(x)))
+        if s_w > 1:
+            xp = te.compute((*x.shape[:2], *lead_shape, s_w, wq), lambda n, c, *p: padded(n, c, *p), name="pad")
+        else:
+            xp = te.compute((*x.shape[:2], *rows), lambda n, c, *p: padded(n, c, *p[:-1], 0, p[-1]), name="pad")
+    else:
+        xp, s_w = x, 1
+
     def body(n, oc, *o):
         c = tvm.tirx.floordiv(oc, cout_g) * cin_g + rc if groups > 1 else rc
-        sp = [o[i] * stride[i] - pad[i] + rk[i] * dil[i] for i in range(nsp)]
-        if any(pad):
-            v = tvm.tirx.if_then_else(in_bounds(sp, x.shape[2:]), cast(x[(n, c, *sp)], cd), const(0.0, cd))
-        else:
-            v = cast(x[(n, c, *sp)], cd)
-        return te.sum(v * cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
+        sp = [o[i] * stride[i] + rk[i] * dil[i] for i in range(nsp)]
+        if s_w > 1:
+            tap = rk[-1] * dil[-1]
+            sp = sp[:-1] + [tvm.tirx.floormod(tap, s_w), o[-1] + tvm.tirx.floordiv(tap, s_w)]
+        return te.sum(cast(xp[(n, c, *sp)], cd) * cast(w[(oc, rc, *rk)], cd), axis=[rc] + rk)
     acc = te.compute(ctx.shape(out.shape), body, name="conv")
     if b is None:
         return te.compute(acc.shape, lambda *i: cast(acc[i], out.dtype), name="T")
