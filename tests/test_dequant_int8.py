@@ -142,3 +142,23 @@ def test_integer_instructions(mcpu, mode, must_have):
                       target=tgt).mod.inspect_source("asm")
     assert re.search(must_have, asm), mcpu
     assert re.search(r"vpshufb", asm)
+
+
+@pytest.mark.parametrize("offset", [16, 32, 48, 1])
+def test_codes_at_any_address(offset):
+    """The code bytes may start anywhere (a numpy array is only 16-byte aligned): the kernel's 16- to 64-byte code
+    loads must not assume the 64 bytes of an arena buffer (they did: a segfault, or not, by where numpy put the
+    array) and give the result of the same codes at an aligned address."""
+    O, K = 8, 96
+    codes = torch.randint(0, 256, (O, 3, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(offset))
+    scales = torch.full((O, 3), 127, dtype=torch.uint8)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
+    f = dq.build("mxfp4_gemv", 2, O, K, target=HOST, int8=True)
+    want, got = torch.empty(2, O), torch.empty(2, O)
+    f(x, codes, scales, want)
+    big = torch.zeros(codes.numel() + 128, dtype=torch.uint8)
+    start = (64 - big.data_ptr() % 64) % 64 + offset
+    moved = big[start:start + codes.numel()].view(codes.shape)
+    moved.copy_(codes)
+    f(x, moved, scales, got)
+    assert torch.equal(got, want)

@@ -204,7 +204,7 @@ def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.P
 
     if E:
         @T.prim_func
-        def with_expert(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((E, O, G, 16), "uint8"),
+        def with_expert(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((E, O, G, 16), "uint8", align=1),
                         scales: T.Buffer((E, O, G), "uint8"), expert: T.int32, y: T.Buffer((T_, O), "float32")):
             T.func_attr({"tirx.noalias": True})
             bf = T.decl_buffer((E * O * G * 16,), "uint8", data=blocks.data)
@@ -212,7 +212,7 @@ def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.P
         return with_expert.with_attr("tirx.is_scheduled", True)
 
     @T.prim_func
-    def one(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((O, G, 16), "uint8"),
+    def one(x: T.Buffer((T_, K), "float32"), blocks: T.Buffer((O, G, 16), "uint8", align=1),
             scales: T.Buffer((O, G), "uint8"), y: T.Buffer((T_, O), "float32")):
         T.func_attr({"tirx.noalias": True})
         bf = T.decl_buffer((O * G * 16,), "uint8", data=blocks.data)
