@@ -682,13 +682,7 @@ def _row_broadcast(block) -> bool:
     """Whether an elementwise block reads some buffer that does not vary along its last iterator (a per-channel
     scale [C, 1, 1] against an NCHW value: a broadcast along the row)."""
     last = block.iter_vars[-1].var
-    for region in block.reads:
-        used = []
-        for r in region.region:
-            tvm_ffi.structural_walk(r.min, [(tvm.tirx.Var, used.append)])
-        if not any(v.same_as(last) for v in used):
-            return True
-    return False
+    return any(not any(_uses(r.min, last) for r in region.region) for region in block.reads)
 
 
 def elementwise_rows(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
