@@ -40,6 +40,18 @@ TUNABLE_OPS = ("linear", "mm", "bmm", "matmul", "scaled_dot_product_attention", 
                "mean.dim", "sum.dim_IntList", "rms_norm", "embedding")
 
 
+def tunable_rank(k: Kernel) -> int | None:
+    """Where ``k`` stands in the tuning order (TUNABLE_OPS), None when it is not worth tuning. A fused kernel
+    (passes/fuse.py) ranks as its first tunable member: fusion puts softmax and the norms, with their element-wise
+    prologue and epilogue, into ``fused`` kernels; one of element-wise members only is not tuned."""
+    if k.op in TUNABLE_OPS:
+        return TUNABLE_OPS.index(k.op)
+    if k.op == "fused" and k.node is not None:
+        ranks = [TUNABLE_OPS.index(op) for op, *_ in k.node.attr["body"] if op in TUNABLE_OPS]
+        return min(ranks) if ranks else None
+    return None
+
+
 def tuning_workload(k: Kernel, symbols: dict[str, tuple[int, int]]) -> tvm.tirx.PrimFunc:
     """The static-shape copy of a kernel that the tuner measures (the kernel itself when it has no symbols)."""
     if k.node is None:

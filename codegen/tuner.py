@@ -57,7 +57,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .. import InternalError, UserError
 from .program import Kernel
-from .schedule import TUNABLE_OPS, default_schedule, is_hand_scheduled, tuning_workload
+from .schedule import default_schedule, is_hand_scheduled, tunable_rank, tuning_workload
 from .tuning import (
     TuningDatabase,
     TuningRecord,
@@ -447,8 +447,8 @@ def tune_kernels(kernels: list[Kernel], target: tvm.target.Target, db: TuningDat
 
     ``progress(kernel, trials_done, best_s)`` is called as trials complete. Returns {kernel: TuneResult note}."""
     deadline = time.monotonic() + minutes * 60 if minutes else None
-    order = sorted((k for k in kernels if not is_hand_scheduled(k) and k.op in TUNABLE_OPS),
-                   key=lambda k: TUNABLE_OPS.index(k.op))
+    order = sorted((k for k in kernels if not is_hand_scheduled(k) and tunable_rank(k) is not None),
+                   key=tunable_rank)
     done = {}
     for k in order:
         work = tuning_workload(k, symbols)

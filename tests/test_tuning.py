@@ -397,3 +397,38 @@ def test_tuning_works_beside_unnamed_handlers_on_metaschedules_logger(target, tm
         assert foreign in log.handlers
     finally:
         log.removeHandler(foreign)
+
+
+def test_fused_reductions_are_tuned_and_elementwise_chains_are_not():
+    """Fusion makes softmax and the norms ``fused`` kernels: ``--tune`` still takes them (ranked as their first
+    tunable member), not a fused chain of element-wise ops only; the tuner's static copy of a fused kernel has no
+    symbol left."""
+    from dayzero.codegen.program import make_prim_func
+    from dayzero.codegen.schedule import tunable_rank, tuning_workload, TUNABLE_OPS
+    from dayzero.passes.fuse import fuse
+    from tests.passes.ir_spec import ir
+
+    g, _ = fuse(ir("""graph main symbols(seq in [1, 64]) {
+      %0 = input {name="h"} : float32[seq, 64]
+      %1 = weight {name="w"} : float32[64]
+      %10 = weight {name="wl"} : float32[8, 64]
+      %2 = pow.Tensor_Scalar(%0) {exponent=2} : float32[seq, 64]
+      %3 = mean.dim(%2) {dim=[-1], dtype=null, keepdim=true} : float32[seq, 1]
+      %4 = rsqrt(%3) : float32[seq, 1]
+      %5 = mul.Tensor(%0, %4) : float32[seq, 64]
+      %6 = mul.Tensor(%1, %5) : float32[seq, 64]
+      %7 = linear(%6, %10) {bias=false} : float32[seq, 8]
+      %8 = exp(%6) : float32[seq, 64]
+      %9 = neg(%8) : float32[seq, 64]
+      return %7, %9
+    }
+    """))
+    kernels = {n.op if n.op != "fused" else ("norm" if any(op == "mean.dim" for op, *_ in n.attr["body"])
+                                             else "chain"): Kernel(n.op, n.op, make_prim_func(n, "k"), "", node=n)
+               for n in g.nodes() if n.op in ("fused", "linear")}
+    assert set(kernels) == {"norm", "chain", "linear"}, set(kernels)
+    assert tunable_rank(kernels["linear"]) == 0
+    assert tunable_rank(kernels["norm"]) == TUNABLE_OPS.index("mean.dim")
+    assert tunable_rank(kernels["chain"]) is None
+    work = tuning_workload(kernels["norm"], {"seq": (1, 64)})
+    assert "seq" not in work.script()
