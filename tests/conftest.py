@@ -108,6 +108,24 @@ def pytest_collection_modifyitems(config, items):
             continue
         if COMPILING_FIXTURES & set(getattr(item, "fixturenames", ())) or "cuda_sm90" in item.name:
             item.add_marker(pytest.mark.slow)  # an end-to-end compile, or a compile check for a GPU target
+    end_to_end = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: _run_order(item.path, end_to_end))
+
+
+# The files whose one test takes minutes of a worker (a fresh-clone run: the demo+serve test ~200 s, the
+# full-width gpt-oss ~190 s), heaviest first. ``--dist loadfile`` hands whole files to the workers in collection
+# order (addopts turns off xdist's default reordering by test count, which sent these one-test files last, so a
+# 3-minute file ran alone at the end of the run): they start first and the many small files fill the other
+# workers around them.
+HEAVY_FIRST = ("test_demo.py", "test_full_size.py")
+
+
+def _run_order(path: Path, end_to_end: set) -> tuple[int, int]:
+    """Files in HEAVY_FIRST first (in that order), then the files holding end-to-end tests, then the rest: a
+    stable sort, so files keep their collected order within each group and tests theirs within a file."""
+    if path.name in HEAVY_FIRST:
+        return 0, HEAVY_FIRST.index(path.name)
+    return (1 if path in end_to_end else 2), 0
 
 
 @pytest.fixture(scope="session")
