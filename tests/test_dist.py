@@ -309,6 +309,7 @@ def _interp_rank(rank: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned interpreters, each importing torch and dayzero: 10 s CPU, a tenth of the fast tier
 def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     """The reference interpreter on 2 gloo ranks, each with its half of the experts (then of a dense MLP's
     intermediate columns, then of an attention's heads, KV cache and vocabulary): the all-reduced partial sums and
