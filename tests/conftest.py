@@ -23,6 +23,22 @@ def _run_root(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def pytest_configure(config):
+    """An xdist worker, and every process it starts (CLI subprocesses inherit the environment), uses its share of
+    the cores: TVM's pool (runtime ``use_all_cores``), torch's and OpenMP's would each take every core, so two
+    workers on two cores ran four busy threads, whose spin-waits and barriers stall on a descheduled peer. A
+    count the user set is kept; ``-n 0`` keeps every core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // workers)
+    os.environ.setdefault("TVM_NUM_THREADS", str(share))
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_caches(tmp_path_factory):
     """Tests never read or write the user's tuning database or trace cache (~/.cache/dayzero/...): each run has its
