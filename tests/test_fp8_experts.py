@@ -17,7 +17,7 @@ Spec:
   by ``dayzero report``), experts resident at ~1 byte per weight (zone low_precision_weights), prefill logits
   match the upstream eager model on the dequantised weights, and greedy decoding matches upstream ``generate``.
   The same checkpoint feeds the bad-checkpoint cases below. DeepSeek with this layout runs end to end in the demo
-  (tests/test_cli.py: tiny DeepSeek-V4, FP8 experts, equal to transformers' own FP8 loader).
+  (tests/test_demo.py: tiny DeepSeek-V4, FP8 experts, equal to transformers' own FP8 loader).
 """
 
 from __future__ import annotations
