@@ -46,3 +46,14 @@ def test_shallow_frames_restores_inspect_after_an_error():
         assert inspect.stack()[0].frame is sys._getframe()
         raise RuntimeError("x")
     assert (inspect.stack, inspect.getouterframes) == (stack, outer)
+
+
+def test_from_source_parses_each_text_once():
+    src = ('@T.prim_func\ndef main(a_: T.handle, b_: T.handle):\n'
+           '    a = T.match_buffer(a_, (T.int64(8),), "float32")\n'
+           '    b = T.match_buffer(b_, (T.int64(8),), "float32")\n'
+           '    for i in range(T.int64(8)):\n'
+           '        b[i] = a[i] * T.float32(2)\n')
+    f = tvmscript.from_source(src)
+    assert tvmscript.from_source(src) is f
+    tvm.ir.assert_structural_equal(f, tvm.script.from_source(src))
