@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import json
 import logging
@@ -69,6 +68,7 @@ from .tuning import (
     trace_to_json,
     workload_hash,
 )
+from .tvmscript import shallow_frames
 
 logger = logging.getLogger(__name__)
 
@@ -304,36 +304,14 @@ _intrin_lock = threading.Lock()
 
 
 def import_tensor_intrinsics() -> None:
-    """Import ``tvm.s_tir.tensor_intrin`` (MetaSchedule's ``TuneContext`` imports it on first use) with a shallow
-    ``inspect.stack``. The module parses ~250 TVMScript functions; each ``@T.prim_func`` calls ``inspect.stack()``,
-    which reads source context for every frame of the caller's stack and, for a frame with no file on disk (every
-    importlib frame of the import itself), scans all of ``sys.modules`` (``inspect.getmodule``): 100-240 s on this
-    2-core host inside pytest, once per process, before the first trial. The parser reads only the first three
-    frames' context (``utils.is_defined_in_class``, which looks for a class or decorator line there) and the deeper
-    frames' locals (``resolve_closure_vars``), so those three get the full ``FrameInfo`` where their file is on disk
-    and every other frame its ``FrameInfo`` without source context: the same functions parse."""
+    """Import ``tvm.s_tir.tensor_intrin`` (MetaSchedule's ``TuneContext`` imports it on first use) within
+    ``shallow_frames`` (codegen/tvmscript.py). The module parses ~250 TVMScript functions, each with a stack walk
+    that, with the full ``inspect.stack``, took 100-240 s on this 2-core host inside pytest (every importlib frame of
+    the import itself has no file on disk), once per process, before the first trial."""
     if "tvm.s_tir.tensor_intrin" in sys.modules:
         return
-    real = inspect.stack
-
-    def shallow_stack(context: int = 1) -> list[inspect.FrameInfo]:
-        frames, frame = [], sys._getframe(1)
-        while frame is not None:
-            if len(frames) < 3 and os.path.isfile(frame.f_code.co_filename):
-                info = inspect.getframeinfo(frame, context)
-                frames.append(inspect.FrameInfo(frame, *info, positions=info.positions))
-            else:
-                code = frame.f_code
-                frames.append(inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, None, None))
-            frame = frame.f_back
-        return frames
-
-    with _intrin_lock:
-        inspect.stack = shallow_stack
-        try:
-            import tvm.s_tir.tensor_intrin  # noqa: F401
-        finally:
-            inspect.stack = real
+    with _intrin_lock, shallow_frames():
+        import tvm.s_tir.tensor_intrin  # noqa: F401
 
 
 EVOLUTION_MIN_TRIALS = 64  # a smaller budget is tuned by replay-trace (see ``tune``)

@@ -45,3 +45,17 @@ def test_graph_steps_in_phase_order():
              "compressed_attention", "expert_workspace", "paged_kv", "fuse"]
     assert sorted(order, key=names.index) == order
     assert names[-1] == "fuse"  # every pattern pass matches the unfused ops
+
+
+def test_compile_reports_every_phase_in_seconds(tmp_path):
+    """``seconds`` names where a compile's time went: the phases, the parts of passes and codegen, the total."""
+    from dayzero.tools import examples
+    from dayzero.tools.driver import compile_model
+
+    s = compile_model(examples.tiny_projection(), tmp_path / "out", max_seq=16)["seconds"]
+    phases = ["trace_s", "passes_s", "codegen_s", "plan_s", "write_s"]
+    assert set(phases + ["graph_steps_s", "lower_s", "schedule_s", "compile_s", "total_s"]) <= set(s)
+    assert all(v >= 0 for v in s.values())
+    assert s["graph_steps_s"] + s["lower_s"] <= s["passes_s"]
+    assert s["schedule_s"] + s["compile_s"] <= s["codegen_s"]
+    assert sum(s[p] for p in phases) <= s["total_s"]

@@ -295,6 +295,7 @@ class Programs:
     patterns: dict[str, dict[str, int]]  # program -> pattern -> matches
     kv_pages: dict | None  # the resolved paged KV layout (report, program.json)
     decode_batch: dict | None  # {"built", "reason"} when a batched decode program was considered
+    seconds: dict[str, float] = field(default_factory=lambda: {"graph_steps_s": 0.0, "lower_s": 0.0})
 
 
 def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, dump_dir: str | Path | None = None
@@ -309,7 +310,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
               accept: Callable[[Graph], str] | None = None) -> str:
         env = StepEnv(res.constants, kv_pages, per_token, options.route, options.expert_dtype,
                       options.expert_cache_bytes, options.mesh)
-        g, found = run_steps(g, env, verify, Path(dump_dir) / name if dump_dir is not None else None)
+        with _timed(res.seconds, "graph_steps_s", add=True):
+            g, found = run_steps(g, env, verify, Path(dump_dir) / name if dump_dir is not None else None)
         res.constants.update(found.constants)
         why = accept(g) if accept is not None else ""
         if why:
@@ -318,7 +320,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
         if not per_token and found.kv_pages is not None:
             res.kv_pages = found.kv_pages
         res.graphs[name] = g
-        res.programs.append(build_program(g, name, shared))
+        with _timed(res.seconds, "lower_s", add=True):
+            res.programs.append(build_program(g, name, shared))
         return ""
 
     build("prefill", fe.traced.graph, cfg)
@@ -355,21 +358,28 @@ def trace(model: Any, options: CompileOptions) -> Frontend:
 
 
 @contextmanager
-def _timed(times: dict, key: str):
+def _timed(times: dict, key: str, add: bool = False):
+    """``times[key]``: the seconds the block took (``add``: added to what is there)."""
     t0 = time.perf_counter()
     yield
-    times[key] = time.perf_counter() - t0
+    times[key] = (times[key] if add else 0.0) + time.perf_counter() - t0
 
 
 def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> dict:
-    """Compile MODEL into the artifact directory OUT; returns the report."""
+    """Compile MODEL into the artifact directory OUT; returns the report, whose ``seconds`` are the phases in order:
+    trace_s (torch.export, or the trace cache), passes_s (graph_steps_s + lower_s: every program's GRAPH_STEPS,
+    then its kernels as TIR), [tune_s], codegen_s (schedule_s + compile_s: each distinct kernel scheduled, then
+    TVM's lowering to LLVM IR), plan_s (memory), write_s (LLVM's machine code for kernels.so, the link, the JSON
+    and weight files) and total_s."""
     times: dict[str, Any] = {}
+    t_start = time.perf_counter()
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     with _timed(times, "trace_s"):
         fe = trace(model, options)
     with _timed(times, "passes_s"):  # canonicalize -> identify patterns -> specialise -> lay out state -> lower
         ps = build_programs(fe, options, verify=options.verify)
         check_shared_states(ps.programs)
+    times.update(ps.seconds)
     db = tuning.TuningDatabase(options.tuning_dir)  # schedule: hand-scheduled -> tuned -> default
     if options.tune:
         t0 = time.perf_counter()
@@ -378,8 +388,12 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
         times["tune_s"] = time.perf_counter() - t0
     with _timed(times, "codegen_s"):
         lib, build_stats = build_library(ps.programs, options.target_dict, db)
-    layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)  # plan memory
-    report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
+    times.update(schedule_s=build_stats["schedule_s"], compile_s=build_stats["compile_s"])
+    with _timed(times, "plan_s"):
+        layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)
+    with _timed(times, "write_s"):
+        report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
+    times["total_s"] = time.perf_counter() - t_start
     report["seconds"] = times
     return report
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import tvm
 
 from dayzero import InternalError
+from dayzero.codegen.tvmscript import from_source
 from dayzero.passes.ir.node import Node
 
 QB = 16  # queries per block (prefill, host CPU)
@@ -214,7 +215,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     ind = I + ("    " if kind == "cuda" else "")
     src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
            + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
-    return tvm.script.from_source(src)
+    return from_source(src)
 
 
 def mla_params(n: Node) -> dict:
@@ -330,5 +331,5 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     idx = "" if p.get("dense") else "x_: T.handle, "
     src = ("@T.prim_func\ndef main(q_: T.handle, l_: T.handle, r_: T.handle, w_: T.handle, p_: T.handle, "
            f"{idx}{table}o_: T.handle):\n" + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
-    return tvm.script.from_source(src)
+    return from_source(src)
 

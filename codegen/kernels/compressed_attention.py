@@ -32,6 +32,7 @@ from __future__ import annotations
 import tvm
 
 from dayzero.codegen.kernels import attention
+from dayzero.codegen.tvmscript import from_source
 from dayzero.passes.ir.node import Node
 
 OP = "compressed_attention"
@@ -160,5 +161,5 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     ind = "        " + ("    " if kind == "cuda" else "")
     src = ("@T.prim_func\ndef main(" + ", ".join(a + ": T.handle" for a in args) + "):\n"
            + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
-    return tvm.script.from_source(src)
+    return from_source(src)
 

@@ -76,6 +76,7 @@ from dayzero import InternalError
 from dayzero.codegen.kernels.dequant import decode as dequant_decode
 from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent_biases,
                                          expert_gemm_tiles, no_prefetch, optional, parallel_chunks, sort_by_expert)
+from dayzero.codegen.tvmscript import parsed_shallow
 from dayzero.passes.ir.dayzero_ops import WORKSPACE_META_HEAD as META_HEAD
 from dayzero.passes.ir.dayzero_ops import WORKSPACE_STORAGE as STORAGE
 from dayzero.passes.ir.dayzero_ops import workspace_meta_len as meta_len
@@ -100,6 +101,7 @@ def _round_bf16(v):
     return T.reinterpret("float32", r)
 
 
+@parsed_shallow
 def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias: bool, down_bias: bool,
                    compute_dtype: str, slots: int, cache: bool, x_dtype="float32", ids_dtype="int64",
                    w_dtype="float32", b_dtype="float32", out_dtype="float32") -> tvm.tirx.PrimFunc:

@@ -40,6 +40,7 @@ import math
 
 import tvm
 
+from dayzero.codegen.tvmscript import from_source
 from dayzero.passes.ir.node import Node
 
 from . import attention, topk_exact
@@ -249,5 +250,5 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     table = "bt_: T.handle, " if p.get("paged") else ""
     src = (f"@T.prim_func\ndef main(q_: T.handle, w_: T.handle, k_: T.handle, p_: T.handle, {table}o_: T.handle):\n"
            + "\n".join(head) + "\n" + "\n".join("    " + ln for ln in body) + "\n")
-    return tvm.script.from_source(src)
+    return from_source(src)
 

@@ -58,6 +58,7 @@ from tvm.script import tirx as T
 
 from dayzero import InternalError
 from dayzero.codegen.kernels.dequant import decode as dequant_decode
+from dayzero.codegen.tvmscript import parsed_shallow
 from dayzero.targets import capabilities
 from dayzero.targets.capabilities import MOE_L, MOE_MB, MOE_NB
 
@@ -208,6 +209,7 @@ def combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec):
 
 
 @functools.lru_cache(maxsize=64)  # parsing the TVMScript takes seconds; a PrimFunc is immutable, shared safely
+@parsed_shallow
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
                      out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sympy
 import tvm
 
+from dayzero.codegen.tvmscript import from_source
 from dayzero.passes.ir.node import Node
 
 
@@ -42,7 +43,7 @@ def _func(params: list[str], matches: list[str], body: str, dims: _Dims) -> tvm.
     src = (f"@T.prim_func\ndef main({', '.join(p + ': T.handle' for p in params)}):\n"
            '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})\n'
            + dims.decls() + "".join(f"    {m}\n" for m in matches) + body)
-    return tvm.script.from_source(src)
+    return from_source(src)
 
 
 def _loops(shape, dims: _Dims, indent: str = "    ") -> tuple[str, list[str]]:

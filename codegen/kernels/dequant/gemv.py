@@ -29,6 +29,7 @@ from dayzero.codegen.kernels.dequant.decode import (
 )
 from dayzero.codegen.kernels.dequant.gemv_int8 import int8_route, mxfp4_gemv_int8
 from dayzero.codegen.kernels.dequant.scheduling import check_lookup_lanes, cuda_rules, has_block, mark_scheduled
+from dayzero.codegen.tvmscript import parsed_shallow
 
 
 def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_experts: int | None = None,
@@ -79,6 +80,7 @@ def mxfp4_gemv(n_tokens: int, out_features: int, in_features: int, *, num_expert
 _MAGIC = 0x4B  # pshufb table offset: 0x4B4B4B4B as fp32 is 2^23 + 0x4B4B4B, whose unit in the last place is 1.0
 
 
+@parsed_shallow
 def _mxfp4_gemv_avx2(T_: int, O: int, K: int, E: int | None) -> tirx.PrimFunc:
     """The AVX2 decode GEMV, hand-vectorised (same arguments and numerics as ``mxfp4_gemv``; the TE form cannot
     regroup byte lanes into float lanes, which is what saves the int8 -> int32 widening and the conversion here).

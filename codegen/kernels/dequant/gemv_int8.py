@@ -35,6 +35,7 @@ from tvm import tirx
 
 from dayzero import UserError
 from dayzero.codegen.kernels.dequant.decode import check_dims, e2m1_x2_value, e8m0_value, gemv_rows, has_feature
+from dayzero.codegen.tvmscript import parsed_shallow
 
 # decode batches take the integer route; more tokens stay exact. Not a speed crossover: 2880 x 2880, one core, weights
 # hot, the integer GEMV took 0.49x the fp32 one's time at T = 1, 0.6x at T = 4 to 16, 0.41x at T = 32
@@ -91,6 +92,7 @@ def mxfp4_gemv_int8(n_tokens: int, out_features: int, in_features: int, *, num_e
     return _kernel(n_tokens, out_features, in_features, num_experts, gemv_rows(n_tokens, out_features), mode)
 
 
+@parsed_shallow
 def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.PrimFunc:
     from tvm.script import tirx as T
 
