@@ -343,14 +343,20 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
 
 # ---- sharded artifacts on 2 ranks -----------------------------------------------------------------------------
 
+_SHARDED: dict = {}  # compiled once per run: (model, mesh) -> (checkpoint, single, sharded artifact)
+
+
 def _sharded(tiny_compiled, tmp_path_factory, model: str, **mesh):
     """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch."""
     from dayzero.tools.driver import compile_model
 
-    ckpt, single, _ = tiny_compiled(model)
-    out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
-    compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
-    return ckpt, single, out
+    key = (model, tuple(sorted(mesh.items())))
+    if key not in _SHARDED:
+        ckpt, single, _ = tiny_compiled(model)
+        out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
+        compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
+        _SHARDED[key] = ckpt, single, out
+    return _SHARDED[key]
 
 
 @pytest.fixture(scope="module")
@@ -553,3 +559,38 @@ def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
             for p in procs:
                 p.kill() if p.poll() is None else None
                 p.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_factory):
+    """``dayzero plan --devices 2 --tp 2`` (or ``--ep 2``) from config.json alone and ``dayzero report`` of the
+    artifact compiled that way give one rank's bytes: weights and KV cache within 2%; the workspace within the
+    host plan's accuracy at tiny widths (its formula follows the peak of full-width models, 2% there:
+    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model."""
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+    from dayzero.tools.report import build_report
+
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", **{axis: 2})
+    got = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "2", f"--{axis}", "2",
+                                    "--context", str(SHARED_MAX_SEQ), "--batch", "1", "--kv-dtype", "fp32", "--json"])
+    assert got.exit_code == 0, got.output
+    plan = json.loads(got.output)
+    assert plan["mesh"] == {"tp": 1, "ep": 1, axis: 2}
+    rep = build_report(str(art))["plan"]
+    whole = build_report(str(single))["plan"]
+    assert rep["mesh"] == plan["mesh"]
+    pairs = {"weights": "weights", "kv_bytes_per_sequence": "kv", "workspace": "workspace"}
+    for k, dev in pairs.items():
+        assert rep[k]["plan"] == plan["per_device"][dev], (k, rep[k], plan["per_device"])
+    for k in ("weights", "kv_bytes_per_sequence"):
+        assert 0.98 <= rep[k]["measured_over_plan"] <= 1.02, (k, rep[k])
+    assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
+    # the split is real: tp halves the KV cache (2 kv heads over 2 ranks), both shrink the weights
+    assert rep["weights"]["measured"] < 0.85 * whole["weights"]["measured"]
+    want_kv = 0.5 if axis == "tp" else 1.0
+    assert rep["kv_bytes_per_sequence"]["measured"] == want_kv * whole["kv_bytes_per_sequence"]["measured"]
+    bad = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "4", f"--{axis}", "2"])
+    assert bad.exit_code == 2 and "not --devices 4" in bad.output
