@@ -3,7 +3,8 @@
 A sharded artifact (``dayzero compile --ep E``) runs as ``torchrun --nproc-per-node N -m dayzero run ART ...``:
 torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, ``setup`` joins the default process group (gloo on
 CPU, NCCL for a CUDA target) with a timeout and makes one group per mesh axis (passes/ir/collective.py), and each
-collective step of a program runs on the arena views of its buffers between kernels (``step``).
+collective step of a program runs on the arena views of its buffers between kernels (``step``). ``torchrun ...
+-m dayzero serve ART`` serves one (runtime/lockstep.py: rank 0 serves, every rank steps with it).
 
 Failures give one line on every rank instead of a hang: a world size other than the artifact's is refused before
 any rank connects (each rank reads WORLD_SIZE), and a collective whose peer died or stalled fails after the
