@@ -3,7 +3,8 @@
 A sharded artifact (``dayzero compile --ep E``) runs as ``torchrun --nproc-per-node N -m dayzero run ART ...``:
 torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, ``setup`` joins the default process group (gloo on
 CPU, NCCL for a CUDA target) with a timeout and makes one group per mesh axis (passes/ir/collective.py), and each
-collective step of a program runs on the arena views of its buffers between kernels (``step``).
+collective step of a program runs on the arena views of its buffers between kernels (``step``). ``torchrun ...
+-m dayzero serve ART`` serves one (runtime/lockstep.py: rank 0 serves, every rank steps with it).
 
 Failures give one line on every rank instead of a hang: a world size other than the artifact's is refused before
 any rank connects (each rank reads WORLD_SIZE), and a collective whose peer died or stalled fails after the
@@ -22,6 +23,11 @@ from dayzero import UserError
 from dayzero.passes.ir.collective import Mesh, run_collective, use_groups
 
 DEFAULT_TIMEOUT_S = 120.0  # seconds a collective (and the rendezvous) may wait for the other ranks
+
+
+class RankFailure(UserError):
+    """A collective failed: a peer rank died or stalled past the process group's timeout. Serving ends the rank
+    on it (runtime/lockstep.py) instead of failing one request."""
 
 
 def _leave() -> None:
@@ -78,7 +84,7 @@ def setup(mesh: Mesh, target_kind: str = "llvm", timeout_s: float = DEFAULT_TIME
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as e:
             raise UserError(f"rank {os.environ['RANK'][:8]}: joining the {mesh.world}-rank process group failed: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
         # torn down before the interpreter exits: a process group left to the C++ destructors aborts the rank
         # ("terminate called without an active exception", SIGABRT) after its work is done
         atexit.register(_leave)
@@ -108,12 +114,12 @@ def step(op: str, attrs: dict, node: str):
             import torch.distributed as dist
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            raise UserError(f"rank {rank}: {node} failed (a rank died or stalled past the timeout): "
-                            f"{_first_line(e)}") from None
+            raise RankFailure(f"rank {rank}: {node} failed (a rank died or stalled past the timeout): "
+                            f"{first_line(e)}") from None
     run.torch_views = True  # the executor hands it torch views of the arena, not TVM tensors
     return run
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:200]

@@ -266,12 +266,15 @@ class Server:
     """An artifact served over HTTP: ``app`` (FastAPI); ``load()`` readies it (the CLI runs it in a thread)."""
 
     def __init__(self, artifact, model: str | None = None, max_queue: int = 64, prefill_chunk: int = 64,
-                 timeout: float | None = None, validate=None, load_progress=None):
+                 timeout: float | None = None, validate=None, load_progress=None, open_runtime=None):
         self.artifact = Path(artifact)
         self.model = model or self.artifact.name
         self.max_queue, self.prefill_chunk, self.timeout = max_queue, prefill_chunk, timeout
         self.validate_ckpt = validate
         self.load_progress = load_progress  # progress(bytes_bound, bytes_total) while the weights load
+        # open_runtime(artifact, progress) -> the Runtime to serve (default: load it); a sharded artifact's rank 0
+        # serves a stand-in that steps the other ranks with it (runtime/lockstep.py)
+        self.open_runtime = open_runtime
         self.metrics = PrometheusMetrics()
         self.rt = self.engine = None
         self.ready = threading.Event()
@@ -286,7 +289,7 @@ class Server:
         try:
             from . import load
 
-            rt = load(self.artifact, self.load_progress)
+            rt = (self.open_runtime or load)(self.artifact, self.load_progress)
             if not rt.stateful:
                 raise UserError(f"{self.artifact}: the artifact has no decode program, it cannot serve generation")
             self.rt = rt

@@ -344,14 +344,20 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
 
 # ---- sharded artifacts on 2 ranks -----------------------------------------------------------------------------
 
+_SHARDED: dict = {}  # compiled once per run: (model, mesh) -> (checkpoint, single, sharded artifact)
+
+
 def _sharded(tiny_compiled, tmp_path_factory, model: str, **mesh):
     """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch."""
     from dayzero.tools.driver import compile_model
 
-    ckpt, single, _ = tiny_compiled(model)
-    out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
-    compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
-    return ckpt, single, out
+    key = (model, tuple(sorted(mesh.items())))
+    if key not in _SHARDED:
+        ckpt, single, _ = tiny_compiled(model)
+        out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
+        compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
+        _SHARDED[key] = ckpt, single, out
+    return _SHARDED[key]
 
 
 @pytest.fixture(scope="module")
@@ -460,8 +466,9 @@ def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep
     assert plain.returncode == 2 and "torchrun --nproc-per-node 2" in plain.stderr
     assert len(plain.stderr.strip().splitlines()) == 1
     served = subprocess.run([sys.executable, "-m", "dayzero", "serve", str(art)], capture_output=True, text=True,
-                            timeout=120)
-    assert served.returncode == 2 and "does not run sharded artifacts yet" in served.stderr
+                            timeout=120, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert served.returncode == 2 and "torchrun --nproc-per-node 2 -m dayzero serve" in served.stderr
+    assert len(served.stderr.strip().splitlines()) == 1
     three = _ranks([sys.executable, "-m", "dayzero", "run", str(art), "--input-ids", "1,2"], world=3, timeout=120)
     for r in three:
         assert r.returncode == 2 and "sharded over 2 ranks" in r.stderr and "WORLD_SIZE is 3" in r.stderr, r.stderr
@@ -470,3 +477,121 @@ def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep
     assert dead[1].returncode == 0 and dead[0].returncode == 2, dead[0].stderr[-2000:]
     err = Path(str(out) + ".err").read_text()
     assert "rank 0:" in err and "a rank died" in err and "\n" not in err
+
+
+def _serve_two_ranks(art: Path):
+    """``dayzero serve ART`` on 2 gloo ranks as torchrun starts them; returns (processes, HTTP port) once rank 0's
+    /health answers 200."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    http, master = _free_port(), _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "dayzero", "serve", str(art), "--port", str(http)],
+                              env=_rank_env(r, 2, master), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    deadline = time.monotonic() + 240
+    while True:
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5) as r:
+                if r.status == 200:
+                    return procs, http
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        assert time.monotonic() < deadline, "the 2-rank server did not become ready"
+        time.sleep(0.2)
+
+
+def _complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:
+    import urllib.request
+
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _ended(p: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    _, err = p.communicate(timeout=timeout)
+    return p.returncode, err
+
+
+@pytest.mark.slow
+def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
+    """``dayzero serve`` under torchrun (2 gloo ranks): rank 0 answers /v1/completions with the single-device
+    artifact's greedy tokens, alone and two requests at once (the batched decode program on both ranks); the HTTP
+    port is rank 0's alone (the other ranks' only sockets are gloo's); Ctrl-C on rank 0 stops both; a killed rank
+    ends the other with one line, no hang."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, single, art = qwen3_ep2
+    sys.path.insert(0, str(HERE))
+    import _dist_worker as w
+
+    _, want_tokens, want_batch = _single(single)
+    procs, port = _serve_two_ranks(art)
+    try:
+        assert _complete(port, w.PROMPT, w.NEW_TOKENS) == want_tokens
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: _complete(port, p, w.NEW_TOKENS), w.BATCH))
+        assert got == want_batch
+        listening = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+        assert f"pid={procs[0].pid}," in listening and f"pid={procs[1].pid}," not in listening, listening
+        procs[0].send_signal(signal.SIGINT)  # as a single-device server: "interrupted", exit 130
+        code, err = _ended(procs[0])
+        assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+        code, err = _ended(procs[1])
+        assert code == 0 and not err.strip(), err[-2000:]  # told to stop by rank 0
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+    for victim in (1, 0):
+        procs, port = _serve_two_ranks(art)
+        try:
+            procs[victim].kill()
+            code, err = _ended(procs[1 - victim])
+            errors = [line for line in err.splitlines() if line.startswith("error:")]
+            assert code == 2 and len(errors) == 1 and f"rank {1 - victim}:" in errors[0], err[-2000:]
+            assert "Traceback" not in err, err[-2000:]
+        finally:
+            for p in procs:
+                p.kill() if p.poll() is None else None
+                p.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_factory):
+    """``dayzero plan --devices 2 --tp 2`` (or ``--ep 2``) from config.json alone and ``dayzero report`` of the
+    artifact compiled that way give one rank's bytes: weights and KV cache within 2%; the workspace within the
+    host plan's accuracy at tiny widths (its formula follows the peak of full-width models, 2% there:
+    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model."""
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+    from dayzero.tools.report import build_report
+
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", **{axis: 2})
+    got = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "2", f"--{axis}", "2",
+                                    "--context", str(SHARED_MAX_SEQ), "--batch", "1", "--kv-dtype", "fp32", "--json"])
+    assert got.exit_code == 0, got.output
+    plan = json.loads(got.output)
+    assert plan["mesh"] == {"tp": 1, "ep": 1, axis: 2}
+    rep = build_report(str(art))["plan"]
+    whole = build_report(str(single))["plan"]
+    assert rep["mesh"] == plan["mesh"]
+    pairs = {"weights": "weights", "kv_bytes_per_sequence": "kv", "workspace": "workspace"}
+    for k, dev in pairs.items():
+        assert rep[k]["plan"] == plan["per_device"][dev], (k, rep[k], plan["per_device"])
+    for k in ("weights", "kv_bytes_per_sequence"):
+        assert 0.98 <= rep[k]["measured_over_plan"] <= 1.02, (k, rep[k])
+    assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
+    # the split is real: tp halves the KV cache (2 kv heads over 2 ranks), both shrink the weights
+    assert rep["weights"]["measured"] < 0.85 * whole["weights"]["measured"]
+    want_kv = 0.5 if axis == "tp" else 1.0
+    assert rep["kv_bytes_per_sequence"]["measured"] == want_kv * whole["kv_bytes_per_sequence"]["measured"]
+    bad = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "4", f"--{axis}", "2"])
+    assert bad.exit_code == 2 and "not --devices 4" in bad.output

@@ -403,6 +403,19 @@ def _auto_format(cfg: dict) -> str:
     return "bf16"
 
 
+def _mesh_axes(mesh: dict | None, devices: int) -> tuple[int, int]:
+    """(tp, ep): both ``devices`` without a mesh (every device splits experts and dense layers alike)."""
+    if mesh is None:
+        return devices, devices
+    if not isinstance(mesh, dict) or set(mesh) - {"tp", "ep"} or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh.values()):
+        raise UserError(f"mesh must give tp and ep as positive integers, got {mesh!r}")
+    tp, ep = mesh.get("tp", 1), mesh.get("ep", 1)
+    if tp * ep != devices:
+        raise UserError(f"--tp {tp} x --ep {ep} is {tp * ep} ranks, not --devices {devices}")
+    return tp, ep
+
+
 def plan_capacity(
     config: dict,
     target,
@@ -414,6 +427,7 @@ def plan_capacity(
     kv_dtype: str = "bf16",
     attention: str = "auto",
     step_tokens: int = 8192,
+    mesh: dict | None = None,
 ) -> dict:
     """Memory plan of a full-size model on ``devices`` x ``target`` at ``context`` tokens per sequence.
 
@@ -421,6 +435,11 @@ def plan_capacity(
     format), ``kv_bytes_per_token`` (per layer type and total), ``kv_bytes_per_sequence``, ``workspace_bytes``,
     ``per_device`` (weights / kv / workspace / total / usable), ``fits`` (at ``batch``, or 1 when None) and
     ``max_batch`` (the most sequences of ``context`` tokens the devices hold together).
+
+    ``mesh`` ({"tp": T, "ep": E}, T x E = ``devices``) plans one rank of a sharded artifact (``dayzero compile
+    --tp T --ep E``, passes/shard.py) instead: routed experts split over the E ranks only; embeddings, LM head,
+    dense MLPs and shared experts over the T ranks; attention and its KV cache over the T ranks when the KV heads
+    divide by T (not MLA / DeepSeek-V4), else replicated; on the host the logits are gathered whole on each rank.
     """
     validate_config(config)
     context = parse_count(context)
@@ -462,15 +481,21 @@ def plan_capacity(
     # parallel split
     kv_heads = 1 if (config.get("kv_lora_rank") or isinstance(config.get("compress_rates"), dict)) else (
         config.get("num_key_value_heads") or config["num_attention_heads"])
-    if attention == "auto":
-        attention = "dp" if kv_heads == 1 and devices > 1 else "tp"
-    if attention not in ("tp", "dp"):
-        raise UserError(f"attention parallelism {attention!r}: choose auto, tp or dp")
-    tp_share = 1 / devices
+    tp, ep = _mesh_axes(mesh, devices)
+    if mesh is not None:  # a sharded artifact's rank: attention splits only where passes/shard.py splits it
+        attention = "tp" if kv_heads % tp == 0 else "replicated"
+        kv_split = 1 / tp if attention == "tp" else 1.0
+    else:
+        if attention == "auto":
+            attention = "dp" if kv_heads == 1 and devices > 1 else "tp"
+        if attention not in ("tp", "dp"):
+            raise UserError(f"attention parallelism {attention!r}: choose auto, tp or dp")
+        kv_split = 1.0 if attention == "dp" else math.ceil(kv_heads / devices) / kv_heads
+    tp_share = 1 / tp
     share = {c: 1.0 for c in CATEGORIES}
     share.update(embeddings=tp_share, lm_head=tp_share, dense_mlp=tp_share, shared_experts=tp_share)
     share["attention"] = tp_share if attention == "tp" else 1.0
-    share["routed_experts"] = math.ceil(n_exp / devices) / n_exp if n_exp else 1.0
+    share["routed_experts"] = math.ceil(n_exp / ep) / n_exp if n_exp else 1.0
     weights_dev = int(sum(b * share[c] for c, b in counted["bytes"][fmt].items()))
 
     # workspace: one step of step_tokens tokens (host: one prefill of the whole context, in fp32)
@@ -482,20 +507,23 @@ def plan_capacity(
     ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
     ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
     residual = (config.get("hc_mult") or 1) * hidden
+    if attention == "tp" and mesh is not None:
+        q_width //= tp  # this rank's heads
     if host:  # dayzero's fused MoE / MLP kernels keep no intermediates; the peak is at q's rotary embedding: the
         # residual, its normed copy and the residual kept across layers, q and two rotated copies, cos and sin
         per_token = FP32_BYTES * (3 * residual + 3 * q_width + 2 * hd)
     else:
         per_token = BF16_BYTES * (2 * residual + q_width + 2 * kv_heads * hd + max(ffn_moe, ffn_dense))
     activations = step_tokens * per_token
-    logits = step_tokens * config["vocab_size"] * 4 // devices
+    # a sharded artifact's ranks each hold the logits gathered whole (the runtime returns them on every rank)
+    logits = step_tokens * config["vocab_size"] * 4 // (1 if host and mesh is not None else devices)
     native = {"bf16": True, "fp8_block": target.fp8_compute, "mxfp4": target.fp4_compute}
     dequant = 0 if host else 2 * max((b for f, b in counted["largest_matrix_bf16"].items() if not native[f]), default=0)
     workspace = activations + logits + dequant
 
     # what fits
     usable = target.usable_bytes
-    kv_dev_per_seq = kv_seq * (1.0 if attention == "dp" else math.ceil(kv_heads / devices) / kv_heads)
+    kv_dev_per_seq = kv_seq * kv_split
     free = usable - weights_dev - workspace
     if free <= 0 or kv_dev_per_seq <= 0:
         max_batch = 0 if free <= 0 else None
@@ -515,6 +543,7 @@ def plan_capacity(
         "context": context,
         "batch": batch,
         "parallelism": {"routed_experts": "expert", "attention": attention, "dense": "tensor"},
+        "mesh": {"tp": tp, "ep": ep} if mesh is not None else None,
         "params_total": total,
         "params_active": active,
         "params_active_incl_embedding": active_with_embed,

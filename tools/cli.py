@@ -409,23 +409,25 @@ def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_nam
         raise UserError("--max-queue must be at least 1")
     if timeout is not None and timeout <= 0:
         raise UserError("--timeout must be positive")
-    _refuse_sharded(artifact, "serve")
-    serve(artifact, host=host, port=port, max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout,
-          model=model_name, validate=validate_ckpt, load_progress=LoadProgress())
+    kwargs = dict(max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout, model=model_name,
+                  validate=validate_ckpt, load_progress=LoadProgress())
+    if _mesh(artifact):  # a sharded artifact under torchrun: rank 0 serves, every rank steps together
+        from dayzero.runtime.lockstep import serve_sharded
+
+        serve_sharded(artifact, host, port, **kwargs)
+        return
+    serve(artifact, host=host, port=port, **kwargs)
 
 
-def _refuse_sharded(artifact: str, command: str) -> None:
-    """A sharded artifact (``--ep`` / ``--tp``) runs under torchrun with ``run`` only, for now: every rank must
-    step together, which the engine does not arrange yet (issue 19)."""
+def _mesh(artifact: str):
+    """The artifact's device mesh (``--ep`` / ``--tp``), None when it runs on one device or is no artifact (the
+    command's own load says so)."""
     from dayzero.runtime import validate
 
     try:
-        mesh = validate.read_json(os.path.join(artifact, "program.json")).get("mesh")
+        return validate.read_json(os.path.join(artifact, "program.json")).get("mesh")
     except (UserError, OSError, AttributeError):
-        return  # not an artifact: the command's own load says so
-    if mesh:
-        raise UserError(f"{artifact} is sharded over a device mesh {mesh}: `{command}` does not run sharded "
-                        "artifacts yet; use `torchrun --nproc-per-node N -m dayzero run ...`")
+        return None
 
 
 @main.group("bench")

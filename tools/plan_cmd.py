@@ -34,7 +34,7 @@ def render(result: dict, console=None) -> None:
     head = (
         f"{r['model_type']} on {r['devices']} x {r['target']}, context {r['context']:,} tokens, "
         f"weights {r['weight_format']}, KV {r['kv_dtype']}, attention {r['parallelism']['attention']}"
-    )
+    ) + (f", one rank of tp {r['mesh']['tp']} x ep {r['mesh']['ep']}" if r.get("mesh") else "")
     params = Table(title="parameters", title_justify="left")
     params.add_column("category")
     params.add_column("params", justify="right")
@@ -87,13 +87,21 @@ def render(result: dict, console=None) -> None:
               help="KV cache element type (default: bf16; fp32 on --target host, as dayzero's CPU runtime keeps it)")
 @click.option("--attention", default="auto", show_default=True, type=click.Choice(("auto", "tp", "dp")),
               help="Attention parallelism: tensor (split KV heads) or data (split sequences).")
+@click.option("--tp", type=int, default=None,
+              help="plan one rank of a `dayzero compile --tp T --ep E` artifact: its tensor-parallel ranks")
+@click.option("--ep", type=int, default=None, help="with --tp: the artifact's expert-parallel ranks")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def plan(config, target, devices, context, batch, weight_format, kv_dtype, attention, as_json):
+def plan(config, target, devices, context, batch, weight_format, kv_dtype, attention, tp, ep, as_json):
     """Plan memory for the model described by CONFIG (a config.json or a checkpoint directory) on a target."""
     if devices < 1:
         raise UserError(f"--devices must be >= 1, got {devices}")
     if batch is not None and batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
+    mesh = None
+    if tp is not None or ep is not None:  # one rank of a sharded artifact; --devices defaults to tp x ep
+        mesh = {"tp": 1 if tp is None else tp, "ep": 1 if ep is None else ep}
+        if devices == 1:
+            devices = max(1, mesh["tp"]) * max(1, mesh["ep"])
     spec = load_target_spec(target)
     if kv_dtype is None:
         kv_dtype = "fp32" if spec.name == HOST_TARGET else "bf16"
@@ -106,6 +114,7 @@ def plan(config, target, devices, context, batch, weight_format, kv_dtype, atten
         weight_format=weight_format,
         kv_dtype=kv_dtype,
         attention=attention,
+        mesh=mesh,
     )
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))

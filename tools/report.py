@@ -241,9 +241,7 @@ def build_report(artifact: str) -> dict:
         "experts": rep.get("experts"),  # low-precision expert route per program (passes/expert_workspace.py)
         "mesh": rep.get("mesh"),  # a sharded artifact (passes/shard.py): axes, weight bytes per rank vs the model's
     }
-    # a sharded artifact holds one rank's share; the plan is the whole model's (``plan --devices`` is not there yet)
-    sharded = (out["mesh"] or {}).get("world", 1) > 1
-    out["plan"] = None if sharded else plan_agreement(artifact, out)
+    out["plan"] = plan_agreement(artifact, out)
     return out
 
 
@@ -267,18 +265,20 @@ def plan_agreement(artifact: str, r: dict) -> dict | None:
     dtypes = {st["dtype"] for e in kv["layer_types"].values() for st in e["states"].values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _KV_DTYPES:
         return None
-    try:
-        plan = plan_capacity(cfg, host_spec(), context=kv["max_length"], batch=1,
-                             kv_dtype=_KV_DTYPES[next(iter(dtypes))])
+    axes = (r.get("mesh") or {}).get("axes") or {}
+    mesh = {"tp": int(axes.get("tp", 1)), "ep": int(axes.get("ep", 1))} if math.prod(axes.values()) > 1 else None
+    try:  # a sharded artifact: one rank's plan (``plan --devices N --tp T --ep E``), as each rank plans its arena
+        plan = plan_capacity(cfg, host_spec(), devices=math.prod(mesh.values()) if mesh else 1,
+                             context=kv["max_length"], batch=1, kv_dtype=_KV_DTYPES[next(iter(dtypes))], mesh=mesh)
     except UserError as e:
         return {"error": str(e)}
     zones = [p["memory"].get("zones", {}) for p in r["programs"].values()]
     measured = {"weights": max(sum(z.get(k, 0) for k in WEIGHT_ZONES) for z in zones),
                 "kv_bytes_per_sequence": int(kv["bytes_per_token"] * kv["max_length"] + kv["fixed_bytes"]),
                 "workspace": max(sum(z.get(k, 0) for k in WORKSPACE_ZONES) for z in zones)}
-    planned = {"weights": plan["per_device"]["weights"], "kv_bytes_per_sequence": plan["kv_bytes_per_sequence"],
+    planned = {"weights": plan["per_device"]["weights"], "kv_bytes_per_sequence": plan["per_device"]["kv"],
                "workspace": plan["workspace_bytes"]["total"]}
-    out = {"context": kv["max_length"], "kv_dtype": plan["kv_dtype"]}
+    out = {"context": kv["max_length"], "kv_dtype": plan["kv_dtype"], "mesh": mesh}
     for k, m in measured.items():
         out[k] = {"plan": planned[k], "measured": m, "measured_over_plan": round(m / planned[k], 4) if planned[k]
                   else None}
@@ -426,7 +426,10 @@ def _human(r: dict) -> None:
                      f"{zones.get('dequant_workspace', 0):,} B workspace")
     pl = r.get("plan")
     if pl and "error" not in pl:
-        click.echo(f"plan (dayzero plan --target host --context {pl['context']} --batch 1 --kv-dtype {pl['kv_dtype']}) "
+        ranks = "".join(f" --{a} {n}" for a, n in (pl.get("mesh") or {}).items())  # one rank of a sharded artifact
+        ranks = f" --devices {math.prod(pl['mesh'].values())}{ranks}" if ranks else ""
+        click.echo(f"plan (dayzero plan --target host{ranks} --context {pl['context']} --batch 1 --kv-dtype "
+                   f"{pl['kv_dtype']}) "
                    "vs compiled: " + ", ".join(f"{k} {pl[k]['plan']:,} vs {pl[k]['measured']:,} B "
                                                f"(x{pl[k]['measured_over_plan']})"
                                                for k in ("weights", "kv_bytes_per_sequence", "workspace", "total")))
