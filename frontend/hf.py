@@ -8,8 +8,9 @@ Choices made here for every model (see README, "Upstream models"):
   ``batched_mm`` computes the same function with plain ATen ops, which the moe pattern pass then recognises;
 * the traced forward passes an explicit all-ones attention mask (without one transformers runs a bool ``cumsum``);
 * the model is built on the ``meta`` device for tracing: no weight is read until the runtime binds it;
-* in float32, as ``from_pretrained`` builds it by default, whatever the config's ``torch_dtype`` (a published
-  bfloat16 config would otherwise trace bf16 parameters: ``from_config`` follows it).
+* in float32, whatever the config's ``torch_dtype`` or the checkpoint's stored dtype (a published bfloat16
+  config would otherwise trace bf16 parameters: ``from_config`` follows it; ``from_pretrained`` follows the
+  stored tensors).
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ def config_at(directory):
 
 
 def load_upstream(directory, dtype=None, experts: str | None = None):
-    """The upstream model with its checkpoint weights, eager, for reference numerics."""
+    """The upstream model with its checkpoint weights, eager, for reference numerics: in float32 unless ``dtype``
+    says otherwise (transformers 5 otherwise follows the stored tensors: a bf16 checkpoint ran in bf16)."""
     from transformers import AutoModelForCausalLM
 
     kw = {"experts_implementation": experts} if experts else {}
     with _quiet():
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32, **kw)
     return model.eval()
 
 

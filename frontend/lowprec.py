@@ -269,3 +269,54 @@ def bind_low_precision(traced, params: dict) -> int:
 
     traced.graph = rewrite(traced.graph, fn)
     return done
+
+
+# ----------------------------------------------------------------------------------------------- bf16 binding
+# A parameter the checkpoint stores in bfloat16 that the (fp32) trace reads only as a ``linear``'s weight or an
+# ``embedding``'s table stays bfloat16 in the arena, as published: it enters the IR as a bfloat16 ``weight`` read
+# by ``_to_copy`` to float32 (exact), which passes/dequant.py moves into the consumer (``dequant_linear_bf16``;
+# the embedding gathers bf16 rows, then converts them). Any other reader (norms, biases, routers' fused ops, expert
+# stacks, sinks) keeps the fp32 copy the runtime converts at load: those are small, or read by kernels that take fp32.
+
+BF16_READERS = {"linear": 1, "embedding": 0}  # op -> the input a bf16-stored weight may be
+
+
+def bf16_weights(graphs, stored_bf16) -> set[str]:
+    """Names among ``stored_bf16`` (parameters the checkpoint holds in bfloat16 only) that are float32 ``weight``
+    nodes of every graph in ``graphs`` where they occur, each read only as ``BF16_READERS`` says."""
+    from dayzero.passes.ir.node import users
+
+    ok, bad = set(), set()
+    for g in graphs:
+        uses = users(g)
+        for n in g.nodes():
+            name = n.attr.get("name") if n.op == "weight" else None
+            if name not in stored_bf16 or name in bad:
+                continue
+            readers = uses.get(id(n), [])
+            if n.dtype == "float32" and "shard" not in n.attr and len(n.shape) == 2 and readers and all(
+                    r.op in BF16_READERS and r.inputs[BF16_READERS[r.op]] is n and
+                    sum(i is n for i in r.inputs) == 1 for r in readers):
+                ok.add(name)
+            else:
+                bad.add(name)
+    return ok - bad
+
+
+def bind_bf16(traced, names: set[str]) -> int:
+    """Every float32 ``weight`` named in ``names`` -> ``_to_copy(weight bfloat16, dtype float32)``; returns how
+    many nodes were replaced."""
+    from dayzero.passes.ir.node import Node, TensorType, rewrite
+
+    done = 0
+
+    def fn(n):
+        nonlocal done
+        if n.op != "weight" or n.attr["name"] not in names:
+            return None
+        done += 1
+        stored = Node.make("weight", (), dict(n.attr), [TensorType("bfloat16", n.shape)], n.span)
+        return Node.make("_to_copy", (stored,), {"dtype": "float32"}, [n.type], n.span)
+
+    traced.graph = rewrite(traced.graph, fn)
+    return done

@@ -29,5 +29,6 @@ def test_bench_ops_covers_each_family_at_model_shapes():
     for t in (1, 16, 512):  # projections 2880-7168 wide at T = 1, 16, 512, fp32 and bf16
         assert f"linear_float32_2880x2880_T{t}" in names and f"linear_float32_7168x2048_T{t}" in names
         assert f"linear_bfloat16_2880x2880_T{t}" in names
+        assert f"dequant_linear_bf16_2880x2880_T{t}" in names  # fp32 x, a bf16 weight as a checkpoint stores it
     assert "softmax_16x201088" in names and "softmax_512x4096" in names and "rms_norm_512x7168" in names
     assert any(n.startswith("bmm_") for n in names)

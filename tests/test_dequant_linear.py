@@ -262,7 +262,7 @@ def test_kernel_matches_torch(fmt, case, T):
 
 
 @pytest.mark.parametrize("fmt,case", [("int4", "nk_axis1_zp"), ("int4", "kn_axis0_signed"), ("fp8", "edges"),
-                                      ("mxfp4", "plain")])
+                                      ("mxfp4", "plain"), ("bf16", "plain")])
 @pytest.mark.parametrize("T", [2, None])
 def test_kernels_compile_for_cuda_sm90(fmt, case, T):
     tgt = cuda_target_dict("sm_90")

@@ -16,7 +16,8 @@ Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound``
   bytes in the checkpoint's own storage (``step_bytes``): every weight but the embedding table (B rows of it),
   the routed experts that B tokens reach in expectation (E (1 - (1 - k/E)^B) per layer: top-k spread evenly), and
   the KV rows of B requests at C (bf16, sliding layers their window: ``capacity.kv_layout``). ``arena_step_bytes``:
-  the same count in dayzero's own storage (weights the host keeps in fp32 read 4 bytes per value, KV in fp32), and
+  the same count in dayzero's own storage (``arena_step_bytes``: each weight buffer at its arena dtype, fp32 where
+  the host converts at load, bf16 where it keeps a bf16 checkpoint's matrix as stored; KV in fp32), and
   ``fraction_of_arena_bound`` the step against that: how far the kernels are from their own layout's bound.
 * ``prefill_<P>``: one prefill call of P tokens from an empty cache; ``tokens_per_s``; bound null (compute bound).
 * ``torch_eager`` baselines: upstream's modeling code on the same checkpoint, fp32 (as ``dayzero compare``
@@ -65,14 +66,13 @@ def _artifact(model_type: str, layers: int, root: Path, max_seq: int, batch: int
 def checkpoint_bytes(ckpt: Path) -> dict:
     """Stored bytes of the checkpoint by part, read from the safetensors headers (no tensor data):
     ``{"embedding_row": bytes of one row, "expert": bytes per (layer, expert), "other": bytes of the rest,
-    "other_values": its values, "values": every value the upstream model holds, "layers", "experts_per_layer",
-    "hidden"}``."""
+    "values": every value the upstream model holds, "layers", "experts_per_layer"}``."""
     from dayzero.tools.capacity import _category, num_experts
 
     cfg = json.loads((ckpt / "config.json").read_text())
     E = num_experts(cfg)[1]
-    out = {"embedding_row": 0, "expert": 0, "other": 0, "other_values": 0, "values": 0, "experts_per_layer": E,
-           "layers": int(cfg["num_hidden_layers"]), "hidden": int(cfg["hidden_size"])}
+    out = {"embedding_row": 0, "expert": 0, "other": 0, "values": 0, "experts_per_layer": E,
+           "layers": int(cfg["num_hidden_layers"])}
     expert_total = 0
     for shard in sorted(ckpt.glob("*.safetensors")):
         with open(shard, "rb") as f:
@@ -94,22 +94,50 @@ def checkpoint_bytes(ckpt: Path) -> dict:
                 expert_total += b - a
             else:
                 out["other"] += b - a
-                out["other_values"] += math.prod(meta["shape"])
     out["expert"] = expert_total // max(1, E * out["layers"])
     return out
 
 
-def step_bytes(cb: dict, cfg: dict, batch: int, context: int, dense_bytes: int | None = None) -> int:
-    """Bytes one decode step of ``batch`` requests at ``context`` must read (module docstring). ``dense_bytes``:
-    bytes per value of the non-expert weights (None: as stored)."""
-    from dayzero.tools.capacity import kv_bytes_per_sequence, kv_layout
+def step_bytes(cb: dict, cfg: dict, batch: int, context: int) -> int:
+    """Bytes one decode step of ``batch`` requests at ``context`` must read, as the checkpoint stores them (module
+    docstring)."""
+    return int(cb["other"] + batch * cb["embedding_row"] + expert_step_bytes(cb, cfg, batch)
+               + batch * kv_step_bytes(cfg, context, "bf16"))
 
+
+def expert_step_bytes(cb: dict, cfg: dict, batch: int) -> float:
+    """Bytes of the routed experts ``batch`` tokens reach in expectation (top-k spread evenly), as stored."""
     E, k = cb["experts_per_layer"], int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1)
     reached = E * (1 - (1 - k / E) ** batch) if E else 0.0
-    other = cb["other"] if dense_bytes is None else cb["other_values"] * dense_bytes
-    row = cb["embedding_row"] if dense_bytes is None else cb["hidden"] * dense_bytes
-    kv = batch * kv_bytes_per_sequence(kv_layout(cfg, "bf16" if dense_bytes is None else "fp32"), context)
-    return int(other + batch * row + cb["layers"] * reached * cb["expert"] + kv)
+    return cb["layers"] * reached * cb["expert"]
+
+
+def kv_step_bytes(cfg: dict, context: int, dtype: str) -> int:
+    """KV bytes one request reads at ``context`` (``capacity.kv_layout``: sliding layers their window)."""
+    from dayzero.tools.capacity import kv_bytes_per_sequence, kv_layout
+
+    return kv_bytes_per_sequence(kv_layout(cfg, dtype), context)
+
+
+def arena_step_bytes(art: Path, cb: dict, cfg: dict, batch: int, context: int) -> int:
+    """``step_bytes`` in dayzero's own storage: every weight buffer of the compiled programs (zone weights) at its
+    arena dtype (fp32 where the host converts at load, bf16 where it keeps a bf16 checkpoint's matrix as stored),
+    the embedding table ``batch`` rows of it, the routed experts as stored (resident as published), the KV cache
+    in fp32."""
+    from dayzero.passes.ir.ops import DTYPE_BYTES
+    from dayzero.tools.capacity import _category
+
+    programs = json.loads((art / "program.json").read_text()).get("programs", {})
+    held = {b["weight"]: b for p in programs.values() for b in p["buffers"]
+            if b.get("weight") and b.get("zone") == "weights"}
+    dense = 0
+    for name, b in held.items():
+        cat = _category(name)
+        if cat == "routed_experts":  # counted as stored by expert_step_bytes
+            continue
+        rows = batch if cat == "embeddings" and len(b["shape"]) == 2 else math.prod(b["shape"][:-1])
+        dense += rows * b["shape"][-1] * DTYPE_BYTES[b["dtype"]] if b["shape"] else DTYPE_BYTES[b["dtype"]]
+    return int(dense + expert_step_bytes(cb, cfg, batch) + batch * kv_step_bytes(cfg, context, "fp32"))
 
 
 def _decode_step(rt, batch: int, steps: int) -> float:
@@ -196,7 +224,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
                                    generator=torch.Generator().manual_seed(c)).tolist()
             prefilled = [prefill_within(rt, prompt, prefill_budget, slot=s)[0] for s in range(b)]
             t = _decode_step(rt, b, steps)
-            need, arena = step_bytes(cb, cfg, b, c), step_bytes(cb, cfg, b, c, dense_bytes=4)
+            need, arena = step_bytes(cb, cfg, b, c), arena_step_bytes(art, cb, cfg, b, c)
             results.append({
                 "case": f"decode_b{b}_ctx{c}", "unit": "s", "dayzero": t, "baselines": {},
                 "bound": need / bw, "bound_name": "step_bytes/read_bandwidth", "batch": b, "context": c,

@@ -6,6 +6,10 @@ Families and shapes:
 * ``linear`` fp32: projections 2880 x 2880 (gpt-oss), 7168 -> 2048 and 2048 -> 7168 (DeepSeek-V3's hidden and
   expert widths) at T = 1 (decode: T static, as the decode program compiles it), 16 and 512 (prefill: T the
   symbol ``seq``, as the prefill program compiles it); ``linear`` bf16: 2880 x 2880 at the same T;
+* ``dequant_linear_bf16``: fp32 activations times a bf16 weight read as the checkpoint stores it (what a bf16
+  checkpoint's projections and LM head compile to), 2880 x 2880 at the same T and a 32768-row slice of gpt-oss's
+  LM head at T = 1; torch eager is ``F.linear`` on the activations rounded to bf16 (the same weight bytes; its
+  ``max_rel_err`` is that rounding);
 * ``bmm``: attention's scores and weighted sum when not hand-scheduled, 64 heads of 64 at 512 positions
   (q k^T [64, 512, 64] x [64, 64, 512] and p v [64, 512, 512] x [64, 512, 64]);
 * ``softmax`` rows of 4K (attention) and 201,088 (gpt-oss's vocabulary); ``rms_norm`` rows of 2880 and 7168.
@@ -81,6 +85,20 @@ def linear_case(tokens: int, n: int, k: int, dtype: str = "float32") -> Case:
                 esize * (tokens * k + n * k + tokens * n))
 
 
+def bf16_weight_case(tokens: int, n: int, k: int) -> Case:
+    import torch
+
+    from ..passes.ir.node import Node, TensorType
+
+    rows = 1 if tokens == 1 else _sym()
+    node = Node.make("dequant_linear_bf16", _inputs(("float32", (rows, k)), ("bfloat16", (n, k))), {"N": n, "K": k},
+                     [TensorType("float32", (rows, n))])
+    return Case(f"dequant_linear_bf16_{n}x{k}_T{tokens}", "linear", node,
+                lambda g: [_randn(g, (tokens, k)), _randn(g, (n, k), "bfloat16", k ** -0.5)],
+                lambda xs: torch.nn.functional.linear(xs[0].bfloat16(), xs[1]).float(), 2.0 * tokens * n * k,
+                4 * tokens * (k + n) + 2 * n * k)
+
+
 def bmm_case(name: str, b: int, m: int, k: int, n: int) -> Case:
     import torch
 
@@ -122,6 +140,7 @@ def cases(quick: bool = False) -> list[Case]:
                                                                 bmm_case("qk", 8, 128, 64, 128)]
     out = [linear_case(t, n, k) for n, k in PROJECTIONS for t in TOKENS]
     out += [linear_case(t, 2880, 2880, "bfloat16") for t in TOKENS]
+    out += [bf16_weight_case(t, 2880, 2880) for t in TOKENS] + [bf16_weight_case(1, 32768, 2880)]
     out += [bmm_case("qk", 64, 512, 64, 512), bmm_case("pv", 64, 512, 512, 64)]
     out += [softmax_case(512, 4096), softmax_case(16, 201088), softmax_case(1, 201088)]
     out += [rms_norm_case(512, 2880), rms_norm_case(512, 7168), rms_norm_case(16, 7168)]

@@ -51,7 +51,8 @@ largest single weight matrix converted on line.
 
 ``--target host`` plans dayzero's own CPU runtime, so that it can be checked against a compiled artifact
 (``dayzero report``'s ``plan`` section): every weight not stored low-precision is held in fp32 (the host computes
-in fp32), low-precision experts as stored; the workspace is one prefill of the whole context in fp32 (the fused
+in fp32), except a bf16 checkpoint's matrices read as linear weights or embedding tables, held bf16 as stored (the
+kernels convert as they read), and low-precision experts as stored; the workspace is one prefill of the whole context in fp32 (the fused
 MoE / MLP kernels keep no intermediates: the peak is at q's rotary embedding, the residual, its normed copy and the
 residual kept across layers, q and two rotated copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused
 low-precision kernels decode in registers).
@@ -288,9 +289,17 @@ def mtp_module_params(cfg: dict) -> int:
     return layer + 2 * h * h + 3 * h
 
 
-def count_parameters(cfg: dict, dense_bytes: int = 2) -> dict:
+def _bf16_on_host(name: str, category: str, shape: tuple) -> bool:
+    """A parameter the host keeps as a bf16 checkpoint stores it: a matrix read only as a linear's weight or an
+    embedding's table (frontend/lowprec.bind_bf16): projections, dense / shared MLPs, routers, embeddings, LM head."""
+    return category in ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "router") and \
+        len(shape) == 2 and not name.endswith("bias")
+
+
+def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False) -> dict:
     """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``;
-    what a format does not store low-precision takes ``dense_bytes`` per value (bf16: 2, the host CPU: fp32, 4)."""
+    what a format does not store low-precision takes ``dense_bytes`` per value (bf16: 2, the host CPU: fp32, 4),
+    except, with ``stored_bf16`` (the checkpoint is bf16), the matrices the host keeps bf16 (``_bf16_on_host``)."""
     params = dict.fromkeys(CATEGORIES, 0)
     nbytes = {fmt: dict.fromkeys(CATEGORIES, 0) for fmt in FORMATS}
     largest = {fmt: 0 for fmt in ("bf16", "fp8_block", "mxfp4")}  # bf16 bytes of the largest matrix stored as fmt
@@ -299,7 +308,8 @@ def count_parameters(cfg: dict, dense_bytes: int = 2) -> dict:
         matrix = _is_matrix(name, cat, shape)
         for fmt in FORMATS:
             pf = _param_format(fmt, cat, matrix)
-            nbytes[fmt][cat] += _bytes(shape, pf) if matrix and pf != "bf16" else dense_bytes * math.prod(shape)
+            per = BF16_BYTES if stored_bf16 and _bf16_on_host(name, cat, shape) else dense_bytes
+            nbytes[fmt][cat] += _bytes(shape, pf) if matrix and pf != "bf16" else per * math.prod(shape)
             one = 2 * math.prod(shape[-2:]) if matrix else 0  # one expert's matrix, or the whole matrix
             largest[pf] = max(largest[pf], one)
     return {"params": params, "bytes": nbytes, "largest_matrix_bf16": largest}
@@ -453,7 +463,8 @@ def plan_capacity(
     notes = []
 
     host = target.name == HOST_TARGET
-    counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES, stored_bf16=stored == "bfloat16")
     params = counted["params"]
     total = sum(params.values())
     _, n_exp = num_experts(config)

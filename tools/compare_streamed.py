@@ -97,8 +97,8 @@ def run_compiled(artifact, seq_len: int | None):
     seen: dict[str, torch.Tensor] = {}
 
     def observe(k, node, views):
-        if k in want:
-            seen[want[k]] = views[0].clone()
+        if k in want:  # in fp32, as upstream's modules take it (a bf16 table's embedding gathers bf16 rows)
+            seen[want[k]] = views[0].to(torch.float32, copy=True)
     with torch.no_grad():
         logits = prog.run(inputs, observe=observe)[0].clone()
     facts = {"artifact": str(art.resolve()), "program": pname, "seq_len": seq,

@@ -349,7 +349,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
 def trace(model: Any, options: CompileOptions) -> Frontend:
     """MODEL -> Frontend; refuses a checkpoint whose float weights hold NaN/Inf unless ``allow_nonfinite``."""
     fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk,
-                     trace_cache=options.trace_cache, max_batch=options.max_batch)
+                     trace_cache=options.trace_cache, max_batch=options.max_batch,
+                     keep_bf16=options.mesh.world == 1)  # shard.py splits linear weights, not dequant_linear_bf16
     if fe.checkpoint is not None and not options.allow_nonfinite:
         bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
         if bad is not None:

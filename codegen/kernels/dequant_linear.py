@@ -1,4 +1,5 @@
-"""Dense ``linear`` over a low-precision weight read as stored: the kernels of ``dequant_linear_{int4,mxfp4,fp8}``.
+"""Dense ``linear`` over a low-precision weight read as stored: the kernels of
+``dequant_linear_{int4,mxfp4,fp8,bf16}``.
 
 Every kernel computes ``y[t, n] = sum_k x[t, k] * W[n, k]`` (``passes/dequant.py`` makes the nodes; a bias stays a
 separate add) with W decoded from its storage as it is read, never materialised in full:
@@ -12,6 +13,8 @@ separate add) with W decoded from its storage as it is read, never materialised 
             in exactly the order of the ONNX chain (every step exact in fp32 but the last, so bit-exact with it).
     mxfp4   blocks uint8 [N, K/32, 16] + E8M0 scales uint8 [N, K/32]  (``codegen/kernels/dequant/``'s kernels)
     fp8     weight float8_e4m3fn [N, K] + scale_inv fp32 [ceil(N/128), ceil(K/128)]
+    bf16    weight bfloat16 [N, K] (a checkpoint's bf16 projection / LM head kept as published: half the bytes of an
+            fp32 copy, which is what a decode GEMV is bound by); W[n, k] = float(weight[n, k]), exact
 
 Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, N]. A node whose T is a static
 int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
@@ -40,7 +43,7 @@ from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
 from dayzero.passes.ir.reference_dequant import int4_storage
 from dayzero.targets.capabilities import dequant_linear_int4_problem
 
-OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8")
+OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8", "dequant_linear_bf16")
 GEMV_MAX_T = 64
 
 _u8 = functools.partial(tirx.const, dtype="uint8")
@@ -78,8 +81,15 @@ def _fp8_wd(W, S, N: int, K: int):
                       * sc[n // B, k // B], name="wd")
 
 
+def _bf16_wd(W, N: int, K: int):
+    """wd[n, k] = float(W[n, k]) (bf16 -> fp32: the bits shifted up 16, exact; inlined by the schedules)."""
+    return te.compute((N, K), lambda n, k: W[n, k].astype("float32"), name="wd")
+
+
 def _weight_placeholders(p: dict):
     N, K = p["N"], p["K"]
+    if p["fmt"] == "bf16":
+        return [te.placeholder((N, K), "bfloat16", name="weight")]
     if p["fmt"] == "int4":
         (R, C), ss = int4_storage(p)
         ph = [te.placeholder((R, C // 2), "uint8", name="packed"), te.placeholder(ss, "float32", name="scales")]
@@ -103,7 +113,10 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if problem:
         raise InternalError(f"dequant_linear_int4 cannot take {p}: {problem} (the pass checks first)")
     ws = _weight_placeholders(p)
-    wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p) if p["fmt"] == "int4" else _fp8_wd(*ws, N, K)
+    if p["fmt"] == "int4":
+        wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p)
+    else:
+        wd = _bf16_wd(*ws, N, K) if p["fmt"] == "bf16" else _fp8_wd(*ws, N, K)
     if T is not None:
         x = te.placeholder((T, K), "float32", name="x")
         kp = -(-K // 16) * 16
@@ -128,7 +141,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if decode.is_cuda(target):
         return cuda_rules(sch, target)
     if T is not None:
-        gemv.fp8_gemv_cpu(sch, K)
+        gemv.fp8_gemv_cpu(sch, K, rows=decode.gemv_rows(T, N) if p["fmt"] == "bf16" else 4)
     else:
         gemm.gemm_cpu(sch, N, K, "fp8", target)
     return mark_scheduled(sch)

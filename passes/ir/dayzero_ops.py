@@ -83,12 +83,15 @@ _LINEAR_DOCS = {
             "nk) or [K, N] (kn); W = ((float(code [^ 8 if signed]) - offset) - zp) * scale",
     "mxfp4": "y [T, N] = x [T, K] @ W.T, W MXFP4: blocks uint8 [N, K/32, 16], E8M0 scales uint8 [N, K/32]",
     "fp8": "y [T, N] = x [T, K] @ W.T, W float8_e4m3fn [N, K] times scale_inv fp32 [ceil(N/128), ceil(K/128)]",
+    "bf16": "y [T, N] = x [T, K] @ W.T, W bfloat16 [N, K] as the checkpoint stores it (exact in fp32: the fp32 "
+            "accumulation sees the very values an upcast copy would hold)",
 }
 _LINEAR_WEIGHTS = {
     "int4": (("packed", TENSOR), ("scales", TENSOR), ("zero_points", OPT_TENSOR), ("layout", ATTR), ("block", ATTR),
              ("block_axis", ATTR), ("signed", ATTR), ("offset", ATTR)),
     "mxfp4": (("blocks", TENSOR), ("scales", TENSOR)),
     "fp8": (("weight", TENSOR), ("scale_inv", TENSOR)),
+    "bf16": (("weight", TENSOR),),
 }
 
 
@@ -175,7 +178,7 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
               "out_dtype float32. passes/dequant.py fuses it into its consumer; alone it lowers elementwise"),
     # ---- dense linear over stored low-precision weights (passes/dequant.py) ----------------------------------
     *(OpDef(f"dequant_linear_{fmt}", args=(("x", TENSOR), *_LINEAR_WEIGHTS[fmt], ("N", ATTR), ("K", ATTR)),
-            reference=linear_reference(fmt), doc=_LINEAR_DOCS[fmt]) for fmt in ("int4", "mxfp4", "fp8")),
+            reference=linear_reference(fmt), doc=_LINEAR_DOCS[fmt]) for fmt in _LINEAR_WEIGHTS),
     # ---- attention over a KV cache (passes/sparse_attention.py, passes/compressed_attention.py) --------------
     OpDef("cache_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR),
                                    ("sinks", OPT_TENSOR), ("scale", ATTR), ("window", ATTR), ("per_row", ATTR),

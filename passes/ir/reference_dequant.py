@@ -3,6 +3,7 @@
     mxfp4   blocks uint8 [.., O, G, 16] (two E2M1 codes a byte, low nibble first) + E8M0 scales uint8 [.., O, G]
     fp8     float8_e4m3fn (or its uint8 bytes) [.., R, C] times fp32 scales per (br, bc) block
     int4    packed uint8 [R, C/2] + fp32 scales (and zero points) per block along one axis
+    bf16    bfloat16 [N, K] (every bf16 value is an fp32 value: the upcast is exact)
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def linear_reference(fmt: str):
             w = int4_dequant_ref(ins[1], ins[2], ins[3] if attrs["zero_point"] else None, attrs)
         elif fmt == "mxfp4":
             w = mxfp4_dequant_ref(ins[1], ins[2])
+        elif fmt == "bf16":
+            w = ins[1].float()
         else:
             w = fp8_blocks_dequant_ref(ins[1], ins[2], FP8_LINEAR_BLOCK)
         return (x.float() @ w.float().t()).contiguous()

@@ -162,7 +162,8 @@ def gemm_cpu(sch, O: int, K: int, fmt: str, target: dict):
     else:
         bw = sch.get_sblock("wd")
         sch.compute_at(bw, o_o)
-        sch.compute_inline(sch.get_sblock("sc"))
+        if has_block(sch, "sc"):  # a bf16 weight has no scales
+            sch.compute_inline(sch.get_sblock("sc"))
         lw = sch.get_loops(bw)
         ko, ki = sch.split(lw[-1], [None, V])
         sch.vectorize(ki)

@@ -272,6 +272,8 @@ def _loops_by_iter(sch, block, above) -> dict:
 
 
 def fp8_gemv_cpu(sch, K: int, rows: int = 4):
+    """The GEMV ``y[t, o] = sum_k xpad[t, k] * wd[o, k]`` over a per-element decode stage ``wd`` (FP8 with its
+    scales ``sc``, or a bf16 upcast): ``rows`` output rows per parallel task, 16 lanes of partial sums over k."""
     by = sch.get_sblock("y")
     t, o, k = sch.get_loops(by)
     T, O = int(sch.get(t).extent), int(sch.get(o).extent)
@@ -280,7 +282,8 @@ def fp8_gemv_cpu(sch, K: int, rows: int = 4):
     ko, kl = sch.split(k, [nko, 16])
     rf = sch.rfactor(kl, 2)  # y_rf[t, o, l] = sum_ko: 16 lanes of partial sums per (t, o)
     sch.compute_inline(sch.get_sblock("wd"))
-    sch.compute_inline(sch.get_sblock("sc"))
+    if has_block(sch, "sc"):  # a bf16 weight has no scales
+        sch.compute_inline(sch.get_sblock("sc"))
     sch.set_scope(rf, 0, "local")
     ty, oy, ly = sch.get_loops(by)
     oyo, oyi = sch.split(oy, [None, rows])

@@ -1,0 +1,129 @@
+"""bf16 weights as the checkpoint stores them (frontend/lowprec.bind_bf16, passes/dequant.py, the
+``dequant_linear_bf16`` kernels of codegen/kernels/dequant_linear.py).
+
+A checkpoint's bf16 projection / LM head / embedding table stays bf16 in the arena (2 bytes an element, read from
+the checkpoint as published) and is consumed by kernels that convert each element as they read it and accumulate in
+fp32: exact, since every bf16 value is an fp32 value (the reference upcasts the same values).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _host():
+    from dayzero.targets.host import host_target_dict
+
+    return host_target_dict()
+
+
+def _numpy_linear(x: np.ndarray, w_bf16: "torch.Tensor") -> np.ndarray:
+    """y = x @ W.T in float64, W the bf16 values read as float32 by numpy (an independent upcast)."""
+    bits = w_bf16.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32) << 16
+    return x.astype(np.float64) @ bits.view(np.float32).astype(np.float64).T
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 37, 53), (1, 64, 2880), (3, 29, 97), (16, 61, 64)])
+def test_the_decode_gemv_matches_numpy_at_odd_and_prime_shapes(T, N, K):
+    from dayzero.codegen.kernels import dequant_linear
+
+    f = dequant_linear.build({"fmt": "bf16", "N": N, "K": K, "T": T}, _host())
+    g = torch.Generator().manual_seed(N * K + T)
+    x = torch.randn(T, K, generator=g)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    y = torch.full((T, N), float("nan"))
+    f(x, w, y)
+    ref = _numpy_linear(x.numpy(), w)
+    np.testing.assert_allclose(y.numpy(), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_the_prefill_gemm_serves_every_token_count_from_one_kernel():
+    from dayzero.codegen.kernels import dequant_linear
+
+    N, K = 67, 131  # primes: no tile divides them
+    f = dequant_linear.build({"fmt": "bf16", "N": N, "K": K, "T": None}, _host())
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    for T in (1, 5, 70, 131):  # within one token tile, across tiles, a partial last tile
+        x = torch.randn(T, K, generator=g)
+        y = torch.full((T, N), float("nan"))
+        f(x, w, y)
+        ref = _numpy_linear(x.numpy(), w)
+        np.testing.assert_allclose(y.numpy(), ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=f"T={T}")
+
+
+def test_the_op_reference_is_the_upcast_weight():
+    from dayzero.passes.ir.ops import get
+
+    x = torch.randn(3, 53, dtype=torch.float32)
+    w = torch.randn(37, 53).bfloat16()
+    y = get("dequant_linear_bf16").reference([x, w], {"N": 37, "K": 53})
+    np.testing.assert_allclose(y.numpy(), _numpy_linear(x.numpy(), w), rtol=1e-6, atol=1e-6)
+
+
+def _to_bf16_checkpoint(src, dst):
+    """A copy of checkpoint SRC with every float32 tensor stored as bfloat16 (as published checkpoints are)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata()
+            t = {k: h.get_tensor(k) for k in h.keys()}
+        save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in t.items()}, str(f), metadata=meta)
+    return dst
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_keeps_its_projections_and_tables_bf16_in_the_arena_and_matches_upstream(
+        lowprec_tiny, tmp_path):
+    from click.testing import CliRunner
+
+    from dayzero.runtime import load
+    from dayzero.tools.cli import main
+    from dayzero.tools.compare import compare
+    from dayzero.tools.driver import compile_model
+
+    ckpt = _to_bf16_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ckpt")  # MXFP4 experts, bf16 else
+    art = tmp_path / "art"
+    compile_model(str(ckpt), art, max_seq=16, max_batch=2)
+    tensors = json.loads((art / "weights.json").read_text())["tensors"]
+    dtypes = {k: v["dtype"] for k, v in tensors.items()}
+    for name in ("lm_head.weight", "embed_tokens.weight", "layers.0.self_attn.q_proj.weight",
+                 "layers.1.self_attn.o_proj.weight"):
+        key = next(k for k in dtypes if k.endswith(name))
+        assert dtypes[key] == "bfloat16", (key, dtypes[key])
+    # read by other kernels than a linear's or an embedding's: kept fp32 (converted at load)
+    assert dtypes[next(k for k in dtypes if k.endswith("layers.0.input_layernorm.weight"))] == "float32"
+
+    # the arena: each bf16 weight buffer takes 2 bytes an element (the weights zone is their sum, 64-byte aligned)
+    from dayzero.passes.ir.ops import DTYPE_BYTES
+
+    programs = json.loads((art / "program.json").read_text())["programs"]
+    held = {b["weight"]: b for p in programs.values() for b in p["buffers"] if b.get("weight") and
+            b["zone"] == "weights"}  # placed once by name for every program
+    assert held[next(k for k in held if k.endswith("lm_head.weight"))]["dtype"] == "bfloat16"
+    nbytes = [int(np.prod(b["shape"])) * DTYPE_BYTES[b["dtype"]] for b in held.values()]
+    for name, prog in programs.items():
+        assert sum(nbytes) <= prog["memory"]["zones"]["weights"] <= sum(-(-n // 64) * 64 for n in nbytes), name
+        assert {k["op"] for k in prog["kernels"].values()} >= {"dequant_linear_bf16", "embedding"}, name
+
+    rt = load(art)
+
+    res = compare(str(ckpt), str(art))
+    assert res["ok"], res
+    out = rt.generate([1, 2, 3, 4], max_new_tokens=4)
+    for i, tok in enumerate(out):  # decode (the T = 1 GEMV) agrees with a prefill (the GEMM)
+        rt.reset()
+        assert int(rt.prefill(torch.tensor([[1, 2, 3, 4, *out[:i]]]))[0, -1].argmax()) == tok
+    r = CliRunner().invoke(main, ["compare", str(ckpt), str(art), "--streamed", "--seq-len", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["ok"]
