@@ -524,19 +524,22 @@ class Runtime:
             raise UserError(f"token_id: decode appends one token id, got {ids.shape[1]}")
         return ids
 
-    def prefill(self, input_ids, slot: int = 0, append: bool = False) -> torch.Tensor:
+    def prefill(self, input_ids, slot: int = 0, append: bool = False, last: bool = False) -> torch.Tensor:
         """Logits [1, P, V] of the prompt; on a stateful artifact it also starts a request in cache slot
         ``slot`` (fills its cache). ``append=True`` adds the tokens to the request already in the slot (a second
         turn of a conversation): positions continue after its history, which is read from the cache, never
         prefilled again. A prompt longer than ``prefill_chunk`` runs as several prefill calls of at most that many
-        tokens, each appended after the ones before."""
+        tokens, each appended after the ones before. ``last=True``: the last position's logits only, [1, 1, V]
+        (what generation reads; a 1M-token prompt's whole logits are 1 GB at V = 256)."""
         slot = request_checks.slot(slot, self.max_batch)
         if self.multimodal is not None:
-            return self.multimodal.prefill(input_ids, slot=slot)
+            out = self.multimodal.prefill(input_ids, slot=slot)
+            return out[:, -1:] if last else out
         ids = self._ids(input_ids)
         prog = self.programs["prefill"]
         if not self.stateful:
-            return prog.run([ids])[0]
+            out = prog.run([ids])[0]
+            return out[:, -1:] if last else out
         n = ids.shape[1]
         start = self.lengths.get(slot, 0) if append else 0
         if append and start == 0:
@@ -547,6 +550,10 @@ class Runtime:
         if not append:
             self.reset(slot)
         chunk = self.prefill_chunk
+        if last:
+            for k in range(0, n, chunk):
+                out = self._prefill_chunk(ids[:, k:k + chunk], slot)
+            return out[:, -1:]
         logits = [self._prefill_chunk(ids[:, k:k + chunk], slot) for k in range(0, n, chunk)]
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
@@ -754,7 +761,7 @@ class Runtime:
             raise UserError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the compiled "
                             f"maximum of {self.max_length} tokens")
         gen = torch.Generator().manual_seed(seed)
-        logits = self.prefill(ids, slot=slot, append=append)[0, -1]
+        logits = self.prefill(ids, slot=slot, append=append, last=True)[0, -1]
         self.pending[slot] = None
         out: list[int] = []
         for k in range(max_new_tokens):
@@ -801,7 +808,7 @@ def generate_batch(rt: "Runtime", prompts: list, max_new_tokens: int = 32, stop_
             if ids.shape[1] + max_new_tokens > rt.max_length:
                 raise UserError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
                                 f"cache budget of {rt.max_length} tokens")
-            logits[k] = rt.prefill(ids, slot=k)[0, -1]
+            logits[k] = rt.prefill(ids, slot=k, last=True)[0, -1]
             gens[k] = torch.Generator().manual_seed(seed + k)
         except UserError as e:
             results[k]["error"] = str(e)

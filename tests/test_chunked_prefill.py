@@ -79,6 +79,9 @@ def test_chunked_prefill_matches_upstream(chunked):
                                     do_sample=False)[0, n:].tolist()
         if by_hand is None:
             got = rt.prefill(ids)
+            # what generation reads: the last chunk's last position only, not every chunk's logits kept
+            last = rt.prefill(ids, last=True)
+            assert last.shape == (1, 1, got.shape[-1]) and torch.equal(last[0, 0], got[0, -1])
             tokens = rt.generate(ids, NEW)
         else:
             got = _prefill_in_chunks(rt, ids, by_hand)

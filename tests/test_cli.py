@@ -89,6 +89,17 @@ def test_compile_run_report_json(compiled_factory, tmp_path):
     assert res["logits_shape"] == [1, 3, 256] and len(res["argmax"]) == 3
     r = CliRunner().invoke(main, ["run", str(out), "--input-ids", "1,x"])
     assert r.exit_code == 2 and "comma-separated" in r.output
+    # @FILE: a prompt too long for the command line (commas and/or whitespace between the ids)
+    (tmp_path / "ids.txt").write_text("1,\n2 3\n")
+    r = CliRunner().invoke(main, ["run", str(out), "--input-ids", f"@{tmp_path / 'ids.txt'}", "--json"])
+    assert r.exit_code == 0, r.output
+    assert {k: v for k, v in json.loads(r.output).items() if k != "seconds"} == \
+        {k: v for k, v in res.items() if k != "seconds"}
+    for bad, needle in ((tmp_path / "none.txt", "no such file"), (tmp_path / "ids.txt", "not a text file")):
+        if bad.exists():
+            bad.write_bytes(b"1,2,\xff")
+        r = CliRunner().invoke(main, ["run", str(out), "--input-ids", f"@{bad}"])
+        assert r.exit_code == 2 and needle in r.output, r.output
     r = CliRunner().invoke(main, ["report", str(out), "--json"])
     rep = json.loads(r.output)
     assert rep["unsupported"] == [] and rep["routes"]

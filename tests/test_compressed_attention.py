@@ -204,6 +204,7 @@ CASES = [  # B, H, Hkv, S, start, L, E, K, R, W
     (1, 4, 1, 29, 0, 64, 17, 2, 4, 8),    # prefill from position 0
     (2, 8, 2, 23, 17, 64, 17, 4, 4, 8),   # prefill after a cached prefix, GQA (head groups of 4), batch 2
     (1, 32, 1, 5, 50, 64, 9, 3, 8, 5),    # 32 heads on one kv head: groups of 16
+    (1, 4, 1, 37, 90, 256, 70, 2, 2, 8),  # HCA over several 16-entry tiles, each query its own last one
 ]
 
 

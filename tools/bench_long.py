@@ -11,7 +11,8 @@ count rule) and ``--prefill-chunk`` (default 32), then for each context C (defau
 * prefill at the end: the seconds of the prompt's last chunk, at positions [C - 1 - n, C - 1) (after a skipped
   tail: prefilled there over the zero rows, the same way). A chunk's cost grows with its position (the indexer and
   HCA read every visible key), so the whole prompt's prefill lies between C / n chunks at the first rate and at
-  this one (about their mean for a cost linear in the position).
+  this one (about their mean for a cost linear in the position). ``cpu_s``: the chunk's CPU seconds (this
+  process, all threads), which a loaded shared machine does not inflate as it does the wall clock.
 * decode: ``--steps`` steps at position C - 1, the C-th token (after one warm-up), each timed kernel by kernel through the runtime's
   per-step hook (``Program.run(observe=...)``), classified by the step's op: ``indexer`` (``dsa_indexer_topk``: the
   lightning indexer's scan over its keys, V3.2's per position and V4's CSA over its compressed entries), ``attention``
@@ -106,11 +107,11 @@ def _kv_figures(art: Path, ckpt: Path, context: int) -> dict:
     return {"resident": resident, "plan": plan}
 
 
-def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple[int, float, tuple[int, float]]:
+def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple[int, float, tuple]:
     """Prefill ``prompt`` into ``slot`` chunk by chunk for at most ``budget`` seconds (one chunk at least); a tail
     left then is skipped: the request's length is set to len(prompt) all the same, its rows past the prefilled ones
     zero (a decode step's cost depends on the position, not on the values). Returns (tokens prefilled, seconds,
-    (tokens, seconds) of the last chunk run)."""
+    (tokens, seconds, CPU seconds) of the last chunk run)."""
     import torch
 
     rt.reset(slot)
@@ -118,9 +119,9 @@ def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple
     done, ids, n_all = 0, torch.tensor([prompt]), len(prompt)
     while done < n_all and (done == 0 or time.perf_counter() - t0 < budget):
         n = min(rt.prefill_chunk, n_all - done)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         rt.prefill(ids[:, done:done + n], slot=slot, append=done > 0)
-        last = (n, time.perf_counter() - t1)
+        last = (n, time.perf_counter() - t1, time.process_time() - c1)
         done += n
     seconds = time.perf_counter() - t0
     _skip_to(rt, n_all, slot)
@@ -150,9 +151,9 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                 if done < c - 1:  # a skipped tail: its last chunk at its own position (see the module docstring)
                     n = min(rt.prefill_chunk, c - 1 - done)
                     _skip_to(rt, c - 1 - n)
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.process_time()
                     rt.prefill(torch.tensor([prompt[c - 1 - n:]]), append=True)
-                    last = (n, time.perf_counter() - t1)
+                    last = (n, time.perf_counter() - t1, time.process_time() - c1)
                 _skip_to(rt, c - 1)  # decode at position c - 1 (rows past the prefilled ones stay zero)
                 d = _timed_decode(rt, prompt[-1], steps)
                 kv = _kv_figures(art, art.parent / "ckpt", c)
@@ -163,7 +164,8 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                     {"case": f"{model}/{c}/prefill_tokens_per_s", "unit": "tok/s", "dayzero": done / prefill_s,
                      "baselines": {}, "prefilled_tokens": done, "prefill_s": prefill_s, **common},
                     {"case": f"{model}/{c}/prefill_last_chunk", "unit": "s", "dayzero": last[1], "baselines": {},
-                     "tokens": last[0], "tokens_per_s": last[0] / last[1], "end_position": c - 1, **common},
+                     "tokens": last[0], "tokens_per_s": last[0] / last[1], "end_position": c - 1,
+                     "cpu_s": last[2], **common},
                     {"case": f"{model}/{c}/decode_step", "unit": "s", "dayzero": d["step_s"], "baselines": {},
                      "split_s": {k: d[k] for k in ("indexer", "attention", "rest")}, **common},
                     {"case": f"{model}/{c}/decode_attention_vs_smallest", "unit": "x",

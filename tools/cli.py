@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import click
 
@@ -230,12 +231,33 @@ class LoadProgress:
             self.bar = None
 
 
-def _parse_ids(text: str, option: str) -> list[int]:
-    """'1, 2,3' -> [1, 2, 3]; ``option`` (--input-ids, --stop-ids) names the flag in the error."""
+IDS_FILE_MAX = 1 << 28  # bytes of an --input-ids @FILE at most (a 1M-token prompt is ~4 MB)
+
+
+def _read_ids_file(path: str, option: str) -> str:
+    """The text of ``--input-ids @FILE`` (a prompt too long for the command line: one argument holds 128 KiB),
+    size-checked before it is read."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{option} @{path}: no such file")
+    if p.stat().st_size > IDS_FILE_MAX:
+        raise UserError(f"{option} @{path}: {p.stat().st_size} bytes, more than the {IDS_FILE_MAX} a token-id "
+                        "file may hold")
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        return p.read_text(encoding="ascii")
+    except UnicodeDecodeError:
+        raise UserError(f"{option} @{path}: not a text file of token ids") from None
+
+
+def _parse_ids(text: str, option: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3]; '@FILE': the ids in FILE, separated by commas and/or whitespace; ``option``
+    (--input-ids, --stop-ids) names the flag in the error."""
+    if option == "--input-ids" and text.startswith("@"):
+        text = _read_ids_file(text[1:], option)
+    try:
+        ids = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
-        raise UserError(f"{option} must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"{option} must be comma-separated integers, got {text[:80]!r}") from None
     if not ids:
         raise UserError(f"{option} is empty: give at least one token id")
     return ids
@@ -246,7 +268,9 @@ TEXT_NEW_TOKENS = 32  # tokens `run --prompt` generates unless --max-new-tokens 
 
 @main.command("run")
 @click.argument("artifact", type=click.Path())
-@click.option("--input-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
+@click.option("--input-ids", default=None, help="comma-separated token ids, e.g. 1,2,3; @FILE: the ids in FILE "
+                                                "(commas or whitespace between them), for prompts too long for "
+                                                "the command line")
 @click.option("--prompt", default=None, help="a text prompt, tokenized by the checkpoint's own tokenizer; prints "
                                              "the generated text")
 @click.option("--chat", is_flag=True, help="with --prompt: send it as a user message through the model's chat "
