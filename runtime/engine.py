@@ -11,6 +11,8 @@
                                             end a request and free its slot
                       one decode step    ─► ``rt.decode_batch(tokens, slots) -> [B, V]`` when the runtime has
                                             it, else ``rt.decode(token, slot)`` per request
+                      on_iteration()     ─► the iteration's events go out together (the server wakes its event
+                                            loop once per iteration, not once per token)
 
 The engine thread is the only one that touches the Runtime. Each request carries ``emit(event)``, called from
 the engine thread with :class:`Event` objects (``token``, then one ``done`` or ``error``); the server turns them
@@ -106,7 +108,11 @@ class EngineMetrics:
 class Engine:
     """Continuous batching over ``rt`` (a loaded Runtime with a decode program), in a background thread."""
 
-    def __init__(self, rt, max_queue: int = 64, prefill_chunk: int = 64, metrics: EngineMetrics | None = None):
+    def __init__(self, rt, max_queue: int = 64, prefill_chunk: int = 64, metrics: EngineMetrics | None = None,
+                 on_iteration: Callable[[], None] | None = None):
+        """``on_iteration()`` is called from the engine thread after every iteration (and once more when the engine
+        stops on an error), after the iteration's events were emitted: a consumer that buffers events hands them on
+        there, in one go."""
         if not rt.stateful:
             raise UserError(f"{rt.path}: the artifact has no decode program, it cannot serve generation")
         if prefill_chunk < 1:
@@ -115,6 +121,7 @@ class Engine:
         self.max_queue = int(max_queue)
         self.prefill_chunk = int(prefill_chunk)
         self.metrics = metrics or EngineMetrics()
+        self.on_iteration = on_iteration or (lambda: None)
         self.tokenizer = rt.tokenizer
         self.eos_ids = tuple(rt.eos_ids)
         self._inbox: queue.Queue = queue.Queue()
@@ -183,6 +190,7 @@ class Engine:
             self.error = e
             for req in list(self.waiting) + list(self.active.values()):
                 self._fail(req, f"internal error: {e}", 500)
+            self.on_iteration()
             raise
 
     def _drain(self, block: bool) -> None:
@@ -222,6 +230,7 @@ class Engine:
         if batch:
             self._decode(batch)
         self._report()
+        self.on_iteration()
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

@@ -213,13 +213,15 @@ class _Program:
             padded[k] = t
         return padded, orig
 
-    def run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0, views: bool = False) -> list[torch.Tensor]:
         """Run the steps; ``observe(step_index, node, output_views)`` (debugging, compare) sees each step's
         outputs right after it ran, before the arena reuses their bytes. Inputs shorter than (or not aligned to)
-        what the program accepts are padded on the right and the outputs sliced back (see ``pad``)."""
+        what the program accepts are padded on the right and the outputs sliced back (see ``pad``). ``views``:
+        the outputs are the arena's own views, not copies, valid until the next run of any program (a caller that
+        reads them at once, such as the row-batched decode step writing its states back)."""
         with _glue_on_this_thread():
             inputs, orig = self.pad(inputs)
-            outs = self._run(inputs, observe, slot)
+            outs = self._run(inputs, observe, slot, views)
             if orig:
                 res = []
                 for bid, o in zip(self.user_outputs, outs):
@@ -230,7 +232,7 @@ class _Program:
                 outs = res
         return outs
 
-    def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0) -> list[torch.Tensor]:
+    def _run(self, inputs: list[torch.Tensor], observe=None, slot: int = 0, views: bool = False) -> list[torch.Tensor]:
         if not 0 <= slot < self.state_slots:
             raise InternalError(f"request slot {slot} outside [0, {self.state_slots})")
         if len(inputs) != len(self.inputs):  # an input left unbound would be read as whatever the arena holds
@@ -249,7 +251,7 @@ class _Program:
                 f(*args)
                 n_in = len(bids) - n_out
                 observe(k, node, args[n_in:n_in + n_out])
-        return [o.clone() for o in out_views]
+        return list(out_views) if views else [o.clone() for o in out_views]
 
 
 @contextmanager
@@ -724,19 +726,27 @@ class Runtime:
                 continue
             pool = views[name]
             table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
-            p = torch.arange(length)
-            where = table[:, p // bs] * bs + p % bs  # [B, L]: pool row of each position
+            block, offset = self._row_positions(length)
+            where = table[:, block] * bs + offset  # [B, L]: pool row of each position
             inputs.append(pool.index_select(1, where.flatten()).view(pool.shape[0], len(slots), -1, pool.shape[2])
                           .transpose(0, 1))
             back.append((pool, table[rows, pos // bs] * bs + pos % bs))
-        out = prog.run(inputs)
+        out = prog.run(inputs, views=True)  # the new states are read once, straight from the arena
         for dest, new in zip(back, out[1:]):
             if isinstance(dest, torch.Tensor):
                 dest.index_copy_(0, at_slots, new)
             else:
                 pool, at = dest
                 pool[:, at] = new[rows, :, pos].transpose(0, 1)
-        return out[0]
+        return out[0].clone()
+
+    def _row_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) as (logical block, row in the block), made once, not at every step."""
+        cache = self.__dict__.setdefault("_row_positions_of", {})
+        if length not in cache:
+            p = torch.arange(length)
+            cache[length] = (p // self.kv.block_size, p % self.kv.block_size)
+        return cache[length]
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:

@@ -26,7 +26,8 @@ class _Class:
     def __init__(self, name: str, window: int, blocks: int, table_len: int, slots: int):
         self.name, self.window, self.blocks = name, int(window), int(blocks)
         self.free = list(range(self.blocks - 1, 0, -1))  # a stack: pop() hands out the most recently freed block
-        self.tables = {k: torch.zeros(table_len, dtype=torch.int32) for k in range(slots)}
+        self.rows = torch.zeros(slots, table_len, dtype=torch.int32)  # every slot's table, row k slot k's
+        self.tables = {k: self.rows[k] for k in range(slots)}
         self.owned: dict[int, dict[int, int]] = {k: {} for k in range(slots)}  # slot -> {logical: block}
         self.behind: dict[int, int] = {k: 0 for k in range(slots)}  # logical blocks below this are handed back
         self.top: dict[int, int] = {k: 0 for k in range(slots)}  # logical blocks below this were handed out
@@ -53,8 +54,12 @@ class KVPages:
 
     def batch_table(self, name: str, slots: list[int]) -> torch.Tensor:
         """The tables of a class for several requests, one row each [len(slots), table_len] (the batched decode
-        step reads row i for its token i)."""
-        return torch.stack([self.by_name[name].tables[s] for s in slots])
+        step reads row i for its token i): one indexed read of the stacked tables, or, for slots 0..B-1 in order
+        (a server's usual batch), a view of them (read-only: it changes with the tables)."""
+        rows = self.by_name[name].rows
+        if slots == list(range(len(slots))):
+            return rows[:len(slots)]
+        return rows.index_select(0, torch.tensor(slots, dtype=torch.int64))
 
     def ensure(self, slot: int, tokens: int) -> None:
         need = -(-int(tokens) // self.block_size)

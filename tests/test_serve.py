@@ -377,6 +377,57 @@ def test_running_requests_step_in_one_batched_decode(tiny_compiled, arch):
     assert len(sizes) == batched_steps and eng.decode_steps > batched_steps
 
 
+def test_outbox_wakes_the_event_loop_once_per_iteration():
+    """The engine's events reach the request handlers a whole iteration at a time: emitting only queues, the
+    iteration's flush wakes the loop once for every stream, and no second wake-up goes out while the loop has not
+    run the first (each one is a GIL hand-over between the engine thread and the loop)."""
+    import asyncio
+
+    from dayzero.runtime.engine import Event
+    from dayzero.runtime.server import Outbox, Stream
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wakes.append(args) or real(*args)
+        box = Outbox()
+        a, b = Stream(loop), Stream(loop)
+        emit_a, emit_b = box.emitter(a), box.emitter(b)
+        box.flush()
+        assert wakes == []  # nothing emitted: nothing to wake for
+        for k in range(3):
+            emit_a(Event("token", token=k))
+        emit_b(Event("token", token=7))
+        box.flush()
+        emit_a(Event("done", finish_reason="length"))
+        box.flush()  # the loop has not run the first wake-up yet: it takes this iteration's events too
+        assert len(wakes) == 1
+        got = await a.next()
+        assert [e.kind for e in got] == ["token"] * 3 + ["done"] and [e.token for e in got[:3]] == [0, 1, 2]
+        assert [e.token for e in await b.next()] == [7]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(b.next(), 0.05)  # drained: it waits for the next iteration
+        emit_b(Event("token", token=8))
+        box.flush()
+        assert len(wakes) == 2 and [e.token for e in await b.next()] == [8]
+
+    asyncio.run(main())
+
+
+def test_engine_hands_on_each_iteration_after_its_events(tiny_compiled):
+    _, art, _ = tiny_compiled("qwen3_moe")
+    seen = []
+    eng = Engine(load(art), on_iteration=lambda: seen.append(len(events)))
+    events = []
+    eng.submit(Request([1, 2, 3], events.append, max_tokens=3))
+    eng._drain(block=False)
+    while eng.active or eng.waiting:
+        eng.step()
+    assert [e.kind for e in events] == ["token"] * 3 + ["done"]
+    assert seen == [1, 2, 4] and eng.iterations == 3  # called once per iteration, after what it emitted
+
+
 def test_engine_queue_bound_timeout_and_budget(tiny_compiled):
     _, art, _ = tiny_compiled("qwen3_moe")
     rt = load(art)

@@ -140,8 +140,9 @@ def _offline_tokens_per_s(art: Path, prompts, max_tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _decode_step_ratio(art: Path, batch: int = 8, repeat: int = 5) -> dict:
-    """Median time of one engine decode step for ``batch`` running requests and for 1."""
+def _decode_step_ratio(art: Path, batch: int = 8, repeat: int = 25) -> dict:
+    """Median time of one engine decode step for ``batch`` running requests and for 1 through the same program;
+    ``lone`` is the step the engine takes for a request running alone (the decode program)."""
     from dayzero.runtime import load
     from dayzero.runtime.engine import batched_decode
 
@@ -157,15 +158,19 @@ def _decode_step_ratio(art: Path, batch: int = 8, repeat: int = 5) -> dict:
         else:
             for k in ss:
                 rt.decode(7, slot=k)
+    def lone(ss):
+        rt.decode(7, slot=ss[0])
     times = {}
-    for ss in (slots[:1], slots):
+    for name, fn, ss in (("lone", lone, slots[:1]), ("one", step, slots[:1]), ("batch", step, slots)):
         ts = []
         for _ in range(repeat):
+            for k in ss:  # every repeat at the same positions
+                rt.lengths[k] = 8
             t0 = time.perf_counter()
-            step(ss)
+            fn(ss)
             ts.append(time.perf_counter() - t0)
-        times[len(ss)] = statistics.median(ts)
-    return {"one": times[1], "batch": times[len(slots)], "batch_size": len(slots),
+        times[name] = statistics.median(ts)
+    return {**times, "batch_size": len(slots),
             "program": "decode_batch" if batched is not None else "decode per request"}
 
 
@@ -217,7 +222,8 @@ def bench_serve(models=MODELS, concurrency=CONCURRENCY, requests: int = 16, max_
         results.append({"case": f"{model}/decode_step_{d['batch_size']}_over_1", "unit": "x",
                         "dayzero": d["batch"] / d["one"], "baselines": {}, "target": 2.0, "bound": None,
                         "bound_name": None, "model": model, "step_1_s": d["one"], "step_batch_s": d["batch"],
-                        "program": d["program"]})
+                        "program": d["program"], "lone_decode_s": d["lone"],
+                        "batch_over_lone_decode": d["batch"] / d["lone"]})
     return {"suite": "serve", "machine": machine_info(), "results": results}
 
 
