@@ -128,12 +128,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _run_order(item.path, end_to_end))
 
 
-# The files whose one test takes minutes of a worker (a fresh-clone run: the demo+serve test ~200 s, the
-# full-width gpt-oss ~190 s), heaviest first. ``--dist loadfile`` hands whole files to the workers in collection
-# order (addopts turns off xdist's default reordering by test count, which sent these one-test files last, so a
-# 3-minute file ran alone at the end of the run): they start first and the many small files fill the other
-# workers around them.
-HEAVY_FIRST = ("test_demo.py", "test_full_size.py")
+# The files whose one test takes minutes of a worker, heaviest first (CPU seconds alone, -n 0: the full-width
+# gpt-oss 251 s, the demo+serve 140 s; ~190 s and ~200 s of wall in a fresh-clone run). ``--dist loadfile`` hands
+# whole files to the workers in collection order (addopts turns off xdist's default reordering by test count,
+# which sent these one-test files last, so a 3-minute file ran alone at the end of the run): they start first and
+# the many small files fill the other workers around them.
+HEAVY_FIRST = ("test_full_size.py", "test_demo.py")
 
 
 def _run_order(path: Path, end_to_end: set) -> tuple[int, int]:
