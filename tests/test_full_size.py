@@ -8,8 +8,8 @@ the fp32 upstream model is never built), every layer and the logits match; it ge
 with the prefill's argmax.
 
 The cost is the point of the test and is in the writing and moving of bytes (measured on a loaded 2-core host:
-make-full 2.5 min, compile 2.2 min, load 45 s, streamed compare 4-5 min; the test 554 s, peak RSS 6.6 GB);
-it is in the slow tier.
+make-full 2.5 min, compile 2.2 min, load 45 s, streamed compare 4-5 min; the test 554 s, peak RSS 6.6 GB with
+the LM head and embeddings upcast to fp32, 4.8 GB since they are held bf16 as stored); it is in the slow tier.
 """
 
 from __future__ import annotations
