@@ -23,6 +23,7 @@ import base64
 import io
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -608,8 +610,6 @@ def start_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, load
     it. Tests and ``dayzero bench serve`` run servers this way."""
     import socket
 
-    import uvicorn
-
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -627,13 +627,11 @@ def start_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, load
 
 def serve(artifact, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
     """Run the server until interrupted: HTTP first (/health answers 503 while loading), then load + probe."""
-    import uvicorn
-
     if not (Path(artifact) / "program.json").is_file():
         raise UserError(f"{artifact}: not a dayzero artifact (no program.json)")
     server = Server(artifact, **kwargs)
     config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")
-    http = uvicorn.Server(config)
+    http = _Http(config)
 
     def load_or_stop():
         try:
@@ -648,3 +646,18 @@ def serve(artifact, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None
         server.close()
     if server.failed is not None:
         raise server.failed
+    if http.interrupted:  # uvicorn stopped gracefully on Ctrl-C: the CLI says "interrupted" and exits 130
+        raise KeyboardInterrupt
+
+
+class _Http(uvicorn.Server):
+    """uvicorn's server, remembering a Ctrl-C: uvicorn shuts down gracefully on SIGINT and then re-raises it, but
+    whether that reaches ``serve`` as KeyboardInterrupt depends on when asyncio's own SIGINT handler sees it (a
+    2-rank server under load returned normally, exit 0); the flag makes the outcome one."""
+
+    interrupted = False
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGINT:
+            self.interrupted = True
+        super().handle_exit(sig, frame)
