@@ -10,13 +10,7 @@ import sys
 
 import pytest
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _http import free_port, wait_until_healthy
 
 
 @pytest.mark.slow
@@ -25,27 +19,15 @@ def test_demo_json_then_serve(tmp_path):
     upstream transformers (its own FP8 loader) in logits and greedy tokens; every pattern found on a kernel route.
     ``--serve`` then serves the artifact: the openai client's greedy chat answer to the demo's prompt is the demo's
     own (upstream-equal) text. One demo compile serves both checks."""
-    import time
-    import urllib.request
-
     import openai
 
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "dayzero.tools.cli", "demo", "--json", "--serve", "--port",
                           str(port), "--out", str(tmp_path / "demo")], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 1800  # a V4 compile: about a minute alone, much longer on a busy host
-        while True:
-            assert p.poll() is None, p.communicate()[1]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the demo server never became ready"
-            time.sleep(2)
+        # a V4 compile: about a minute alone, much longer on a busy host
+        wait_until_healthy([p], port, timeout_s=1800, poll_s=2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         from dayzero.tools.demo import DEMO_PROMPT, GENERATE
 

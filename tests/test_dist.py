@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +22,12 @@ from dayzero.passes.moe import OP as MOE
 from dayzero.passes.shard import shard
 from dayzero.tools.compiler import shard_runs
 
+from _http import free_port, wait_until_healthy
 from conftest import SHARED_MAX_BATCH, SHARED_MAX_SEQ
 
 HERE = Path(__file__).parent
 E, H, I, K = 8, 16, 8, 2
 SILU_GLU = ("mul", ("silu", ("col", 0, 1, I)), ("col", I, 1, I))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict:
@@ -43,7 +37,7 @@ def _rank_env(rank: int, world: int, port: int) -> dict:
 
 def _ranks(cmd: list[str], world: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """``cmd`` started once per rank with torchrun's environment; waits for all (each rank's stderr kept)."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(cmd + [str(r)] if "{rank}" in cmd else cmd, env=_rank_env(r, world, port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     out = []
@@ -319,7 +313,7 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_interp_rank, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
@@ -383,7 +377,7 @@ def _run_two_ranks(ckpt: Path, single: Path, art: Path, tmp_path: Path, split_ax
     of the tensors split along ``split_axis`` are exactly its own slices' copy runs (disjoint from the other
     rank's). Returns each rank's saved tensors."""
     outs = [tmp_path / f"r{r}.safetensors" for r in range(2)]
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(art), str(outs[r]), "run"],
                               env=_rank_env(r, 2, port), stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
@@ -447,7 +441,7 @@ def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
 
     ids = ",".join(map(str, w.PROMPT))
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dayzero", "run",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "dayzero", "run",
                           str(art), "--input-ids", ids, "--max-new-tokens", str(w.NEW_TOKENS), "--json"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, (res.stdout[-1000:], res.stderr[-2000:])
@@ -482,25 +476,12 @@ def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep
 def _serve_two_ranks(art: Path):
     """``dayzero serve ART`` on 2 gloo ranks as torchrun starts them; returns (processes, HTTP port) once rank 0's
     /health answers 200."""
-    import time
-    import urllib.error
-    import urllib.request
-
-    http, master = _free_port(), _free_port()
+    http, master = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "dayzero", "serve", str(art), "--port", str(http)],
                               env=_rank_env(r, 2, master), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
-    deadline = time.monotonic() + 240
-    while True:
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5) as r:
-                if r.status == 200:
-                    return procs, http
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        assert time.monotonic() < deadline, "the 2-rank server did not become ready"
-        time.sleep(0.2)
+    wait_until_healthy(procs, http, timeout_s=240)
+    return procs, http
 
 
 def _complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:

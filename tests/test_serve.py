@@ -495,27 +495,15 @@ def test_ctrl_c_stops_the_server_with_interrupted_and_exit_130(tiny_compiled):
     130 every time (uvicorn re-raises the signal, and whether asyncio's own handler turned that into an exception
     depended on timing: a loaded 2-rank run exited 0)."""
     import signal
-    import socket
-    import urllib.request
+
+    from _http import free_port, wait_until_healthy
 
     _, art, _ = tiny_compiled("qwen3_moe")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "dayzero", "serve", str(art), "--port", str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None, p.communicate()[1][-2000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
+        wait_until_healthy([p], port, timeout_s=120)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
         assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
