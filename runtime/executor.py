@@ -332,6 +332,7 @@ class Runtime:
             for bid in prog.shared_states.values():
                 prog.view(bid, ()).zero_()
         self.lengths: dict[int, int] = {}
+        self._row_positions_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _row_positions' cache
         self.pending: dict[int, int | None] = {}  # per slot: the last generated token, not yet in the cache
         # the paged KV pools' free list and block tables (runtime/kv_pages.py); None: contiguous caches
         self.kv = KVPages.of(self.program_json, self.max_batch) if self.stateful else None
@@ -742,11 +743,10 @@ class Runtime:
 
     def _row_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, length) as (logical block, row in the block), made once, not at every step."""
-        cache = self.__dict__.setdefault("_row_positions_of", {})
-        if length not in cache:
+        if length not in self._row_positions_of:
             p = torch.arange(length)
-            cache[length] = (p // self.kv.block_size, p % self.kv.block_size)
-        return cache[length]
+            self._row_positions_of[length] = (p // self.kv.block_size, p % self.kv.block_size)
+        return self._row_positions_of[length]
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:
