@@ -92,71 +92,113 @@ def mxfp4_gemv_int8(n_tokens: int, out_features: int, in_features: int, *, num_e
     return _kernel(n_tokens, out_features, in_features, num_experts, gemv_rows(n_tokens, out_features), mode)
 
 
-@parsed_shallow
-def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.PrimFunc:
-    from tvm.script import tirx as T
+class Int8Blocks:
+    """The integer block dot products of one mode (``int8_mode``) as TIR pieces, shared by this GEMV and the fused
+    MoE kernel's decode tiles (codegen/kernels/moe.py). A quantised row is G blocks: ``QL`` / ``QH`` int8 [rows G
+    16] (the first / second 16 values of each block in the order the code bytes' low / high nibbles stand for),
+    ``CORR`` int32 [rows G 4] (-12 x each lane's 8 values' sum) and ``SX4`` fp32 [rows G 4] (sx per lane).
 
-    G = K // 32
-    WMAX = 4 if mode == "vnni" else 2
-    main, rest = divmod(G, WMAX)  # G = main vectors of WMAX blocks, then a 2-block and a 1-block step for the rest
+    ``WMAX``: blocks per main step (4 on vnni, 2 on maddubs); ``fill_lut(LUT)``: the 64-byte pshufb table of u;
+    ``quantise_row(xv, QL, QH, CORR, SX4, row, G)``: quantise row ``row`` from ``xv(g, h, j)``, the fp32 value the
+    (h = 0: low, 1: high) nibble of code byte j of block g multiplies; ``block_dots(...)``: W blocks of one weight
+    row against one quantised row (float32 x 4W, scaled); ``sw_lanes``: the weight scales widened to those lanes."""
 
+    def __init__(self, mode: str):
+        from tvm.script import tirx as T
+
+        self.mode = mode
+        self.WMAX = 4 if mode == "vnni" else 2
+
+        @T.macro(hygienic=True)
+        def fill_lut(LUT):
+            for i in range(64):
+                LUT[i] = T.Cast("int8", T.Cast("int32", e2m1_x2_value(T.Cast("uint32", i % 16))) + _BIAS)
+
+        @T.macro(hygienic=True)
+        def quantise_row(xv, QL, QH, CORR, SX4, row, G):
+            AM = T.alloc_buffer((1,), "float32", scope="local")
+            for g in range(G):
+                AM[0] = T.float32(0)
+                for h, j in T.grid(2, 16):
+                    AM[0] = T.max(AM[0], T.fabs(xv(g, h, j)))
+                inv = T.Select(AM[0] > T.float32(0), T.float32(127) / AM[0], T.float32(0))
+                for j in T.vectorized(16):
+                    QL[(row * G + g) * 16 + j] = T.Cast("int8", T.round(xv(g, 0, j) * inv))
+                    QH[(row * G + g) * 16 + j] = T.Cast("int8", T.round(xv(g, 1, j) * inv))
+                for jj in range(4):
+                    CORR[(row * G + g) * 4 + jj] = T.int32(0)
+                    for j in range(4):
+                        CORR[(row * G + g) * 4 + jj] = CORR[(row * G + g) * 4 + jj] - T.int32(_BIAS) * (
+                            T.Cast("int32", QL[(row * G + g) * 16 + jj * 4 + j])
+                            + T.Cast("int32", QH[(row * G + g) * 16 + jj * 4 + j]))
+                    SX4[(row * G + g) * 4 + jj] = AM[0] * T.float32(1.0 / 127)
+        self.fill_lut, self.quantise_row = fill_lut, quantise_row
+
+    @staticmethod
     def vec(buf, start, n):
+        from tvm.script import tirx as T
+
         return buf[T.Ramp(start, 1, n)]
 
-    def dot(acc, u, q, nb):
+    def dot(self, acc, u, q, nb):
         """acc (int32 x nb/4) + per lane the sum of 4 products u (u8) * q (s8), nb bytes each."""
+        from tvm.script import tirx as T
+
         bits = 8 * nb
-        if mode == "vnni":
+        if self.mode == "vnni":
             return T.call_llvm_pure_intrin(f"int32x{nb // 4}", _VPDPBUSD[bits], acc, u, q)
         p16 = T.call_llvm_pure_intrin(f"int16x{nb // 2}", _PMADDUBSW[bits], u, q)
         return acc + T.call_llvm_pure_intrin(f"int32x{nb // 4}", _PMADDWD[bits], p16,
                                              T.Broadcast(T.int16(1), nb // 2))
 
-    def lookup(LUT, idx, nb):
-        return T.call_llvm_pure_intrin(f"int8x{nb}", _PSHUFB[8 * nb], vec(LUT, 0, nb), T.reinterpret(f"int8x{nb}", idx))
+    def lookup(self, LUT, idx, nb):
+        from tvm.script import tirx as T
+
+        return T.call_llvm_pure_intrin(f"int8x{nb}", _PSHUFB[8 * nb], self.vec(LUT, 0, nb),
+                                       T.reinterpret(f"int8x{nb}", idx))
+
+    def sw_lanes(self, SWV, i0, W):
+        """float32 x 4W: lane i = SWV[i0 + i // 4] (a row's block scales, widened by a shuffle)"""
+        from tvm.script import tirx as T
+
+        if W == 1:
+            return T.Broadcast(SWV[i0], 4)
+        return T.Shuffle([self.vec(SWV, i0, W)] * 4, [w for w in range(W) for _ in range(4)])
+
+    def block_dots(self, BF, base, W, LUT, QL, QH, CORR, SX4, q0, swl):
+        """float32 x 4W: lane i = (the 8 products of lane i % 4 of block i // 4) * sw * sx, for the W blocks of
+        code bytes at BF[base:] against quantised blocks q0.. (rows G + g) of QL/QH/CORR/SX4; ``swl``: the
+        blocks' weight scales per lane (``sw_lanes``)."""
+        from tvm.script import tirx as T
+
+        nb, n, c = 16 * W, 4 * W, self.vec(BF, base, 16 * W)
+        u_lo = self.lookup(LUT, c & T.Broadcast(T.uint8(15), nb), nb)
+        u_hi = self.lookup(LUT, c >> T.Broadcast(T.uint8(4), nb), nb)
+        acc = self.dot(self.vec(CORR, q0 * 4, n), u_lo, self.vec(QL, q0 * 16, nb), nb)
+        acc = self.dot(acc, u_hi, self.vec(QH, q0 * 16, nb), nb)
+        return T.Cast(f"float32x{n}", acc) * (swl * self.vec(SX4, q0 * 4, n))
+
+
+@parsed_shallow
+def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.PrimFunc:
+    from tvm.script import tirx as T
+
+    G = K // 32
+    ib = Int8Blocks(mode)
+    WMAX = ib.WMAX
+    main, rest = divmod(G, WMAX)  # G = main vectors of WMAX blocks, then a 2-block and a 1-block step for the rest
 
     def sw_value(S, e, o, g):
         """2^(scales[(e,) o, g] - 128): the block scale of the doubled codes"""
         return e8m0_value(S[(e, o, g) if E else (o, g)]) * T.float32(0.5)
-
-    def sw_lanes(SWV, r, g0, W):
-        """float32 x 4W: lane i = SWV[r, g0 + i // 4] (the row's block scales, widened by a shuffle)"""
-        if W == 1:
-            return T.Broadcast(SWV[r * G + g0], 4)
-        return T.Shuffle([vec(SWV, r * G + g0, W)] * 4, [w for w in range(W) for _ in range(4)])
-
-    @T.macro(hygienic=True)
-    def quantise(X, QXL, QXH, CORR, SX4):
-        """QXL / QXH [T G 16] int8: qx at the even / odd k of each block; CORR [T G 4] int32: -12 x the sums of
-        qx over each lane's 8 values; SX4 [T G 4] fp32: sx replicated per lane"""
-        AM = T.alloc_buffer((1,), "float32", scope="local")
-        for t, g in T.grid(T_, G):
-            AM[0] = T.float32(0)
-            for i in range(32):
-                AM[0] = T.max(AM[0], T.fabs(X[t, g * 32 + i]))
-            inv = T.Select(AM[0] > T.float32(0), T.float32(127) / AM[0], T.float32(0))
-            for j in T.vectorized(16):
-                QXL[(t * G + g) * 16 + j] = T.Cast("int8", T.round(X[t, g * 32 + 2 * j] * inv))
-                QXH[(t * G + g) * 16 + j] = T.Cast("int8", T.round(X[t, g * 32 + 2 * j + 1] * inv))
-            for jj in range(4):
-                CORR[(t * G + g) * 4 + jj] = T.int32(0)
-                for j in range(4):
-                    CORR[(t * G + g) * 4 + jj] = CORR[(t * G + g) * 4 + jj] - T.int32(_BIAS) * (
-                        T.Cast("int32", QXL[(t * G + g) * 16 + jj * 4 + j])
-                        + T.Cast("int32", QXH[(t * G + g) * 16 + jj * 4 + j]))
-                SX4[(t * G + g) * 4 + jj] = AM[0] * T.float32(1.0 / 127)
 
     def base_of(e, o, g0):
         return ((e * O + o) * G + g0) * 16 if E else (o * G + g0) * 16
 
     def block_dots(BF, SWV, e, o, r, g0, W, LUT, QXL, QXH, CORR, SX4, t):
         """float32 x 4W: lane i = (its 8 products of row o, block g0 + i // 4, token t) * sw * sx"""
-        nb, n, c = 16 * W, 4 * W, vec(BF, base_of(e, o, g0), 16 * W)
-        u_lo = lookup(LUT, c & T.Broadcast(T.uint8(15), nb), nb)
-        u_hi = lookup(LUT, c >> T.Broadcast(T.uint8(4), nb), nb)
-        acc = dot(vec(CORR, (t * G + g0) * 4, n), u_lo, vec(QXL, (t * G + g0) * 16, nb), nb)
-        acc = dot(acc, u_hi, vec(QXH, (t * G + g0) * 16, nb), nb)
-        return T.Cast(f"float32x{n}", acc) * (sw_lanes(SWV, r, g0, W) * vec(SX4, (t * G + g0) * 4, n))
+        return ib.block_dots(BF, base_of(e, o, g0), W, LUT, QXL, QXH, CORR, SX4, t * G + g0,
+                             ib.sw_lanes(SWV, r * G + g0, W))
 
     @T.macro(hygienic=True)
     def apply_step(BF, SWV, e, o, r, g0, W, LUT, QXL, QXH, CORR, SX4, ACC):
@@ -182,9 +224,9 @@ def _kernel(T_: int, O: int, K: int, E: int | None, R: int, mode: str) -> tirx.P
         CORR = T.alloc_buffer((T_ * G * 4,), "int32")
         SX4 = T.alloc_buffer((T_ * G * 4,), "float32")
         LUT = T.alloc_buffer((64,), "int8")
-        for i in range(64):
-            LUT[i] = T.Cast("int8", T.Cast("int32", e2m1_x2_value(T.Cast("uint32", i % 16))) + _BIAS)
-        quantise(X, QXL, QXH, CORR, SX4)
+        ib.fill_lut(LUT)
+        for t in range(T_):
+            ib.quantise_row(lambda g, h, j: X[t, g * 32 + 2 * j + h], QXL, QXH, CORR, SX4, t, G)
         for oo in T.parallel(O // R):
             ACC = T.alloc_buffer((T_ * R * 16,), "float32", scope="local")
             SWV = T.alloc_buffer((R * G,), "float32", scope="local")  # the group's 2^(scales - 128), vectorised
