@@ -52,12 +52,14 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import tvm
 from tvm.script import tirx as T
 
 from dayzero import InternalError
 from dayzero.codegen.kernels.dequant import decode as dequant_decode
+from dayzero.codegen.kernels.dequant.gemv_int8 import Int8Blocks, int8_mode
 from dayzero.codegen.tvmscript import parsed_shallow
 from dayzero.targets import capabilities
 from dayzero.targets.capabilities import MOE_L, MOE_MB, MOE_NB
@@ -213,8 +215,8 @@ def combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec):
 def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, act, gate_up_bias: bool,
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
                      out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",
-                     gate_up_block=(128, 128), down_block=(128, 128), decode: str | None = None
-                     ) -> tvm.tirx.PrimFunc:
+                     gate_up_block=(128, 128), down_block=(128, 128), decode: str | None = None,
+                     int8: bool = False) -> tvm.tirx.PrimFunc:
     """``wfmt="mxfp4"``: the expert matrices arrive as published, blocks uint8 [E, out, in/32, 16] + scales uint8
     [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly: no
     full-precision copy of any expert exists, the jobs read 4.25 bits per weight. The reduction runs in the nibble
@@ -245,6 +247,16 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         decode = "arith" if cuda else dequant_decode.lookup_mode(host_target_dict())
     if cuda and decode not in (None, "arith"):
         raise InternalError(f"moe_experts mxfp4 on CUDA decodes with integer arithmetic, not {decode!r}")
+    q8 = None  # int8: the decode tiles' integer pieces (gemv_int8.Int8Blocks)
+    if int8:
+        from dayzero.targets.host import host_target_dict
+
+        mode = None if cuda or not mx else int8_mode(host_target_dict())
+        if mode is None:
+            raise InternalError("moe_experts int8 activations need MXFP4 experts on an x86 host with AVX2 "
+                                f"(wfmt={wfmt}, target kind {target_kind})")
+        q8 = Int8Blocks(mode)
+    GH, GI = H // 32, I // 32
 
     def par(n):
         return T.thread_binding(n, thread="blockIdx.x") if cuda else T.parallel(n)
@@ -303,6 +315,60 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     wd_shape = (E, H, I) if nk else (E, I, H)
     tiles = expert_gemm_tiles(vec)
 
+    def q8_rows(n):
+        """Rows of a quantised-activation buffer: n with the integer tiles, else 1 (unused)."""
+        return n if q8 is not None else 1
+
+    @T.macro(hygienic=True)
+    def q8_tile(OUT, ACC8, SWV, rows, p0, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias):
+        """OUT[p0 + m, n0 + n] (m < rows, n < NB) on integers: weight row n0 + n's code bytes (BF: the blocks,
+        flat) against the quantised activation row qrow(p0 + m) (gemv_int8.Int8Blocks), WMAX blocks per step,
+        SWV [NB G] the rows' block scales; the partial sums of each (m, n) in 16 fp32 lanes of ACC8."""
+        for i in T.unroll(rows * NB):
+            for l in T.vectorized(L):
+                ACC8[i * L + l] = T.float32(0)
+        for gc in range(G // q8.WMAX):
+            for n in T.unroll(NB):
+                for m in T.unroll(rows):
+                    ACC8[T.Ramp((m * NB + n) * L, 1, 4 * q8.WMAX)] = ACC8[T.Ramp((m * NB + n) * L, 1, 4 * q8.WMAX)] \
+                        + q8.block_dots(BF, ((e * O + n0 + n) * G + gc * q8.WMAX) * 16, q8.WMAX, LUT8, QL, QH, CORR,
+                                        SX4, qrow(p0 + m) * G + gc * q8.WMAX,
+                                        q8.sw_lanes(SWV, n * G + gc * q8.WMAX, q8.WMAX))
+        for n in T.unroll(NB):  # the blocks after the last full step: one of 2, then one of 1
+            for m in T.unroll(rows):
+                if G % q8.WMAX >= 2:
+                    ACC8[T.Ramp((m * NB + n) * L, 1, 8)] = ACC8[T.Ramp((m * NB + n) * L, 1, 8)] + q8.block_dots(
+                        BF, ((e * O + n0 + n) * G + G - G % q8.WMAX) * 16, 2, LUT8, QL, QH, CORR, SX4,
+                        qrow(p0 + m) * G + G - G % q8.WMAX, q8.sw_lanes(SWV, n * G + G - G % q8.WMAX, 2))
+                if G % 2 == 1:
+                    ACC8[T.Ramp((m * NB + n) * L, 1, 4)] = ACC8[T.Ramp((m * NB + n) * L, 1, 4)] + q8.block_dots(
+                        BF, ((e * O + n0 + n) * G + G - 1) * 16, 1, LUT8, QL, QH, CORR, SX4, qrow(p0 + m) * G + G - 1,
+                        q8.sw_lanes(SWV, n * G + G - 1, 1))
+        for m, n in T.grid(rows, NB):
+            for l in T.vectorized(L // 2):
+                ACC8[(m * NB + n) * L + l] = ACC8[(m * NB + n) * L + l] + ACC8[(m * NB + n) * L + l + L // 2]
+            for l in T.vectorized(L // 4):
+                ACC8[(m * NB + n) * L + l] = ACC8[(m * NB + n) * L + l] + ACC8[(m * NB + n) * L + l + L // 4]
+            for l in T.vectorized(L // 8):
+                ACC8[(m * NB + n) * L + l] = ACC8[(m * NB + n) * L + l] + ACC8[(m * NB + n) * L + l + L // 8]
+            OUT[p0 + m, n0 + n] = bias(n) + (ACC8[(m * NB + n) * L] + ACC8[(m * NB + n) * L + 1])
+
+    @T.macro(hygienic=True)
+    def q8_tiles(OUT, ACC8, SWV, p_lo, p_hi, n0, BF, S, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias):
+        """The rows [p_lo, p_hi) of a job on integers: MB-row q8_tiles, then a 2-row and a 1-row one (as
+        ``expert_gemm_tiles``), the NB weight rows' block scales widened once into SWV."""
+        if p_hi - p_lo > 0:
+            for n in range(NB):
+                for g in T.vectorized(G):
+                    SWV[n * G + g] = dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5)
+            for mt in range((p_hi - p_lo) // MB):
+                q8_tile(OUT, ACC8, SWV, MB, p_lo + mt * MB, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias)
+            if (p_hi - p_lo) % MB >= 2:
+                q8_tile(OUT, ACC8, SWV, 2, p_hi - (p_hi - p_lo) % MB, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4,
+                        qrow, bias)
+            if (p_hi - p_lo) % 2 == 1:
+                q8_tile(OUT, ACC8, SWV, 1, p_hi - 1, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias)
+
     def bias(B, e, n):
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
 
@@ -317,29 +383,37 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return XP[order[p] // k, ko * L + l] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
 
     @T.macro(hygienic=True)
-    def gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wb, LUT, p_lo, p_hi, e, n0):
+    def gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wb, LUT, p_lo, p_hi, e, n0, Q):
         """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB) (``expert_gemm_tiles``).
         FP8 (``staged``): with >= MB tokens the block is decoded once into ``wb`` and the MB tiles read it."""
-        if p_hi - p_lo >= MB:
-            stage(wb, WGU, WGUS, LUT, gu_w, e, n0, H)
-        tiles(G, acc, p_lo, p_hi, n0, H, lambda p, ko, l: gu_src(X, XP, order, p, ko, l),
-              lambda n: bias(BGU, e, n0 + n),
-              lambda n, ko, l: gu_w(staged_buf(wb), WGU, WGUS, LUT, e, n0, n, ko, l),
-              lambda n, ko, l: gu_w(None, WGU, WGUS, LUT, e, n0, n, ko, l),
-              lambda n, ko: prefetch(WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ko * L))
+        if q8 is not None and Q[2] is not None:  # integer tiles (the dense kernel has no flat weight views)
+            q8_tiles(G, Q[0], Q[1], p_lo, p_hi, n0, Q[2], WGUS, GU, GH, e, Q[3], Q[4], Q[5], Q[6], Q[7],
+                     lambda p: order[p] // k, lambda n: bias(BGU, e, n0 + n))
+        else:
+            if p_hi - p_lo >= MB:
+                stage(wb, WGU, WGUS, LUT, gu_w, e, n0, H)
+            tiles(G, acc, p_lo, p_hi, n0, H, lambda p, ko, l: gu_src(X, XP, order, p, ko, l),
+                  lambda n: bias(BGU, e, n0 + n),
+                  lambda n, ko, l: gu_w(staged_buf(wb), WGU, WGUS, LUT, e, n0, n, ko, l),
+                  lambda n, ko, l: gu_w(None, WGU, WGUS, LUT, e, n0, n, ko, l),
+                  lambda n, ko: prefetch(WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ko * L))
 
     @T.macro(hygienic=True)
-    def d_block(A, WD, WDS, BD, D, acc2, wb, LUT, p_lo, p_hi, e, n0):
-        if p_hi - p_lo >= MB:
-            stage(wb, WD, WDS, LUT, d_w, e, n0, I)
-        tiles(D, acc2, p_lo, p_hi, n0, I, lambda p, ko, l: A[p, ko * L + l],
-              lambda n: bias(BD, e, n0 + n),
-              lambda n, ko, l: d_w(staged_buf(wb), WD, WDS, LUT, e, n0, n, ko, l),
-              lambda n, ko, l: d_w(None, WD, WDS, LUT, e, n0, n, ko, l),
-              lambda n, ko: prefetch(WD, WDS, e, T.min(n0 + NB + n, H - 1), ko * L))
+    def d_block(A, WD, WDS, BD, D, acc2, wb, LUT, p_lo, p_hi, e, n0, Q):
+        if q8 is not None and Q[2] is not None:
+            q8_tiles(D, Q[0], Q[1], p_lo, p_hi, n0, Q[2], WDS, H, GI, e, Q[3], Q[4], Q[5], Q[6], Q[7],
+                     lambda p: p, lambda n: bias(BD, e, n0 + n))
+        else:
+            if p_hi - p_lo >= MB:
+                stage(wb, WD, WDS, LUT, d_w, e, n0, I)
+            tiles(D, acc2, p_lo, p_hi, n0, I, lambda p, ko, l: A[p, ko * L + l],
+                  lambda n: bias(BD, e, n0 + n),
+                  lambda n, ko, l: d_w(staged_buf(wb), WD, WDS, LUT, e, n0, n, ko, l),
+                  lambda n, ko, l: d_w(None, WD, WDS, LUT, e, n0, n, ko, l),
+                  lambda n, ko: prefetch(WD, WDS, e, T.min(n0 + NB + n, H - 1), ko * L))
 
     @T.macro(hygienic=True)
-    def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok):
+    def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok, FL):
         offs = T.alloc_buffer((E + 1,), "int32")
         fill = T.alloc_buffer((E,), "int32")
         order = T.alloc_buffer((n_tok * k,), "int32")
@@ -349,6 +423,16 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         D = T.alloc_buffer((n_tok * k, H), f32)
         XP = T.alloc_buffer((n_tok if mx else 1, H), f32)  # MXFP4: x in nibble order
         LUT = T.alloc_buffer((16,), "int8" if decode == "pshufb" else f32)  # MXFP4: the decode's table
+        # int8: x (per token) and A (per sorted position) quantised per 32-block for the decode tiles
+        QXL = T.alloc_buffer((q8_rows(n_tok) * GH * 16,), "int8")
+        QXH = T.alloc_buffer((q8_rows(n_tok) * GH * 16,), "int8")
+        CX = T.alloc_buffer((q8_rows(n_tok) * GH * 4,), "int32")
+        SXX = T.alloc_buffer((q8_rows(n_tok) * GH * 4,), f32)
+        QAL = T.alloc_buffer((q8_rows(n_tok) * k * GI * 16,), "int8")
+        QAH = T.alloc_buffer((q8_rows(n_tok) * k * GI * 16,), "int8")
+        CA = T.alloc_buffer((q8_rows(n_tok) * k * GI * 4,), "int32")
+        SXA = T.alloc_buffer((q8_rows(n_tok) * k * GI * 4,), f32)
+        LUT8 = T.alloc_buffer((64 if q8 is not None else 1,), "int8")
         if mx:
             for c in range(16):
                 LUT[c] = dequant_decode.e2m1_x2_table(decode, c)
@@ -356,6 +440,10 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 for ho in range(H // L):
                     for l in vec(L):
                         XP[t, ho * L + l] = T.Cast(f32, X[t, k_of(ho, l)])
+                if q8 is not None:  # XP's block g: the low nibbles' 16 inputs, then the high nibbles'
+                    q8.quantise_row(lambda g, h, j: XP[t, g * 32 + h * 16 + j], QXL, QXH, CX, SXX, t, GH)
+            if q8 is not None:
+                q8.fill_lut(LUT8)
         # 1. counting sort of assignments by expert
         for _s in one():
             sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k)
@@ -365,23 +453,29 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         for c in par(PGU):
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
             wbg = T.alloc_buffer((NB, H if staged else 1), f32)
+            acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
+            swv = T.alloc_buffer((NB * GH if q8 is not None else 1,), f32, scope="local")
             for e in range(E):
                 for nbi in range(GU // NB // PGU):
                     gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wbg, LUT, offs[e], offs[e + 1], e,
-                             (c * (GU // NB // PGU) + nbi) * NB)
+                             (c * (GU // NB // PGU) + nbi) * NB, (acc8, swv, flat(FL, 0), LUT8, QXL, QXH, CX, SXX))
         # 3. activation
         for p in par(n_tok * k):
             for io in range(I // L):
                 for l in vec(L):
                     A[p, io * L + l] = act_value(act, G, p, k_of(io, l))
+            if q8 is not None:
+                q8.quantise_row(lambda g, h, j: A[p, g * 32 + h * 16 + j], QAL, QAH, CA, SXA, p, GI)
         # 4. down grouped GEMM, same structure
         for c in par(PD):
             acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
             wbd = T.alloc_buffer((NB, I if staged else 1), f32)
+            acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
+            swv = T.alloc_buffer((NB * GI if q8 is not None else 1,), f32, scope="local")
             for e in range(E):
                 for nbi in range(H // NB // PD):
                     d_block(A, WD, WDS, BD, D, acc2, wbd, LUT, offs[e], offs[e + 1], e,
-                            (c * (H // NB // PD) + nbi) * NB)
+                            (c * (H // NB // PD) + nbi) * NB, (acc8, swv, flat(FL, 1), LUT8, QAL, QAH, CA, SXA))
         # 5. weighted combine in token order
         combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec)
 
@@ -398,7 +492,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
         BD = T.match_buffer(bd_h, (E, H), wt_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, optional(gate_up_bias, BGU), WD, None, optional(down_bias, BD), Y, n_tok)
+        body(X, IDS, WR, WGU, None, optional(gate_up_bias, BGU), WD, None, optional(down_bias, BD), Y, n_tok, None)
 
     if mx:
         gu_st = (((E, GU, H // 32, 16), "uint8"), ((E, GU, H // 32), "uint8"))
@@ -413,6 +507,11 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
                             gate_up_bias, down_bias)
     return drop_absent_biases(dense, gate_up_bias, down_bias)
+
+
+def flat(FL, i: int):
+    """The i-th flat weight view the stored kernels pass (``_stored_func``), None for the dense kernel."""
+    return None if FL is None else FL[i]
 
 
 def optional(present: bool, buf):
@@ -436,6 +535,7 @@ def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_
     """The kernel with expert matrices as stored: (data, scales) in place of each weight, each given as
     ((shape, dtype), (shape, dtype)): MXFP4 (blocks, scales) or FP8 (weight, block scales)."""
     ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = gu_st, d_st
+    gub_n, db_n = math.prod(gub), math.prod(db)
 
     @T.prim_func
     def stored(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
@@ -452,7 +552,10 @@ def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_
         DS = T.match_buffer(ds_h, ds, dst)
         BD = T.match_buffer(bd_h, (E, H), b_dtype)
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), Y, n_tok)
+        GBF = T.decl_buffer((gub_n,), gubt, data=GB.data)  # flat views: the integer tiles' byte vectors
+        DBF = T.decl_buffer((db_n,), dbt, data=DB.data)
+        body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), Y, n_tok,
+             (GBF, DBF))
 
     return drop_absent_biases(stored, gate_up_bias, down_bias)
 

@@ -42,11 +42,25 @@ def _split_inputs(ins, attrs):
     return x, ids, w, wgu, bgu, wd, bd
 
 
-def moe_reference(ins, attrs):
+def int8_blocks_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] as the integer expert tiles see it: each 32-block rounded to int8 steps of sx = max|x| / 127,
+    q = round_half_even(x * fp32(127 / max|x|)) in fp32, value q * fp32(max|x| * fp32(1/127)) (0 for an all-zero
+    block); codegen/kernels/dequant/gemv_int8.py's quantiser, rule for rule."""
+    R, K = x.shape
+    xb = x.float().reshape(R, K // 32, 32)
+    am = xb.abs().amax(-1, keepdim=True)
+    one = torch.ones_like(am)
+    inv = torch.where(am > 0, torch.full_like(am, 127.0) / torch.where(am > 0, am, one), torch.zeros_like(am))
+    sx = am * torch.tensor(1.0 / 127, dtype=torch.float32)
+    return (torch.round(xb * inv).double() * sx.double()).reshape(R, K)
+
+
+def moe_reference(ins, attrs, quant=None):
     """y[t] = sum_j w[t,j] * (down_e(act(gate_up_e(x[t]) + b_gu[e])) + b_d[e]),  e = ids[t, j].
 
     Loops over the experts some token chose (each read once), accumulating in fp32; an id outside [0, E) is
-    another rank's expert (passes/shard.py) and adds nothing."""
+    another rank's expert (passes/shard.py) and adds nothing. ``quant``: applied to each GEMM's activation rows
+    (x and act(...)) first, the GEMMs then in float64 (the integer route: ``int8_blocks_ref``)."""
     x, ids, w, wgu, bgu, wd, bd = _split_inputs(ins, attrs)
     out_dtype = torch.promote_types(torch.promote_types(x.dtype, wd.dtype), w.dtype)
     T, H = x.shape
@@ -62,11 +76,15 @@ def moe_reference(ins, attrs):
         a = (flat == e).nonzero(as_tuple=True)[0]
         tok = a // k
         xe = x[tok].float()
-        g = xe @ (wgu[e].float().T if nk else wgu[e].float())
+        if quant is not None:
+            xe = quant(xe)
+        g = (xe @ (wgu[e].to(xe.dtype).T if nk else wgu[e].to(xe.dtype))).float()
         if bgu is not None:
             g = g + bgu[e].float()
         h = eval_act(attrs["act"], g)
-        d = h @ (wd[e].float().T if nk else wd[e].float())
+        if quant is not None:
+            h = quant(h)
+        d = (h @ (wd[e].to(h.dtype).T if nk else wd[e].to(h.dtype))).float()
         if bd is not None:
             d = d + bd[e].float()
         y.index_add_(0, tok, d * w.reshape(-1)[a].float()[:, None])
@@ -94,7 +112,7 @@ def moe_mxfp4_reference(ins, attrs):
         return _meta_out(x, w)
     dense = [x, ids, w, mxfp4_dequant_ref(gb, gs)] + ([bgu] if bgu is not None else []) + \
         [mxfp4_dequant_ref(db, ds)] + ([bd] if bd is not None else [])
-    return moe_reference(dense, dict(attrs, layout="nk"))
+    return moe_reference(dense, dict(attrs, layout="nk"), int8_blocks_ref if attrs.get("int8") else None)
 
 
 def moe_fp8_reference(ins, attrs):
