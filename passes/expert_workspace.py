@@ -112,3 +112,19 @@ def expert_workspace(g: Graph, *, compute_dtype: str = "float32", cache_bytes: i
     out, found = rewrite(g, fn), counted("expert_workspace", count)
     found.constants = constants
     return out, found
+
+
+def int8_activations(g: Graph) -> tuple[Graph, Found]:
+    """Every moe_experts_mxfp4 node (fused route) takes the integer tiles: attr ``int8`` (x and the activation
+    between the GEMMs rounded to int8 per 32-block, integer dot products on the E2M1 codes; the op reference
+    rounds the same way). Counts ``int8_activations``. The compile option ``--int8-activations`` asks for it in the
+    decode programs (tools/compiler.py); the target's integer mode is the kernel's concern (codegen)."""
+    count = 0
+
+    def fn(n: Node):
+        nonlocal count
+        if n.op != OP_IN or n.attr.get("int8"):
+            return None
+        count += 1
+        return Node.make(OP_IN, list(n.inputs), dict(n.attr, int8=True), n.types, n.span)
+    return rewrite(g, fn), counted("int8_activations", count)

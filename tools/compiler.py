@@ -32,6 +32,7 @@ import torch
 from dayzero import InternalError, UserError
 from dayzero.codegen import artifact, tuning
 from dayzero.codegen.build import build_library, export_library
+from dayzero.codegen.kernels.dequant.gemv_int8 import int8_mode
 from dayzero.codegen.memory import plan_programs
 from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.tuner import tune_kernels
@@ -61,6 +62,7 @@ from dayzero.targets.spec import COMPUTE_DTYPES, HOST_COMPUTE_DTYPE, load_target
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call (capped at max_seq): the prefill arena is sized by it
 DEFAULT_KV_BLOCK = 16  # tokens per KV-cache block (passes/paged_kv.py)
+DECODE_PROGRAMS = ("decode", "decode_batch")  # the programs --int8-activations applies to (prefill stays exact)
 
 
 # ---- the options, validated once ------------------------------------------------------------------------------
@@ -75,6 +77,8 @@ class CompileOptions:
     blocks per pool (default: ``max_batch`` requests of ``max_seq`` tokens, plus the scratch block).
     ``compute_dtype`` (fp32 | bf16 | fp8_e4m3 | a target spec), ``expert_route`` (auto | fused | workspace) and
     ``expert_cache_bytes`` (LRU budget of converted experts) choose how MXFP4 experts run (expert_workspace).
+    ``int8_activations``: the decode programs' MXFP4 experts (fused route) run on integers (x and the GEMMs'
+    intermediate rounded to int8 per 32-block; codegen/kernels/moe.py), on a target with an integer mode.
     A checkpoint float weight holding NaN/Inf is an error unless ``allow_nonfinite``.
 
     Construction validates every value (one ``UserError`` line naming the flag) and resolves the derived ones:
@@ -95,6 +99,7 @@ class CompileOptions:
     compute_dtype: str | None = None
     expert_route: str = "auto"
     expert_cache_bytes: int = 0
+    int8_activations: bool = False
     allow_nonfinite: bool = False
     tp: int = 1
     ep: int = 1
@@ -114,6 +119,12 @@ class CompileOptions:
         dtype = resolve_compute_dtype(self.compute_dtype, tgt)
         route = ew.route_for(compute_dtype=ew.compute_dtype_of(dtype), cache_bytes=int(self.expert_cache_bytes),
                              route=self.expert_route, target_kind=tgt.get("kind", "llvm"))
+        if self.int8_activations:
+            if route != "fused":
+                raise UserError("--int8-activations runs the fused MXFP4 expert kernel: drop --expert-route "
+                                "workspace / --expert-cache / a non-fp32 --compute-dtype")
+            if int8_mode(tgt) is None:
+                raise UserError(f"--int8-activations needs a host CPU target with AVX2 or AVX512-VNNI, got {tgt}")
         if self.max_batch < 1:
             raise UserError("--max-batch must be at least 1")
         Mesh.of(tp=self.tp, ep=self.ep)  # positive sizes
@@ -136,7 +147,8 @@ class CompileOptions:
 
     def experts(self) -> dict:
         """The report's ``experts`` entry (before the routes each program took)."""
-        return {"compute_dtype": self.expert_dtype, "route": self.expert_route, "cache_bytes": self.expert_cache_bytes}
+        return {"compute_dtype": self.expert_dtype, "route": self.expert_route, "cache_bytes": self.expert_cache_bytes,
+                "int8_activations": bool(self.int8_activations)}
 
     def kv_pages(self, fe: Frontend) -> dict | None:
         """passes/paged_kv.py's configuration, or None: caches stay contiguous (no decode, or block size 0)."""
@@ -183,6 +195,7 @@ class StepEnv:
     route: str = "fused"  # MXFP4 experts: "workspace" rewrites them (expert_workspace)
     expert_dtype: str = HOST_COMPUTE_DTYPE
     expert_cache_bytes: int = 0
+    int8_activations: bool = False  # MXFP4 experts on the integer tiles (the decode programs, --int8-activations)
     mesh: Mesh = Mesh()  # the device mesh (passes/shard.py); one rank by default
 
 
@@ -213,6 +226,7 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     ("compressed_attention", lambda g, env: compressed_attention(g, env.constants)),  # after sparse_attention
     # -- specialise ----------------------------------------------------------------------------------------------
     ("expert_workspace", _expert_workspace),  # MXFP4 experts on the workspace route (--expert-route)
+    ("int8_activations", lambda g, env: ew.int8_activations(g) if env.int8_activations else (g, Found())),
     # -- lay out state: positions and pages ----------------------------------------------------------------------
     # decode_batch only: each token at its own position
     ("token_positions", lambda g, env: token_positions(g, env.token_positions)),
@@ -309,7 +323,7 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
     def build(name: str, g: Graph, kv_pages: dict | None = None, per_token: bool = False,
               accept: Callable[[Graph], str] | None = None) -> str:
         env = StepEnv(res.constants, kv_pages, per_token, options.route, options.expert_dtype,
-                      options.expert_cache_bytes, options.mesh)
+                      options.expert_cache_bytes, options.int8_activations and name in DECODE_PROGRAMS, options.mesh)
         with _timed(res.seconds, "graph_steps_s", add=True):
             g, found = run_steps(g, env, verify, Path(dump_dir) / name if dump_dir is not None else None)
         res.constants.update(found.constants)
@@ -526,7 +540,9 @@ def write_artifact(writer: artifact.ArtifactWriter, fe: Frontend, options: Compi
         "patterns": dict(ps.patterns["prefill"]),
         "experts": dict(options.experts(), routes={p.name: sorted({k.op for k in p.kernels.values()
                                                                    if k.op.startswith("moe_experts_mxfp4")})
-                                                   for p in progs}),
+                                                   for p in progs},
+                        int8_layers={name: pat.get("int8_activations", 0) for name, pat in ps.patterns.items()
+                                     if pat.get("int8_activations")}),
         "unsupported": [],
         "build": build_stats,
         "kv_cache_layout": fe.cache_layout,

@@ -17,7 +17,7 @@ __all__ = ["compile_model", "optimize", "trace_model", "resolve_compute_dtype"]
 def compile_model(model, out, **options) -> dict:
     """Compile MODEL into the artifact directory OUT; returns the report. The keywords are ``CompileOptions``'
     fields (target, max_seq, max_batch, prefill_chunk, kv_block_size, kv_blocks, image_grids, verify, tune,
-    tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache_bytes, allow_nonfinite)."""
+    tune_minutes, tuning_dir, compute_dtype, expert_route, expert_cache_bytes, int8_activations, allow_nonfinite)."""
     return compile_artifact(model, out, CompileOptions(**options))
 
 

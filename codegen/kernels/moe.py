@@ -216,7 +216,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                      down_bias: bool, x_dtype="float32", ids_dtype="int64", w_dtype="float32", wt_dtype="float32",
                      out_dtype="float32", target_kind: str = "llvm", wfmt: str = "dense",
                      gate_up_block=(128, 128), down_block=(128, 128), decode: str | None = None,
-                     int8: bool = False) -> tvm.tirx.PrimFunc:
+                     int8: bool | str = False) -> tvm.tirx.PrimFunc:
     """``wfmt="mxfp4"``: the expert matrices arrive as published, blocks uint8 [E, out, in/32, 16] + scales uint8
     [E, out, in/32] (layout nk), and every weight element the GEMMs read is decoded in registers on the fly: no
     full-precision copy of any expert exists, the jobs read 4.25 bits per weight. The reduction runs in the nibble
@@ -232,7 +232,16 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     (rows, cols): Sgu [E, ceil(d1/br), ceil(d2/bc)], W[e, i1, i2] = E4M3(Wq[e, i1, i2]) * S[e, i1 // br, i2 // bc]
     (``frontend/checkpoint._fp8_param`` binds DeepSeek's 128x128 weight_scale_inv so; br < 128 where a tiny
     model's experts are shorter than a scale block). Decoded in registers as ``dequant_decode.e4m3_value_div256`` times
-    256 * S (exact: a power of two), so the jobs read 1 byte per weight plus 4 bytes per block."""
+    256 * S (exact: a power of two), so the jobs read 1 byte per weight plus 4 bytes per block.
+
+    ``int8`` (MXFP4 on x86 only; True: the host's ``gemv_int8.int8_mode``, or the mode named): every token tile runs
+    on integers as ``gemv_int8`` does. x (per token, from XP) and A (per sorted position, after the activation) are
+    quantised to int8 per 32-block once per call (``Int8Blocks.quantise_row``: XP's block g is the low nibbles' 16
+    inputs then the high nibbles', so the code bytes' nibbles line up with QL / QH); a job's tiles (MB, 2, 1 rows as
+    above) take ``Int8Blocks.block_dots`` over WMAX blocks per step for each of the NB weight rows, whose scales are
+    widened once per job into SWV. Not the fp32 result: x and A are rounded to 8 bits per block (the op reference
+    ``reference_moe.int8_blocks_ref`` rounds the same way). Measured at gpt-oss-20b width (32 experts, top-4,
+    2880 x 2880, fresh routing per call, ``dayzero bench moe --full-width``): 2.3-2.6x the fp32 tiles' speed."""
     mx, f8 = wfmt == "mxfp4", wfmt == "fp8"
     if mx and (layout != "nk" or H % 32 or I % 32):
         raise InternalError(f"moe_experts mxfp4 kernel needs layout nk and H, I multiples of 32 (H={H}, I={I})")
@@ -247,12 +256,12 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         decode = "arith" if cuda else dequant_decode.lookup_mode(host_target_dict())
     if cuda and decode not in (None, "arith"):
         raise InternalError(f"moe_experts mxfp4 on CUDA decodes with integer arithmetic, not {decode!r}")
-    q8 = None  # int8: the decode tiles' integer pieces (gemv_int8.Int8Blocks)
+    q8 = None  # int8: the tiles' integer pieces (gemv_int8.Int8Blocks) in the host's mode, or the mode named
     if int8:
         from dayzero.targets.host import host_target_dict
 
-        mode = None if cuda or not mx else int8_mode(host_target_dict())
-        if mode is None:
+        mode = None if cuda or not mx else int8 if isinstance(int8, str) else int8_mode(host_target_dict())
+        if mode not in ("vnni", "maddubs"):
             raise InternalError("moe_experts int8 activations need MXFP4 experts on an x86 host with AVX2 "
                                 f"(wfmt={wfmt}, target kind {target_kind})")
         q8 = Int8Blocks(mode)
@@ -634,7 +643,7 @@ def params_mxfp4(node) -> dict:
                 layout="nk", act=a["act"], gate_up_bias=a["gate_up_bias"], down_bias=a["down_bias"],
                 x_dtype=x.dtype, ids_dtype=ids.dtype, w_dtype=w.dtype,
                 wt_dtype=bias.dtype if bias is not None else "float32", out_dtype=node.dtype, wd_dtype="uint8",
-                wfmt="mxfp4")
+                wfmt="mxfp4", **({"int8": True} if a.get("int8") else {}))
 
 
 def prim_func_mxfp4(node) -> tvm.tirx.PrimFunc:

@@ -150,7 +150,8 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
           reference=moe_mxfp4_reference,
           doc="moe_experts with MXFP4 expert matrices as published (layout nk): gate_up_blocks uint8 "
               "[E,GU,H/32,16], gate_up_scales uint8 [E,GU,H/32], down_blocks [E,H,I/32,16], down_scales [E,H,I/32]; "
-              "other args as moe_experts"),
+              "other args as moe_experts; optional attr int8 (passes/expert_workspace.int8_activations): x and "
+              "act(...) rounded to int8 per 32-block before their GEMMs (reference_moe.int8_blocks_ref)"),
     OpDef("moe_experts_fp8", args=(*_ROUTING, ("gate_up_weight", TENSOR), ("gate_up_scale", TENSOR),
                                    ("b_gate_up", OPT_TENSOR), ("down_weight", TENSOR), ("down_scale", TENSOR),
                                    ("b_down", OPT_TENSOR), ("layout", ATTR), *_MOE_ATTRS, ("gate_up_block", ATTR),
