@@ -23,6 +23,12 @@ by side on the same inputs; ``dayzero`` is the workspace route, ``baselines.fuse
 - mxfp4_decode_T1_lru_skewed: a decode sequence through 2 layers (their own weights) with a skewed routing (Zipf
   1.2 over each layer's experts), the workspace with a 96 MiB LRU cache shared by both layers (16 fp32 experts;
   32 bf16 ones under ``compute_dtypes``); ``hit_rate`` from the kernel's own counters (the cache state).
+Full width (``full_width_cases``; ``--full-width`` runs only these): gpt-oss-20b's expert shapes (32 experts, top-4,
+hidden 2880, expert width 2880, biases, random MXFP4 weights: 423 MB per layer, larger than the caches), decode at
+T = 1 and 8 with a fresh routing per call: ``dayzero`` is the fused kernel on integer tiles (``int8``: what
+``dayzero compile --int8-activations`` gives the decode programs), ``baselines.fused_fp32`` the fused kernel's fp32
+tiles (the default), side by side in one run; bound = routed experts' MXFP4 bytes / read bandwidth measured in the
+same run, ``share_of_bound`` = bound / time for each.
 TVM's thread pool is set to the target's core count (``tvm_threads`` in the machine info), as torch uses every core;
 each torch baseline is the better of torch on all its threads and on one (``baseline_threads``), see best_torch.
 """
@@ -203,7 +209,61 @@ def mxfp4_route_cases(target: dict, quick: bool = False) -> list[dict]:
     return out
 
 
-def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
+def full_width_cases(target: dict, bw: float, quick: bool = False) -> list[dict]:
+    """gpt-oss-20b expert width, decode T = 1 / 8: integer tiles vs fp32 tiles (module docstring)."""
+    import torch
+    import tvm
+
+    from dayzero.codegen.kernels.moe import moe_experts_func
+    from dayzero.codegen.kernels.dequant.gemv_int8 import int8_mode
+
+    E_, k_, H_, I_ = 32, 4, 2880, 2880
+    act = ("mul", ("silu", ("col", 0, 2, I_)), ("col", 1, 2, I_))
+    gen = torch.Generator().manual_seed(3)
+
+    def mx(O, K):
+        return (torch.randint(0, 256, (E_, O, K // 32, 16), dtype=torch.uint8, generator=gen),
+                torch.randint(119, 123, (E_, O, K // 32), dtype=torch.uint8, generator=gen))
+    gub, gus = mx(2 * I_, H_)
+    db, ds = mx(H_, I_)
+    bgu, bd = torch.randn(E_, 2 * I_, generator=gen) * 0.01, torch.randn(E_, H_, generator=gen) * 0.01
+    kerns = {}
+    for name, q in (("int8", True), ("fp32", False)):
+        if q and int8_mode(target) is None:
+            return []
+        f = moe_experts_func(E_, H_, 2 * I_, I_, k_, layout="nk", act=act, gate_up_bias=True, down_bias=True,
+                             wfmt="mxfp4", int8=q)
+        kerns[name] = tvm.compile(tvm.IRModule({"main": f}), target=target)["main"]
+    per_expert = (2 * I_ * H_ + H_ * I_) * 17 // 32  # 4 bits per code + 1 scale byte per 32
+    r = 2 if quick else 3
+    out = []
+    for T in (1, 8):
+        n_calls = 4 if quick else 8
+        xs = [torch.randn(T, H_, generator=gen) for _ in range(n_calls)]
+        rs = [torch.stack([torch.randperm(E_, generator=gen)[:k_] for _ in range(T)]) for _ in range(n_calls)]
+        w = torch.rand(T, k_, generator=gen)
+        y = torch.empty(T, H_)
+        routed = sum(int(torch.unique(b).numel()) for b in rs) / n_calls * per_expert
+        times = {}
+        for name, kern in kerns.items():
+            def run(kern=kern):
+                for a, b in zip(xs, rs):
+                    kern(a, b, w, gub, gus, bgu, db, ds, bd, y)
+            run()
+            times[name] = best_time(run, r) / n_calls
+        bound = routed / bw
+        out.append({"case": f"mxfp4_full_decode_T{T}", "unit": "s", "dayzero": times["int8"],
+                    "baselines": {"fused_fp32": times["fp32"]}, "bound": bound,
+                    "bound_name": "routed experts' MXFP4 bytes / measured read bandwidth",
+                    "routed_expert_bytes": routed, "achieved_GBps": routed / times["int8"] / 1e9,
+                    "share_of_bound": bound / times["int8"], "fp32_share_of_bound": bound / times["fp32"],
+                    "speedup_vs_fp32": times["fp32"] / times["int8"],
+                    "note": "gpt-oss-20b experts (32, top-4, 2880 x 2880), fresh routing per call; dayzero: integer "
+                            "tiles (--int8-activations), fused_fp32: the default fp32 tiles"})
+    return out
+
+
+def run_bench(quick: bool = False, mxfp4_routes_only: bool = False, full_width_only: bool = False) -> dict:
     import torch
 
     from dayzero.targets.host import host_target_dict
@@ -212,6 +272,11 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
 
     target = host_target_dict()
     tvm_threads = _tvm_threads(target)
+    if full_width_only:
+        bw = read_bandwidth(256 << 20)
+        m = machine_info()
+        m.update({"read_bandwidth_GBps": bw / 1e9, "target": target, "tvm_threads": tvm_threads})
+        return {"suite": "moe", "machine": m, "results": full_width_cases(target, bw, quick)}
     if mxfp4_routes_only:
         m = machine_info()
         m.update({"target": target, "tvm_threads": tvm_threads})
@@ -289,6 +354,7 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
                         "achieved_GBps": routed / t_dz / 1e9, "ratio_to_bound": t_dz / (routed / bw),
                         "max_abs_err": errs, "speedup_vs_eager": base["transformers_eager"] / t_dz})
     results += mxfp4_route_cases(target, quick)
+    results += full_width_cases(target, bw, quick)
     m = machine_info()
     m.update({"read_bandwidth_GBps": bw / 1e9, "target": target, "tvm_threads": tvm_threads})
     return {"suite": "moe", "machine": m, "results": results}
@@ -298,10 +364,11 @@ def run_bench(quick: bool = False, mxfp4_routes_only: bool = False) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print the bench JSON object.")
 @click.option("--quick", is_flag=True, help="Prefill at 64 tokens, fewer repeats.")
 @click.option("--mxfp4-routes", is_flag=True, help="Only the MXFP4 cases: fused-in-register vs workspace route.")
-def moe_command(as_json: bool, quick: bool, mxfp4_routes: bool):
+@click.option("--full-width", is_flag=True, help="Only the gpt-oss-20b width decode cases: integer vs fp32 tiles.")
+def moe_command(as_json: bool, quick: bool, mxfp4_routes: bool, full_width: bool):
     """Routed experts (64 experts, top-4, 1024 x 512): dayzero vs transformers eager / grouped_mm / batched_mm, and
     MXFP4 experts decoded in registers vs converted into a reused workspace (+ LRU cache)."""
-    out = run_bench(quick=quick, mxfp4_routes_only=mxfp4_routes)
+    out = run_bench(quick=quick, mxfp4_routes_only=mxfp4_routes, full_width_only=full_width)
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -309,6 +376,11 @@ def moe_command(as_json: bool, quick: bool, mxfp4_routes: bool):
         click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s, "
                    f"torch threads {out['machine']['threads']}, tvm threads {out['machine']['tvm_threads']}")
     for r in out["results"]:
+        if "share_of_bound" in r:
+            click.echo(f"{r['case']:28s} int8 {r['dayzero'] * 1e3:8.2f} ms ({r['share_of_bound']:.0%} of bound, "
+                       f"{r['achieved_GBps']:.2f} GB/s)  fp32 {r['baselines']['fused_fp32'] * 1e3:8.2f} ms "
+                       f"({r['fp32_share_of_bound']:.0%})  {r['speedup_vs_fp32']:.2f}x")
+            continue
         if "workspace_over_fused" in r:
             extra = f", hit rate {r['hit_rate']:.2f}" if "hit_rate" in r else ""
             click.echo(f"{r['case']:28s} workspace {r['dayzero'] * 1e3:8.2f} ms  fused "
