@@ -43,14 +43,14 @@ MODELS = {"gpt_oss": "gpt_oss", "deepseek_v4": "deepseek_v4", "deepseek_v3_2": "
 
 
 def _artifact(model_type: str, layers: int, root: Path, max_seq: int, batch: int, chunk: int,
-              overrides: dict | None = None) -> tuple:
+              overrides: dict | None = None, int8: bool = False) -> tuple:
     """(ckpt, art, seconds spent making each) under root, reused when present (``overrides``: make_full's, for
-    tests: a narrow width)."""
+    tests: a narrow width; ``int8``: compiled with --int8-activations, its own artifact beside the default's)."""
     from dayzero.tools.compiler import CompileOptions, compile_artifact
     from dayzero.tools.make_full import make_full
 
     base = root / f"{model_type}_L{layers}"
-    ckpt, art = base / "ckpt", base / f"art_{max_seq}_{batch}_{chunk}"
+    ckpt, art = base / "ckpt", base / f"art_{max_seq}_{batch}_{chunk}{'_int8' if int8 else ''}"
     times = {}
     if not (ckpt / "config.json").exists():
         t0 = time.perf_counter()
@@ -58,7 +58,8 @@ def _artifact(model_type: str, layers: int, root: Path, max_seq: int, batch: int
         times["make_full_s"] = time.perf_counter() - t0
     if not (art / "artifact.json").exists():
         t0 = time.perf_counter()
-        compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=batch, prefill_chunk=chunk))
+        compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=batch, prefill_chunk=chunk,
+                                                        int8_activations=int8))
         times["compile_s"] = time.perf_counter() - t0
     return ckpt, art, times
 
@@ -193,7 +194,8 @@ def _eager_baselines(ckpt: Path, values: int, cases: list, max_gb: float, ids_be
 
 
 def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches: list[int], prefills: list[int],
-               steps: int, prefill_budget: float, eager_max_gb: float, overrides: dict | None = None) -> dict:
+               steps: int, prefill_budget: float, eager_max_gb: float, overrides: dict | None = None,
+               int8: bool = False) -> dict:
     """The suite (module docstring); ``overrides``: make_full's test-only config overrides (a narrow width)."""
     import torch
 
@@ -204,7 +206,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
 
     model_type = MODELS[model]
     max_seq = max(max(contexts) + steps + 2, max(prefills))
-    ckpt, art, made = _artifact(model_type, layers, root, max_seq, max(batches), max(prefills), overrides)
+    ckpt, art, made = _artifact(model_type, layers, root, max_seq, max(batches), max(prefills), overrides, int8)
     cfg = json.loads((ckpt / "config.json").read_text())
     cb = checkpoint_bytes(ckpt)
     ids_below = min(1000, int(cfg["vocab_size"]))  # prompt token ids: random below this
@@ -254,6 +256,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
             r["torch_eager_skipped"] = eager["skipped"]
     machine = dict(machine_info(), read_bandwidth_GBps=round(bw / 1e9, 2))
     return {"suite": "full", "machine": machine, "results": results, "model": model, "layers": layers,
+            "int8_activations": int8,
             "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")),
             "load_s": load_s, **made, "tuned_kernels": tuned,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -273,7 +276,10 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
               help="seconds of prefill per request at most before a decode case (the rest is skipped, see --help)")
 @click.option("--eager-max-gb", default=5.0, show_default=True,
               help="run torch eager (fp32 upstream) only when its parameters fit in this many GB")
-def full_command(as_json, model, layers, work, contexts, batches, prefills, steps, prefill_budget, eager_max_gb):
+@click.option("--int8-activations", "int8", is_flag=True,
+              help="compile with --int8-activations (decode experts on integer tiles; its own artifact in --dir)")
+def full_command(as_json, model, layers, work, contexts, batches, prefills, steps, prefill_budget, eager_max_gb,
+                 int8):
     """A full-width model (make-full, first N layers) compiled and loaded: decode tokens/s at each batch and
     context against the bytes-per-step bound at this run's read bandwidth, prefill tokens/s, torch eager where it
     fits."""
@@ -288,7 +294,7 @@ def full_command(as_json, model, layers, work, contexts, batches, prefills, step
     if layers < 1 or steps < 1 or prefill_budget <= 0 or eager_max_gb < 0:
         raise UserError("--layers and --steps must be >= 1, --prefill-budget > 0, --eager-max-gb >= 0")
     out = bench_full(model, layers, Path(work), counts(contexts, "--contexts"), counts(batches, "--batches"),
-                     counts(prefills, "--prefill"), steps, prefill_budget, eager_max_gb)
+                     counts(prefills, "--prefill"), steps, prefill_budget, eager_max_gb, int8=int8)
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
