@@ -145,7 +145,7 @@ def compile_options(fn):
         click.option("--int8-activations", is_flag=True,
                      help="decode programs: MXFP4 experts (fused route) quantise x and the GEMMs' intermediate to "
                           "int8 per 32-block and take integer dot products on the FP4 codes (VNNI / AVX2): "
-                          "~2.4x faster decode, ~1%% of max error per expert call (prefill stays exact)"),
+                          "~2.4x faster decode, ~1% of max error per expert call (prefill stays exact)"),
         click.option("--allow-nonfinite", is_flag=True,
                      help="compile a checkpoint whose float weights hold NaN/Inf (an error otherwise)"),
         click.option("--ep", type=int, default=1, show_default=True,
@@ -161,8 +161,8 @@ def compile_options(fn):
         from dayzero.tools.compiler import CompileOptions
 
         names = ("target", "max_seq", "max_batch", "prefill_chunk", "kv_block_size", "kv_blocks", "verify", "tune",
-                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "int8_activations", "allow_nonfinite", "tp",
-                 "ep")
+                 "tune_minutes", "tuning_dir", "trace_cache", "compute_dtype", "expert_route", "int8_activations",
+                 "allow_nonfinite", "tp", "ep")
         from dayzero.tools.capacity import parse_count
 
         for k in ("max_seq", "prefill_chunk"):
