@@ -102,12 +102,23 @@ def table_decl(p: dict) -> list[str]:
         return []
     if p.get("per_token"):  # one table row per query: the query count is the kernel's S
         S = _i(p["S"]) if p["S"] is not None else "S"
-        return [f'    bt = T.match_buffer(bt_, ({S}, {_i(p["NT"])}), "{p["table_dtype"]}")']
-    return [f'    bt = T.match_buffer(bt_, ({_i(p["NT"])},), "{p["table_dtype"]}")']
+        return [buffer("bt", "bt_", (S, _i(p["NT"])), p["table_dtype"])]
+    return [buffer("bt", "bt_", (_i(p["NT"]),), p["table_dtype"])]
 
 
 def _i(x) -> str:
     return f"T.int64({x})"
+
+
+def header(p: dict, *symbolic: str) -> list[str]:
+    """A kernel body's first lines: its buffers never alias, and each extent of ``symbolic`` (``S``: query rows,
+    ``B``: batch rows) that ``p`` leaves open (None) is declared symbolic."""
+    return ['    T.func_attr({"tirx.noalias": True})'] + [f"    {s} = T.int64()" for s in symbolic if p[s] is None]
+
+
+def buffer(var: str, arg: str, shape: tuple, dtype: str) -> str:
+    """One ``T.match_buffer`` line; ``shape`` holds TVMScript extents (``_i(n)``, or a symbolic name)."""
+    return f'    {var} = T.match_buffer({arg}, ({", ".join(shape)}{"," if len(shape) == 1 else ""}), "{dtype}")'
 
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
@@ -126,20 +137,16 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     params_ = (["q_", "k_", "v_", "p_"] + (["x_"] if sparse else []) + (["sk_"] if p["sinks"] else [])
                + (["bt_"] if p.get("paged") else []) + ["o_"])
     rows = p.get("P", L)  # the cache buffers' rows: L, or the pool's when paged
-    lines = ['    T.func_attr({"tirx.noalias": True})']
-    if p["S"] is None:
-        lines.append("    S = T.int64()")
-    if p["B"] is None:
-        lines.append("    B = T.int64()")
-    lines += [f'    q = T.match_buffer(q_, ({B}, {_i(Hq)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    k = T.match_buffer(k_, ({B}, {_i(Hkv)}, {_i(rows)}, {_i(D)}), "{p["dtype"]}")',
-              f'    v = T.match_buffer(v_, ({B}, {_i(Hkv)}, {_i(rows)}, {_i(Dv)}), "{p["dtype"]}")',
-              f'    p = T.match_buffer(p_, ({B if p.get("per_row") else S},), "{p["pos_dtype"]}")'] + table_decl(p)
+    lines = header(p, "S", "B") + [
+        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
+        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
+        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
+        buffer("p", "p_", (B if p.get("per_row") else S,), p["pos_dtype"])] + table_decl(p)
     if sparse:
-        lines.append(f'    x = T.match_buffer(x_, ({B}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
+        lines.append(buffer("x", "x_", (B, S, _i(p["K"])), p["idx_dtype"]))
     if p["sinks"]:
-        lines.append(f'    sk = T.match_buffer(sk_, ({_i(Hq)},), "{p["sink_dtype"]}")')
-    lines.append(f'    o = T.match_buffer(o_, ({B}, {_i(Hq)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")')
+        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
+    lines.append(buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"]))
     nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}" if qb > 1 else S
     total = f"{B} * {_i(Hq)} * ({nqb})"
     scope = ', scope="local"' if kind == "cuda" else ""
@@ -262,17 +269,15 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     S = _i(p["S"]) if p["S"] is not None else "S"
     f32 = "T.float32"
     scope = ', scope="local"' if kind == "cuda" else ""
-    lines = ['    T.func_attr({"tirx.noalias": True})']
-    if p["S"] is None:
-        lines.append("    S = T.int64()")
-    lines += [f'    q = T.match_buffer(q_, ({_i(B)}, {_i(H)}, {S}, {_i(Dn + Dr)}), "{p["dtype"]}")',
-              f'    lat = T.match_buffer(l_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(R)}), "{p["lat_dtype"]}")',
-              f'    rk = T.match_buffer(r_, ({_i(B)}, {_i(1)}, {_i(rows)}, {_i(Dr)}), "{p["lat_dtype"]}")',
-              f'    w = T.match_buffer(w_, ({_i(H * (Dn + Dv))}, {_i(R)}), "{p["w_dtype"]}")',
-              f'    p = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")']
+    lines = header(p, "S") + [
+        buffer("q", "q_", (_i(B), _i(H), S, _i(Dn + Dr)), p["dtype"]),
+        buffer("lat", "l_", (_i(B), _i(1), _i(rows), _i(R)), p["lat_dtype"]),
+        buffer("rk", "r_", (_i(B), _i(1), _i(rows), _i(Dr)), p["lat_dtype"]),
+        buffer("w", "w_", (_i(H * (Dn + Dv)), _i(R)), p["w_dtype"]),
+        buffer("p", "p_", (S,), p["pos_dtype"])]
     if not p.get("dense"):
-        lines.append(f'    x = T.match_buffer(x_, ({_i(B)}, {S}, {_i(K)}), "{p["idx_dtype"]}")')
-    lines += [f'    o = T.match_buffer(o_, ({_i(B)}, {_i(H)}, {S}, {_i(Dv)}), "{p["out_dtype"]}")'] + table_decl(p)
+        lines.append(buffer("x", "x_", (_i(B), S, _i(K)), p["idx_dtype"]))
+    lines += [buffer("o", "o_", (_i(B), _i(H), S, _i(Dv)), p["out_dtype"])] + table_decl(p)
     HG = mla_head_group(H, kind)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"

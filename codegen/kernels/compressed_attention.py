@@ -116,22 +116,19 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     scope = ', scope="local"' if kind == "cuda" else ""
     args = (["q_", "kv_", "p_", "en_", "sk_"] + (["x_"] if csa else []) + (["ep_"] if hca else [])
             + (["bt_"] if p.get("paged") else []) + ["o_"])
-    lines = ['    T.func_attr({"tirx.noalias": True})']
-    if p["S"] is None:
-        lines.append("    S = T.int64()")
-    if p["B"] is None:
-        lines.append("    B = T.int64()")
-    lines += [f'    q = T.match_buffer(q_, ({B}, {_i(H)}, {S}, {_i(D)}), "{p["dtype"]}")',
-              f'    kv = T.match_buffer(kv_, ({B}, {_i(Hkv)}, {_i(p.get("P", L))}, {_i(D)}), "{p["kv_dtype"]}")',
-              f'    p = T.match_buffer(p_, ({P},), "{p["pos_dtype"]}")',
-              f'    en = T.match_buffer(en_, ({B}, {_i(Hkv)}, {_i(E)}, {_i(D)}), "{p["ent_dtype"]}")',
-              f'    sk = T.match_buffer(sk_, ({_i(H)},), "{p["sink_dtype"]}")']
+    buf = attention.buffer
+    lines = attention.header(p, "S", "B") + [
+        buf("q", "q_", (B, _i(H), S, _i(D)), p["dtype"]),
+        buf("kv", "kv_", (B, _i(Hkv), _i(p.get("P", L)), _i(D)), p["kv_dtype"]),
+        buf("p", "p_", (P,), p["pos_dtype"]),
+        buf("en", "en_", (B, _i(Hkv), _i(E), _i(D)), p["ent_dtype"]),
+        buf("sk", "sk_", (_i(H),), p["sink_dtype"])]
     if csa:
-        lines.append(f'    x = T.match_buffer(x_, ({B}, {S}, {_i(p["K"])}), "{p["idx_dtype"]}")')
+        lines.append(buf("x", "x_", (B, S, _i(p["K"])), p["idx_dtype"]))
     if hca:
-        lines.append(f'    ep = T.match_buffer(ep_, ({P},), "{p["epos_dtype"]}")')
+        lines.append(buf("ep", "ep_", (P,), p["epos_dtype"]))
     lines += attention.table_decl(p)
-    lines.append(f'    o = T.match_buffer(o_, ({B}, {_i(H)}, {S}, {_i(D)}), "{p["out_dtype"]}")')
+    lines.append(buf("o", "o_", (B, _i(H), S, _i(D)), p["out_dtype"]))
     total = f"{B} * {_i(NG)} * {NQ}"
     at = "b" if p.get("per_row") else "s"  # the index of a query's position
     lines += attention.task_loop(total, kind)

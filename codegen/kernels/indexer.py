@@ -159,14 +159,13 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     B, Hi, Di, L, K = p["B"], p["Hi"], p["Di"], p["L"], p["K"]
     S = _i(p["S"]) if p["S"] is not None else "S"
     decode = p["S"] == 1
-    head = ['    T.func_attr({"tirx.noalias": True})']
-    if p["S"] is None:
-        head.append("    S = T.int64()")
-    head += [f'    q = T.match_buffer(q_, ({_i(B)}, {S}, {_i(Hi)}, {_i(Di)}), "{p["q_dtype"]}")',
-             f'    w = T.match_buffer(w_, ({_i(B)}, {S}, {_i(Hi)}), "{p["w_dtype"]}")',
-             f'    keys = T.match_buffer(k_, ({_i(B)}, {_i(p.get("P", L))}, {_i(Di)}), "{p["k_dtype"]}")',
-             f'    pp = T.match_buffer(p_, ({S},), "{p["pos_dtype"]}")',
-             f'    o = T.match_buffer(o_, ({_i(B)}, {S}, {_i(K)}), "int64")'] + attention.table_decl(p)
+    buf = attention.buffer
+    head = attention.header(p, "S") + [
+        buf("q", "q_", (_i(B), S, _i(Hi), _i(Di)), p["q_dtype"]),
+        buf("w", "w_", (_i(B), S, _i(Hi)), p["w_dtype"]),
+        buf("keys", "k_", (_i(B), _i(p.get("P", L)), _i(Di)), p["k_dtype"]),
+        buf("pp", "p_", (S,), p["pos_dtype"]),
+        buf("o", "o_", (_i(B), S, _i(K)), "int64")] + attention.table_decl(p)
     nj = (L + JB - 1) // JB
     body: list[str] = []
     if kind == "cuda":
