@@ -191,3 +191,14 @@ def test_slice_scatter_open_end_on_a_symbolic_axis_under_the_default_schedule(en
     out = torch.empty_like(x)
     lib["k"](x, src, out, n)
     assert torch.equal(out, ops.get("slice_scatter").call([x, src], attrs))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather_and_index_select_take_rows_along_any_dim(dim):
+    # the two lowerings share one body (codegen/lower/index.py _take); ATen is the reference for both
+    x = rnd(3, 4, 5)
+    n = x.shape[dim]
+    idx = torch.randint(0, n, (3, 4, 5), generator=g)
+    _check("gather", [x, idx], {"dim": dim})
+    _check("index_select", [x, torch.tensor([n - 1, 0, n // 2, 0])], {"dim": dim})
+    _check("index_select", [x, torch.tensor(n - 1)], {"dim": dim})  # a 0-d index

@@ -49,16 +49,21 @@ def _index(ctx, ins, attrs, outs):
     return te.compute(ctx.shape(outs[0].shape), body, name="T")
 
 
-@lowering("gather")
-def _gather(ctx, ins, attrs, outs):
-    x, index = ins
+def _take(ctx, x, attrs, outs, index_at):
+    """out[i] = x[i with i[dim] replaced by index_at(i)] (negative indices wrap), for gather and index_select."""
     dim = norm_dim(attrs["dim"], len(x.shape))
 
     def body(*i):
         src = list(i)
-        src[dim] = wrap_index(cast(index[i], IDX), x.shape[dim])
+        src[dim] = wrap_index(cast(index_at(i, dim), IDX), x.shape[dim])
         return x[tuple(src)]
     return te.compute(ctx.shape(outs[0].shape), body, name="T")
+
+
+@lowering("gather")
+def _gather(ctx, ins, attrs, outs):
+    x, index = ins
+    return _take(ctx, x, attrs, outs, lambda i, dim: index[i])
 
 
 def _slice_bounds(ctx, attrs, size):
@@ -242,10 +247,4 @@ def _index_put(ctx, ins, attrs, outs):
 @lowering("index_select")
 def _index_select(ctx, ins, attrs, outs):
     x, index = ins
-    dim = norm_dim(attrs["dim"], len(x.shape))
-
-    def body(*i):
-        src = list(i)
-        src[dim] = wrap_index(cast(index[i[dim]] if len(index.shape) else index(), IDX), x.shape[dim])
-        return x[tuple(src)]
-    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+    return _take(ctx, x, attrs, outs, lambda i, dim: index[i[dim]] if len(index.shape) else index())
