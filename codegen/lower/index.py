@@ -109,18 +109,25 @@ def _scatter_hit(ctx, x, index, dim, mode):
     mode "last": the largest such k (ATen leaves duplicates unspecified; the CPU kernel's serial loop makes the
     last writer win, and so do we), -1 when none; the other coordinates must lie inside index's extent.
     """
-    nd = len(x.shape)
     k = te.reduce_axis((0, index.shape[dim]), name="k")
 
     def body(*i):
-        src = list(i)
-        src[dim] = k
-        inb = tvm.tirx.all(*[i[d] < index.shape[d] for d in range(nd) if d != dim]) if nd > 1 else \
-            tvm.tirx.const(True, "bool")
-        hit = tvm.tirx.if_then_else(
-            inb, wrap_index(cast(index[tuple(src)], IDX), x.shape[dim]) == i[dim], tvm.tirx.const(False, "bool"))
+        hit, _ = _writes(x, index, dim, i, k)
         return te.max(tvm.tirx.Select(hit, cast(k, IDX), tvm.tirx.const(-1, IDX)), axis=k)
     return te.compute(x.shape, body, name="hit")
+
+
+def _writes(x, index, dim, i, k):
+    """(whether index entry k along ``dim``, at i's other coordinates, writes position i of x; that entry's
+    coordinates). An entry outside index's extent writes nothing; negative indices wrap."""
+    nd = len(x.shape)
+    at = list(i)
+    at[dim] = k
+    inb = tvm.tirx.all(*[i[d] < index.shape[d] for d in range(nd) if d != dim]) if nd > 1 else \
+        tvm.tirx.const(True, "bool")
+    hit = tvm.tirx.if_then_else(
+        inb, wrap_index(cast(index[tuple(at)], IDX), x.shape[dim]) == i[dim], tvm.tirx.const(False, "bool"))
+    return hit, tuple(at)
 
 
 @lowering("scatter.value", "scatter.src", "scatter.value_reduce", "scatter.reduce")
@@ -159,13 +166,8 @@ def _scatter_add(ctx, ins, attrs, outs):
     ident = {"sum": const(0, cd), "amax": tvm.tirx.min_value(cd), "amin": tvm.tirx.max_value(cd)}[reduce]
 
     def body(*i):
-        si = list(i)
-        si[dim] = k
-        inb = tvm.tirx.all(*[i[d] < index.shape[d] for d in range(nd) if d != dim]) if nd > 1 else \
-            tvm.tirx.const(True, "bool")
-        hit = tvm.tirx.if_then_else(
-            inb, wrap_index(cast(index[tuple(si)], IDX), x.shape[dim]) == i[dim], tvm.tirx.const(False, "bool"))
-        v = tvm.tirx.if_then_else(hit, cast(src[tuple(si)], cd), ident)
+        hit, at = _writes(x, index, dim, i, k)
+        v = tvm.tirx.if_then_else(hit, cast(src[at], cd), ident)
         return {"sum": te.sum, "amax": te.max, "amin": te.min}[reduce](v, axis=k)
     acc = te.compute(x.shape, body, name="acc")
     comb = {"sum": lambda a, b: a + b, "amax": tvm.tirx.max, "amin": tvm.tirx.min}[reduce]
