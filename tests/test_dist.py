@@ -221,15 +221,26 @@ def test_shard_splits_attention_heads_caches_and_vocabulary_over_tp_ranks():
     assert sum(n.op == "all_reduce" for n in g.nodes()) == 2  # the embedding and o_proj
 
 
-def test_shard_leaves_attention_whole_when_its_kv_heads_do_not_split():
-    """One kv head over 2 ranks: the attention (and its cache) stays replicated; the vocabulary still splits."""
+def test_shard_splits_query_heads_over_one_shared_kv_head():
+    """One kv head (MQA, as MLA's latent and DeepSeek-V4's K=V head): each rank keeps half the query heads, the kv
+    projections and caches stay whole on every rank (their head extent is 1, broadcast over the query heads); the
+    vocabulary splits too. The numbers: test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks."""
     g, found = shard(_attn_graph(kv=1), Mesh.of(tp=2))
     verify(g)
-    assert found.patterns == {"shard.tensor_parallel_vocab": 2, "shard.replicated_kv_caches": 2}
-    caches = [n for n in g.nodes() if n.op == "state"]
-    assert all(n.shape == (1, 1, L, HD) for n in caches)
-    assert not any("shard" in n.attr for n in g.nodes() if n.op == "weight" and n.attr["name"] != "emb"
-                   and n.attr["name"] != "head")
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_attention": 1, "shard.tensor_parallel_vocab": 2,
+                              "shard.replicated_kv_caches": 2}
+    nodes = {n.attr["name"]: n for n in g.nodes() if n.op in ("weight", "state")}
+    assert nodes["wq"].attr["shard"] == ("tp", 0, 2) and nodes["wq"].shape == (NH * HD // 2, D)
+    assert nodes["wo"].attr["shard"] == ("tp", 1, 2) and nodes["wo"].shape == (D, NH * HD // 2)
+    for name in ("wk", "wv"):
+        assert "shard" not in nodes[name].attr and nodes[name].shape == (HD, D)
+    assert all(nodes[c].shape == (1, 1, L, HD) for c in ("cache_wk", "cache_wv"))
+    (sdpa,) = [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]
+    assert sdpa.shape == (1, NH // 2, T, HD) and sdpa.inputs[1].shape == (1, NH // 2, L, HD)
+    # 2 kv heads over 4 ranks (a rank would hold half a kv head): the attention stays whole
+    g4, found4 = shard(_attn_graph(kv=2), Mesh.of(tp=4))
+    assert "shard.tensor_parallel_attention" not in found4.patterns
 
 
 def test_shard_splits_the_routed_experts_over_ep_ranks():
@@ -298,8 +309,12 @@ def _interp_rank(rank: int, port: int, q) -> None:
     sg, _ = shard(_attn_graph(), Mesh.of(tp=2))  # attention heads, caches, embedding and head over the tp ranks
     held = _rank_slices(sg, data, rank)
     logits, _, _ = run_graph(sg, ag_, held.__getitem__)
+    _, data1 = _attn_data(kv=1)  # one kv head: query heads split, the kv head replicated
+    sg1, _ = shard(_attn_graph(kv=1), Mesh.of(tp=2))
+    held1 = _rank_slices(sg1, data1, rank)
+    logits1, _, _ = run_graph(sg1, ag_, held1.__getitem__)
     q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist(), logits.tolist(),
-           held["cache_wk"].tolist(), held["cache_wv"].tolist()))
+           held["cache_wk"].tolist(), held["cache_wv"].tolist(), logits1.tolist(), held1["cache_wk"].tolist()))
     dist.destroy_process_group()
 
 
@@ -326,8 +341,13 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     attn_in, data = _attn_data()
     full = {k: v.clone() for k, v in data.items()}
     (want_logits, _, _) = run_graph(_attn_graph(), attn_in, full.__getitem__)
-    for rank, y, ag, a2a, m, logits, ck, cv in res:
+    _, data1 = _attn_data(kv=1)
+    full1 = {k: v.clone() for k, v in data1.items()}
+    (want_logits1, _, _) = run_graph(_attn_graph(kv=1), attn_in, full1.__getitem__)
+    for rank, y, ag, a2a, m, logits, ck, cv, logits1, ck1 in res:
         assert torch.allclose(torch.tensor(logits), want_logits, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(torch.tensor(logits1), want_logits1, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.tensor(ck1), full1["cache_wk"])  # the one kv head's cache, whole on each rank
         assert torch.equal(torch.tensor(ck), full["cache_wk"][:, rank:rank + 1])  # its kv head's cache rows
         assert torch.equal(torch.tensor(cv), full["cache_wv"][:, rank:rank + 1])
         assert torch.allclose(torch.tensor(m), want_mlp, rtol=1e-5, atol=1e-4)
@@ -423,12 +443,14 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp"),
-                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp")])
+                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp"), ("deepseek_v4", "tp")])
 def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
                                                                       tmp_path_factory, tmp_path):
     """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared
-    experts): --ep 2 and --tp 2 (the dense MLP and the shared experts split) give the single-device logits and
-    tokens, each rank reading only its slices."""
+    experts), DeepSeek-V4 (one K=V head, sinks, grouped output projection, compressed attention, hyper-connections):
+    --ep 2 and --tp 2 (the dense MLP, the shared experts and the query heads split; MLA's latent KV, V4's K=V
+    head and the DSA / CSA indexers replicated) give the single-device logits and tokens, each rank reading only
+    its slices."""
     ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
     _run_two_ranks(ckpt, single, art, tmp_path, axis)
 
