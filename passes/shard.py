@@ -21,19 +21,23 @@ I/tp of the intermediate columns, its up-projections column-split and its down-p
         ==>  all_reduce[tp](linear(f(linear(x, W_1 [I/tp, K]), ..), W_d [H, I/tp]))   W_i: shard ("tp", 0, tp),
                                                                                           W_d: ("tp", 1, tp)
 
-Attention over the tp group: each TP rank keeps heads/tp of the query heads and kv_heads/tp of the kv heads (and
-their KV cache)::
+Attention over the tp group: each TP rank keeps heads/tp of the query heads (and of the kv heads and their KV
+cache where there are several)::
 
-    linear(g(linear(x, W_q [Nq, K]), linear(x, W_k), linear(x, W_v), cache_k, cache_v, side), W_o [H, Nq])
+    linear(g(linear(x, W_q [Nq, K]), .., cache_k, cache_v, side), W_o [H, Nq])
         ==>  all_reduce[tp](linear(g'(linear(x, W_q [Nq/tp, K]), .., cache_k [.., kv/tp, ..], ..), W_o [H, Nq/tp]))
 
-where g is any graph of ops that treat the head axis independently (element-wise with broadcast, views that keep
-heads as their outer blocks, permutes, expands, slices / cats / reductions over other axes, cache index_put,
-scaled_dot_product_attention, bmm over the head batch): the head axis is followed from each projection's output
-columns through g, every node on the way gets its head axis divided by tp (view and expand sizes too), a state
-(KV cache) it writes is split on the same axis, and a per-head weight it reads (gpt-oss's sinks, through views
-and expands) is split too; anything else (a node that mixes heads, a kv head count tp does not divide, MLA's shared
-rope key, a pattern op) leaves that attention replicated. An o_proj bias is added after the all_reduce.
+The head axis is found backward from o_proj's input (the row-split linear) through g, which must treat heads
+independently (element-wise with broadcast, views that keep heads as blocks or merge them with a batch axis,
+permutes, expands, slices / cats / reductions over other axes, cache index_put, scaled_dot_product_attention, bmm
+over the head batch) and hold an attention op (sdpa, bmm, softmax over positions). The walk ends at a projection
+(column-split per head), a KV cache (split, with its writes back), a per-head weight (gpt-oss's and V4's sinks,
+V4's grouped o_a_proj: split on that axis), a buffer made from nothing or a folded constant with equal blocks
+(one block), or a tensor whose head extent is 1, broadcast over the heads: MLA's shared latent KV head and
+DeepSeek-V4's single K=V head, the masks (the DSA indexer's top-k mask among them: the indexer stays whole, so its
+top-k is identical on every rank), rotary tables. Those are computed whole on every rank. Anything else (a node
+that mixes heads, a head count tp does not divide, a split value read outside the block, a pattern op) leaves that
+attention replicated. An o_proj bias is added after the all_reduce.
 
 The vocabulary over the tp group: each TP rank keeps V/tp rows of the embedding table and of the LM head::
 
