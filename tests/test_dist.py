@@ -452,6 +452,9 @@ def test_sharded_artifacts_of_other_architectures_match_single_device(model, axi
     head and the DSA / CSA indexers replicated) give the single-device logits and tokens, each rank reading only
     its slices."""
     ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
+    if axis == "tp":  # the query heads split (MLA's and V4's too), not a replicated attention
+        patterns = json.loads((art / "report.json").read_text())["patterns"]
+        assert patterns.get("shard.tensor_parallel_attention"), patterns
     _run_two_ranks(ckpt, single, art, tmp_path, axis)
 
 
@@ -566,18 +569,22 @@ def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axis", ["tp", "ep"])
-def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_factory):
+@pytest.mark.parametrize("model,axis", [("qwen3_moe", "tp"), ("qwen3_moe", "ep"), ("deepseek_v32", "tp"),
+                                        ("deepseek_v4", "tp")])
+def test_plan_devices_and_report_agree_per_rank(model, axis, tiny_compiled, tmp_path_factory):
     """``dayzero plan --devices 2 --tp 2`` (or ``--ep 2``) from config.json alone and ``dayzero report`` of the
     artifact compiled that way give one rank's bytes: weights and KV cache within 2%; the workspace within the
     host plan's accuracy at tiny widths (its formula follows the peak of full-width models, 2% there:
-    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model."""
+    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model.
+    DeepSeek --tp 2: the query-head parameters split, MLA's latent / V4's K=V projections, the indexers and
+    compressors and their caches whole on each rank (the host keeps the indexer keys in fp32, as the plan now
+    says)."""
     from click.testing import CliRunner
 
     from dayzero.tools.cli import main
     from dayzero.tools.report import build_report
 
-    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", **{axis: 2})
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
     got = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "2", f"--{axis}", "2",
                                     "--context", str(SHARED_MAX_SEQ), "--batch", "1", "--kv-dtype", "fp32", "--json"])
     assert got.exit_code == 0, got.output
@@ -589,12 +596,16 @@ def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_fa
     pairs = {"weights": "weights", "kv_bytes_per_sequence": "kv", "workspace": "workspace"}
     for k, dev in pairs.items():
         assert rep[k]["plan"] == plan["per_device"][dev], (k, rep[k], plan["per_device"])
-    for k in ("weights", "kv_bytes_per_sequence"):
-        assert 0.98 <= rep[k]["measured_over_plan"] <= 1.02, (k, rep[k])
-    assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
-    # the split is real: tp halves the KV cache (2 kv heads over 2 ranks), both shrink the weights
-    assert rep["weights"]["measured"] < 0.85 * whole["weights"]["measured"]
-    want_kv = 0.5 if axis == "tp" else 1.0
+    assert 0.98 <= rep["weights"]["measured_over_plan"] <= 1.02, rep["weights"]
+    # DeepSeek-V4's KV cache (window + compressor state) and host workspace are not modelled at tiny widths on one
+    # device either (x1.51 and x1.32 of the plan, single-device and --tp 2 alike): only its weights are compared
+    if model != "deepseek_v4":
+        assert 0.98 <= rep["kv_bytes_per_sequence"]["measured_over_plan"] <= 1.02, rep["kv_bytes_per_sequence"]
+        assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
+    # the split is real: tp halves Qwen3's KV cache (2 kv heads over 2 ranks), both shrink the weights (less for
+    # V4, whose routed experts, hyper-connections, compressors and indexers stay whole under tp: x0.87)
+    assert rep["weights"]["measured"] < (0.9 if model == "deepseek_v4" else 0.85) * whole["weights"]["measured"]
+    want_kv = 0.5 if axis == "tp" and model == "qwen3_moe" else 1.0
     assert rep["kv_bytes_per_sequence"]["measured"] == want_kv * whole["kv_bytes_per_sequence"]["measured"]
     bad = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "4", f"--{axis}", "2"])
     assert bad.exit_code == 2 and "not --devices 4" in bad.output
