@@ -7,6 +7,11 @@
 Only statically shaped values are folded (a value shaped by ``seq`` depends on the input's length) and only small
 ones (at most ``MAX_ELEMENTS``): folding a large broadcast would trade a cheap kernel for resident bytes. Empty
 values (0 elements) are left in fold_empty's form (``empty.memory_format``: no bytes, no manifest entry).
+
+A buffer made by an ``empty*`` op (upstream's ``new_empty`` then slice copies, as MLA's ``expand_kv`` writes its
+keys) folds to zeros: its contents are never read before written, and uninitialised memory would give the
+artifact different bytes (and constant names) on every compile; zeros also split over tensor-parallel ranks as one
+block (passes/shard.py).
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ import hashlib
 import torch
 
 from dayzero.passes.ir import ops
-from dayzero.passes.ir.node import Graph, Node, rewrite
+from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite
 from dayzero.passes.pipeline import Found
 
 MAX_ELEMENTS = 1 << 16
+
+
+def constant_name(v: torch.Tensor, t: TensorType) -> str:
+    """The weight name of folded value ``v`` of type ``t``: a hash of its bytes and type."""
+    raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return "const." + hashlib.sha256(raw + str(t).encode()).hexdigest()[:16]
 
 
 def fold_constants(g: Graph) -> tuple[Graph, Found]:
@@ -40,8 +51,9 @@ def fold_constants(g: Graph) -> tuple[Graph, Found]:
         if numel > MAX_ELEMENTS or numel == 0:
             return None
         v = ops.get(n.op).call([values[id(i)] for i in n.inputs], n.attr)
-        raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        name = "const." + hashlib.sha256(raw + str(n.types[0]).encode()).hexdigest()[:16]
+        if n.op.startswith(("empty", "new_empty")):
+            v = torch.zeros_like(v)
+        name = constant_name(v, n.types[0])
         constants[name] = v
         folded = Node.make("weight", (), {"name": name}, n.types, n.span)
         values[id(folded)] = v

@@ -21,19 +21,23 @@ I/tp of the intermediate columns, its up-projections column-split and its down-p
         ==>  all_reduce[tp](linear(f(linear(x, W_1 [I/tp, K]), ..), W_d [H, I/tp]))   W_i: shard ("tp", 0, tp),
                                                                                           W_d: ("tp", 1, tp)
 
-Attention over the tp group: each TP rank keeps heads/tp of the query heads and kv_heads/tp of the kv heads (and
-their KV cache)::
+Attention over the tp group: each TP rank keeps heads/tp of the query heads (and of the kv heads and their KV
+cache where there are several)::
 
-    linear(g(linear(x, W_q [Nq, K]), linear(x, W_k), linear(x, W_v), cache_k, cache_v, side), W_o [H, Nq])
+    linear(g(linear(x, W_q [Nq, K]), .., cache_k, cache_v, side), W_o [H, Nq])
         ==>  all_reduce[tp](linear(g'(linear(x, W_q [Nq/tp, K]), .., cache_k [.., kv/tp, ..], ..), W_o [H, Nq/tp]))
 
-where g is any graph of ops that treat the head axis independently (element-wise with broadcast, views that keep
-heads as their outer blocks, permutes, expands, slices / cats / reductions over other axes, cache index_put,
-scaled_dot_product_attention, bmm over the head batch): the head axis is followed from each projection's output
-columns through g, every node on the way gets its head axis divided by tp (view and expand sizes too), a state
-(KV cache) it writes is split on the same axis, and a per-head weight it reads (gpt-oss's sinks, through views
-and expands) is split too; anything else (a node that mixes heads, a kv head count tp does not divide, MLA's shared
-rope key, a pattern op) leaves that attention replicated. An o_proj bias is added after the all_reduce.
+The head axis is found backward from o_proj's input (the row-split linear) through g, which must treat heads
+independently (element-wise with broadcast, views that keep heads as blocks or merge them with a batch axis,
+permutes, expands, slices / cats / reductions over other axes, cache index_put, scaled_dot_product_attention, bmm
+over the head batch) and hold an attention op (sdpa, bmm, softmax over positions). The walk ends at a projection
+(column-split per head), a KV cache (split, with its writes back), a per-head weight (gpt-oss's and V4's sinks,
+V4's grouped o_a_proj: split on that axis), a buffer made from nothing or a folded constant with equal blocks
+(one block), or a tensor whose head extent is 1, broadcast over the heads: MLA's shared latent KV head and
+DeepSeek-V4's single K=V head, the masks (the DSA indexer's top-k mask among them: the indexer stays whole, so its
+top-k is identical on every rank), rotary tables. Those are computed whole on every rank. Anything else (a node
+that mixes heads, a head count tp does not divide, a split value read outside the block, a pattern op) leaves that
+attention replicated. An o_proj bias is added after the all_reduce.
 
 The vocabulary over the tp group: each TP rank keeps V/tp rows of the embedding table and of the LM head::
 
@@ -53,11 +57,16 @@ heads and caches) and expert_workspace (which converts the rank's experts only).
 
 from __future__ import annotations
 
-from dayzero import UserError
-from dayzero.passes.ir.collective import Mesh
 import math
+from collections.abc import Mapping
 
+import sympy
+import torch
+
+from dayzero import UserError
+from dayzero.passes.fold_constants import constant_name
 from dayzero.passes.fuse import ELEMENTWISE as _POINTWISE
+from dayzero.passes.ir.collective import Mesh
 from dayzero.passes.ir.node import Graph, Node, TensorType, rewrite, users
 from dayzero.passes.pipeline import Found
 
@@ -140,10 +149,15 @@ def _split_mlp(down: Node, tp: int) -> Node:
 
 # ---- attention heads over the tp group ----------------------------------------------------------------------------
 
-_REGION_LIMIT = 4000  # nodes walked back from one o_proj candidate before giving up (a residual stream, not a block)
-_DIM_OPS = {"slice.Tensor", "select.int", "split_with_sizes", "split.Tensor", "cat", "softmax.int", "_softmax",
-            "log_softmax.int", "_log_softmax", "mean.dim", "sum.dim_IntList", "amax", "amin", "max.dim", "min.dim"}
-_COPIES = {"clone", "alias", "contiguous", "getitem"}
+_WALK_LIMIT = 4000  # nodes walked back from one o_proj candidate before giving up (a residual stream, not a block)
+# ops that keep every axis, reading across their ``dim`` only (the head axis must be another)
+_DIM_OPS = {"slice.Tensor", "split_with_sizes", "split.Tensor", "cat", "softmax.int", "_softmax", "log_softmax.int",
+            "_log_softmax", "slice_scatter"}
+# ops that may drop their ``dim`` (keepdim false, select)
+_REDUCE_OPS = {"select.int", "mean.dim", "sum.dim_IntList", "amax", "amin", "max.dim", "min.dim"}
+_COPIES = {"clone", "alias", "contiguous", "copy"}  # copy(dst, src): dst's values, src broadcast into them
+_VIEWS = ("view", "_unsafe_view", "reshape")
+_SQUEEZES = ("squeeze", "squeeze.dim", "squeeze.dims")
 
 
 class _NoSplit(Exception):
@@ -168,218 +182,219 @@ def _dims(v, rank: int) -> list[int]:
     return [d % rank for d in ds]
 
 
+def _divisible(d, tp: int) -> bool:
+    """Extent ``d`` (an int, or a symbolic extent such as 4*batch) is a multiple of tp at every binding."""
+    if isinstance(d, int):
+        return d % tp == 0
+    c, _ = sympy.expand(d).as_coeff_Mul()
+    return bool(c.is_Integer) and int(c) % tp == 0
+
+
+def _part(d, tp: int):
+    """One rank's part of extent ``d`` (a multiple of tp)."""
+    return d // tp if isinstance(d, int) else sympy.expand(d / tp)
+
+
+def _same(x, y) -> bool:
+    return x == y or sympy.expand(x - y) == 0
+
+
 def _view_axis(src: tuple, dst: tuple, a: int, tp: int) -> int:
-    """The axis of ``dst`` (a reshape of ``src``) holding ``src``'s axis ``a`` as its outer blocks: the elements
-    of each tp-th of axis ``a`` are each tp-th of that axis of ``dst``."""
-    if not isinstance(src[a], int) or src[a] % tp:
+    """The axis of ``dst`` (a reshape of ``src``) that holds ``src``'s axis ``a``, so that dividing axis ``a`` by tp
+    divides that axis by tp in the same reshape. Either a ``dst`` axis starts where ``a`` does (same product of
+    the axes before) with a multiple of tp elements: the tp-th blocks of both are the same elements ([H*D] ->
+    [H, D], [H, D] -> [H*D], [H, D] -> [G, H*D/G]); or, the axes cut into groups of equal products, the group of
+    ``a`` is one axis in ``dst`` (it merges ``a`` into a batch-like axis, as [batch, H] -> [batch*H]) or ``a``
+    alone in ``src``, split into symbolic axes then a static one holding the heads ([batch*H] -> [batch, H]);
+    each rank's part of such a merged axis is its heads of every batch row, read back by the same reshapes."""
+    if not _divisible(src[a], tp):
         raise _NoSplit
-    outer = math.prod(src[:a])
-    for b, d in enumerate(dst):
-        if d != 1 and math.prod(dst[:b]) == outer:
-            if isinstance(d, int) and d % tp == 0:
-                return b
-            break
-    raise _NoSplit
+    ps = [math.prod(src[:k]) for k in range(len(src) + 1)]
+    pd = [math.prod(dst[:k]) for k in range(len(dst) + 1)]
+    b = next((k for k in range(len(dst)) if dst[k] != 1 and _same(pd[k], ps[a])), None)
+    if b is not None and _divisible(dst[b], tp):
+        return b
+    lo = max(k for k in range(a + 1) if any(_same(ps[k], q) for q in pd))  # the group's bounds in src
+    hi = min(k for k in range(a + 1, len(src) + 1) if any(_same(ps[k], q) for q in pd))
+    first = next(k for k in range(len(pd)) if _same(pd[k], ps[lo]))
+    last = next(k for k in range(len(pd)) if _same(pd[k], ps[hi]))
+    inside = [k for k in range(first, last) if dst[k] != 1]
+    merged = [k for k in range(lo, hi) if src[k] != 1]
+    if len(inside) == 1:
+        b = inside[0]
+    elif merged == [a]:
+        b = next((k for k in inside if isinstance(dst[k], int)), None)
+        if b is None or any(isinstance(dst[k], int) for k in inside if k < b):
+            raise _NoSplit
+    else:
+        raise _NoSplit
+    if not _divisible(dst[b], tp):
+        raise _NoSplit
+    return b
 
 
 class _Heads:
-    """The head axis of every node of one attention block (node id -> axis), found forward from its projections
-    and caches, with the per-head tensors read beside them (a weight, through views); raises _NoSplit where the
-    block does not split."""
+    """One attention block split over the tp ranks' heads: node id -> the axis of its outputs that holds the heads
+    (each rank computes its tp-th block of that axis), found walking backward from o_proj's input through the
+    attention op to the head-carrying tensors. The walk ends at
 
-    def __init__(self, o: Node, uses: dict[int, list[Node]], order: dict[int, int], tp: int):
-        self.tp, self.uses = tp, uses
+    * a projection linear(x, W) whose output columns are the heads: W (and its bias) split by rows, x untouched;
+    * a KV cache (state) holding heads: split on that axis, with the block's writes back to it;
+    * a per-head weight (sinks, a grouped projection's matrix, through views): split on that axis; a folded
+      constant whose tp blocks are equal (a zero-filled buffer): a constant of one block;
+    * a buffer made from nothing (``empty``, ``full``, ...): made of the rank's size;
+    * a tensor whose head extent is 1, broadcast over the heads (MLA's shared latent KV head, DeepSeek-V4's single
+      K=V head, a mask, rotary tables, the DSA indexer's mask): not split, every rank computes it whole.
+
+    Raises _NoSplit where the block does not split: an op that mixes heads, a head extent tp does not divide, a
+    split value read outside the block (or a graph output), no attention op (scores over positions) on the way."""
+
+    def __init__(self, o: Node, uses: dict[int, list[Node]], tp: int, constants: Mapping[str, torch.Tensor]):
+        self.tp, self.uses, self.constants = tp, uses, constants
         self.axis: dict[int, int] = {}
         self.nodes: dict[int, Node] = {}
+        self.projections: set[int] = set()
+        self.assigns: list[Node] = []
+        self.attends = False
         h = o.inputs[0]
-        seen, seeds, stack = set(), [], [h]
-        while stack:  # back from o_proj's input to the projections and caches it reads
-            n = stack.pop()
-            if id(n) in seen:
+        stack = [(h, len(h.shape) - 1)]
+        while stack:
+            n, a = stack.pop()
+            if id(n) in self.axis:
+                if self.axis[id(n)] != a:
+                    raise _NoSplit  # reached on two axes
                 continue
-            seen.add(id(n))
-            if len(seen) > _REGION_LIMIT:
+            self._set(n, a)
+            if len(self.axis) > _WALK_LIMIT:
                 raise _NoSplit
-            if n.op == "state" or _projection(n, uses):
-                seeds.append(n)
-            elif n.op not in ("weight", "input"):
-                stack.extend(n.inputs)
-        region = {id(s) for s in seeds}
-        self._by_id = self._within(h, seen)
-        self.assigns: list[Node] = []  # the block's cache writes back to their states
-        for n in sorted(self._by_id.values(), key=lambda n: order[id(n)]):
-            if id(n) not in region and any(id(i) in region for i in n.inputs):
-                region.add(id(n))
-        if not any(s.op == "linear" for s in seeds) or id(h) not in region:
+            stack.extend((i, k) for i, k in self._back(n, a) if k is not None)
+        if not self.attends:
             raise _NoSplit
-        self.region = region
-        for s in seeds:
-            if s.op == "linear":
-                self._set(s, len(s.shape) - 1)
-            else:
-                self.nodes[id(s)] = s  # a cache: its axis is the one the values written into it have
-        for n in sorted((self._by_id[i] for i in region if id(self._by_id[i]) not in self.axis and
-                         self._by_id[i].op != "state"), key=lambda n: order[id(n)]):
-            self._set(n, self._rule(n))
-        if self.axis.get(id(h)) != len(h.shape) - 1:
-            raise _NoSplit
-        # every node split here is read only by nodes split here, o_proj, and the writes back to its caches
+        # every split value is read only inside the block, by o_proj, or by a write back to its split cache
         for k, n in list(self.nodes.items()):
-            if k not in self.axis:
-                raise _NoSplit  # a cache read but never written in this block
             for u in uses.get(k, []):
-                if id(u) in self.axis or u is o:
+                if id(u) in self.axis or u is o or any(u is w for w in self.assigns):
                     continue
-                if u.op == "assign" and u.inputs[0].op == "state" and id(u.inputs[0]) in self.axis \
-                        and id(u.inputs[1]) in self.axis:
+                state, value = u.inputs[0], u.inputs[-1]
+                if u.op == "assign" and state.op == "state" and id(state) in self.axis and \
+                        self.axis.get(id(value)) == self.axis[id(state)]:
                     self.assigns.append(u)
                     continue
                 raise _NoSplit
-        for u in self.assigns:  # a cache written back: the state's axis
+        for u in self.assigns:
             self.axis[id(u)] = self.axis[id(u.inputs[0])]
             self.nodes[id(u)] = u
 
-    @staticmethod
-    def _within(h: Node, seen: set[int]) -> dict[int, Node]:
-        """id -> node of ``h`` and its ancestors inside ``seen``."""
-        out, stack = {}, [h]
-        while stack:
-            n = stack.pop()
-            if id(n) in out or id(n) not in seen:
-                continue
-            out[id(n)] = n
-            stack.extend(n.inputs)
-        return out
-
     def _set(self, n: Node, axis: int) -> None:
-        if any(not isinstance(t.shape[axis], int) or t.shape[axis] % self.tp for t in n.types):
-            raise _NoSplit
-        if self.axis.get(id(n), axis) != axis:
+        if n.op == "input" or not n.types or any(
+                len(t.shape) <= axis or not _divisible(t.shape[axis], self.tp) for t in n.types):
             raise _NoSplit
         self.axis[id(n)] = axis
         self.nodes[id(n)] = n
 
-    def _in(self, i: Node, rank: int) -> int | None:
-        """Axis of input ``i`` aligned to an output of ``rank`` dims (trailing alignment), None outside the block."""
-        if id(i) not in self.region:
-            return None
-        if id(i) not in self.axis:
-            raise _NoSplit  # a cache read before it is written
-        return self.axis[id(i)] + rank - len(i.shape)
+    @staticmethod
+    def _aligned(i: Node, a: int, r: int) -> tuple[Node, int | None]:
+        """Input ``i`` broadcast against axis ``a`` of a rank-``r`` output: its axis there, None when it has no
+        such axis or extent 1 (the same on every head: not split)."""
+        k = a - (r - len(i.shape))
+        return (i, None) if k < 0 or i.shape[k] == 1 else (i, k)
 
-    def _side(self, i: Node, b: int, rank: int) -> None:
-        """Input ``i`` outside the block, broadcast against axis ``b`` of a rank-``rank`` output: fine when it has
-        no such axis or extent 1 there; else it is a per-head tensor: split it (a weight through views)."""
-        k = b - (rank - len(i.shape))
-        if k < 0 or i.shape[k] == 1:
-            return
-        self._split_side(i, k)
-
-    def _split_side(self, n: Node, k: int) -> None:
-        if id(n) in self.axis:
-            if self.axis[id(n)] != k:
-                raise _NoSplit
-            return
-        if n.op == "weight" and "shard" not in n.attr:
-            self._set(n, k)
-        elif n.op in ("view", "_unsafe_view", "reshape"):
-            self._set(n, k)
-            self._split_side(n.inputs[0], _view_axis(n.shape, n.inputs[0].shape, k, self.tp))
-        elif n.op == "expand":
-            self._set(n, k)
-            src = n.inputs[0]
-            j = k - (len(n.shape) - len(src.shape))
-            if j >= 0 and src.shape[j] != 1:
-                self._split_side(src, j)
-        elif n.op == "unsqueeze":
-            self._set(n, k)
-            d = _dims(n.attr["dim"], len(n.shape))[0]
-            if k == d:
-                raise _NoSplit
-            self._split_side(n.inputs[0], k - (k > d))
-        else:
-            raise _NoSplit
-
-    def _rule(self, n: Node) -> int:
-        """The head axis of ``n``'s outputs from its inputs' (raises _NoSplit for an op that mixes heads)."""
+    def _back(self, n: Node, a: int) -> list[tuple[Node, int | None]]:
+        """The inputs of ``n`` (its head axis ``a``) with the axis each must split on (None: not split)."""
         op, r = n.op, len(n.types[0].shape)
+        if op == "linear" and _projection(n, self.uses):
+            if a != r - 1:
+                raise _NoSplit
+            self.projections.add(id(n))
+            return []
+        if op == "weight":
+            if "shard" in n.attr:
+                raise _NoSplit
+            v = self.constants.get(n.attr["name"])
+            if v is not None and not all(torch.equal(b, v.chunk(self.tp, a)[0]) for b in v.chunk(self.tp, a)):
+                raise _NoSplit  # a constant that differs per head
+            return []
+        if op == "state" or (not n.inputs and "size" in n.attr):
+            return []
         if op == "getitem":
-            return self.axis[id(n.inputs[0])]
-        if op == "index_put":  # (cache, indices.., values): the cache takes the values' head axis
-            cache, values, src = n.inputs[0], n.inputs[-1], n.inputs[0].shape
-            if len(n.inputs) != 2 + sum(bool(x) for x in n.attr["indices"]) or id(values) not in self.axis:
-                raise _NoSplit
-            b = self.axis[id(values)] + len(src) - len(values.shape)
-            if b < len(n.attr["indices"]) and n.attr["indices"][b]:
-                raise _NoSplit
-            if cache.op == "state" and id(cache) not in self.axis:
-                self._set(cache, b)
-            elif self._in(cache, len(src)) != b:
-                raise _NoSplit
-            return b
-        if op in _POINTWISE or op in _COPIES or op == "cat":
-            aligned = {self._in(i, r) for i in n.inputs if id(i) in self.region}
-            if len(aligned) != 1:
-                raise _NoSplit
-            (b,) = aligned
-            if op == "cat" and b in _dims(n.attr["dim"], r):
-                raise _NoSplit
-            for i in n.inputs:
-                if id(i) not in self.region:
-                    self._side(i, b, r)
-            return b
-        a = self._in(n.inputs[0], len(n.inputs[0].shape))
-        if a is None:
-            raise _NoSplit
-        src = n.inputs[0].shape
-        if op in ("view", "_unsafe_view", "reshape"):
-            return _view_axis(src, n.shape, a, self.tp)
+            return [(n.inputs[0], a)]
+        if op in _POINTWISE or op in _COPIES:
+            return [self._aligned(i, a, r) for i in n.inputs]
+        src = n.inputs[0].shape if n.inputs else ()
+        if op in _VIEWS:
+            return [(n.inputs[0], _view_axis(n.shape, src, a, self.tp))]
         if op == "permute":
-            return _dims(n.attr["dims"], r).index(a)
+            return [(n.inputs[0], _dims(n.attr["dims"], r)[a])]
         if op == "transpose.int":
             d0, d1 = _dims(n.attr["dim0"], r)[0], _dims(n.attr["dim1"], r)[0]
-            return d1 if a == d0 else d0 if a == d1 else a
+            return [(n.inputs[0], d1 if a == d0 else d0 if a == d1 else a)]
         if op == "unsqueeze":
             d = _dims(n.attr["dim"], r)[0]
-            return a + (d <= a)
+            if a == d:
+                raise _NoSplit
+            return [(n.inputs[0], a - (d < a))]
+        if op in _SQUEEZES:
+            dims = _dims(n.attr["dim"], len(src)) if n.attr.get("dim") is not None else range(len(src))
+            kept = [b for b in range(len(src)) if not (b in dims and src[b] == 1)]
+            return [(n.inputs[0], kept[a])]
         if op == "expand":
-            return a + r - len(src)
+            return [self._aligned(n.inputs[0], a, r)]
         if op in _DIM_OPS:
-            dims = _dims(n.attr.get("dim", n.attr.get("dims")), len(src))
-            if a in dims:
+            if a in _dims(n.attr["dim"], r):
                 raise _NoSplit
-            kept = n.attr.get("keepdim", True) and op not in ("select.int",)
-            return a - (0 if kept else sum(d < a for d in dims))
+            if op in ("softmax.int", "_softmax", "log_softmax.int", "_log_softmax"):
+                self.attends = True  # scores over positions
+            return [(i, a) for i in n.inputs]
+        if op in _REDUCE_OPS:
+            dims = _dims(n.attr["dim"], len(src))
+            keep = n.attr.get("keepdim", False) and op != "select.int"
+            kept = [b for b in range(len(src)) if keep or b not in dims]
+            if kept[a] in dims:
+                raise _NoSplit
+            return [(n.inputs[0], kept[a])]
+        if op == "stack":
+            d = _dims(n.attr["dim"], r)[0]
+            if a == d:
+                raise _NoSplit
+            return [(i, a - (d < a)) for i in n.inputs]
         if op == "scaled_dot_product_attention":  # (q, k, v[, mask]) [B, heads, T, D]
-            b = r - 3
-            if [self._in(i, len(i.shape)) for i in n.inputs[:3]] != [b, b, b]:
+            if a != r - 3:
                 raise _NoSplit
-            for i in n.inputs[3:]:
-                if id(i) in self.region:
-                    raise _NoSplit
-                self._side(i, b, r)
-            return b
+            self.attends = True
+            return [self._aligned(i, a, r) for i in n.inputs]
         if op in ("bmm", "matmul"):  # batched over the heads
-            if r < 3 or {self._in(i, r) for i in n.inputs} != {a + r - len(src)} or a + r - len(src) >= r - 2:
+            if a >= r - 2:
                 raise _NoSplit
-            return a + r - len(src)
+            self.attends = True
+            return [self._aligned(i, a, r) for i in n.inputs]
+        if op == "index_put":  # (cache, indices.., values): one index tensor, not on the head axis
+            flags = n.attr["indices"]
+            if len(n.inputs) != 3 or sum(bool(x) for x in flags) != 1 or (a < len(flags) and flags[a]):
+                raise _NoSplit
+            return [(n.inputs[0], a), (n.inputs[1], None), self._aligned(n.inputs[2], a, r)]
         raise _NoSplit
 
-    def rewritten(self, n: Node, original: Node) -> Node:
-        """``n`` (inputs rewritten) with its head axis divided by tp: its types, view / expand sizes, and the
-        shard attr of a weight."""
+    def rewritten(self, n: Node, original: Node, made: dict[str, torch.Tensor]) -> Node:
+        """``n`` (inputs rewritten) with its head axis divided by tp: its types, size attrs (views, expands,
+        buffers), the rows of a projection's weights, the shard attr of a weight, the block of a constant (added
+        to ``made``)."""
         b, tp = self.axis[id(original)], self.tp
-        types = tuple(TensorType(t.dtype, tuple(d // tp if k == b else d for k, d in enumerate(t.shape)))
+        types = tuple(TensorType(t.dtype, tuple(_part(d, tp) if k == b else d for k, d in enumerate(t.shape)))
                       for t in n.types)
         attrs = n.attr
-        if n.op == "linear":  # a projection: its rows (and bias) are this rank's heads
+        if id(original) in self.projections:  # its rows (and bias) are this rank's heads
             ws = tuple(Node.make("weight", (), dict(w.attr, shard=(TP, 0, tp)),
                                  [TensorType(w.dtype, (w.shape[0] // tp, *w.shape[1:]))], w.span)
                        for w in n.inputs[1:])
             n = n.replace(inputs=(n.inputs[0], *ws))
+        elif n.op == "weight" and attrs["name"] in self.constants:  # every block the same: one block
+            v = self.constants[attrs["name"]].chunk(tp, b)[0].contiguous()
+            name = constant_name(v, types[0])
+            made[name] = v
+            return Node.make("weight", (), {"name": name}, types, n.span)
         elif n.op == "weight":
             attrs["shard"] = (TP, b, tp)
-        elif n.op in ("view", "_unsafe_view", "reshape", "expand") and "size" in attrs:
+        elif "size" in attrs and (n.op in (*_VIEWS, "expand") or not n.inputs):
             size = list(attrs["size"])
             if size[b] != -1:
                 size[b] = types[0].shape[b]
@@ -399,9 +414,9 @@ def _split_attention(o: Node, tp: int) -> Node:
     return out
 
 
-def _attention_blocks(g: Graph, uses: dict[int, list[Node]], tp: int, taken: set[int]) -> tuple[set[int], dict]:
+def _attention_blocks(g: Graph, uses: dict[int, list[Node]], tp: int, taken: set[int],
+                      constants: Mapping[str, torch.Tensor]) -> tuple[set[int], dict]:
     """The o_proj ids of the attention blocks that split over tp heads, and node id -> the _Heads of its block."""
-    order = {id(n): k for k, n in enumerate(g.nodes())}
     outputs = {id(o) for o in g.outputs}
     heads: dict[int, _Heads] = {}
     ops: set[int] = set()
@@ -410,7 +425,7 @@ def _attention_blocks(g: Graph, uses: dict[int, list[Node]], tp: int, taken: set
                 not isinstance(o.inputs[0].shape[-1], int) or o.inputs[0].shape[-1] % tp:
             continue
         try:
-            block = _Heads(o, uses, order, tp)
+            block = _Heads(o, uses, tp, constants)
         except _NoSplit:
             continue
         if any(k in heads or k in taken or (k in outputs and block.nodes[k].op != "assign") for k in block.axis):
@@ -418,8 +433,6 @@ def _attention_blocks(g: Graph, uses: dict[int, list[Node]], tp: int, taken: set
         ops.add(id(o))
         for k in block.axis:
             heads[k] = block
-        for a in block.assigns:
-            heads[id(a)] = block
     return ops, heads
 
 
@@ -467,11 +480,12 @@ def _split_head(n: Node, tp: int) -> Node:
     return Node.make("all_gather", (part,), {"group": TP, "size": tp, "dim": len(shape) - 1}, [n.type], n.span)
 
 
-def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
+def shard(g: Graph, mesh: Mesh, constants: Mapping[str, torch.Tensor] | None = None) -> tuple[Graph, Found]:
     """Expert parallel over ``mesh``'s ep axis, dense MLPs, attention heads and the vocabulary over its tp axis;
     Found counts ``shard.expert_parallel``, ``shard.tensor_parallel_mlp``, ``shard.tensor_parallel_attention``,
     ``shard.tensor_parallel_vocab`` (blocks split) and ``shard.replicated_kv_caches`` (caches left whole under
-    tp)."""
+    tp); ``constants``: the folded constants so far (an attention reads its per-head blocks of one), Found's are
+    the blocks it made."""
     ep, tp = mesh.size(EP), mesh.size(TP)
     if ep == 1 and tp == 1:
         return g, Found()
@@ -479,7 +493,8 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
     outputs = {id(o) for o in g.outputs}
     mlps = {id(n) for n in g.nodes() if tp > 1 and _dense_mlp(n, uses, outputs) and n.shape and
             n.inputs[0].shape[-1] % tp == 0}
-    attention, heads = _attention_blocks(g, uses, tp, mlps) if tp > 1 else (set(), {})
+    attention, heads = _attention_blocks(g, uses, tp, mlps, constants or {}) if tp > 1 else (set(), {})
+    made: dict[str, torch.Tensor] = {}  # constants of one rank's block (same on every rank)
     vocab = {id(n) for n in g.nodes() if tp > 1 and id(n) not in attention and id(n) not in mlps and (
         (n.op == "embedding" and _table(n, uses, tp)) or
         (id(n) in outputs and _projection(n, uses) and _table(n, uses, tp)))}
@@ -498,7 +513,7 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
             attn_count += 1
             return _split_attention(n, tp)
         if id(original) in heads:
-            return heads[id(original)].rewritten(n, original)
+            return heads[id(original)].rewritten(n, original, made)
         if n.op not in MOE_OPS or ep == 1:
             return None
         E = _expert_count(n, uses)
@@ -532,4 +547,4 @@ def shard(g: Graph, mesh: Mesh) -> tuple[Graph, Found]:
     return g, Found({k: v for k, v in (("shard.expert_parallel", count), ("shard.tensor_parallel_mlp", mlp_count),
                                        ("shard.replicated_kv_caches", whole),
                                        ("shard.tensor_parallel_attention", attn_count),
-                                       ("shard.tensor_parallel_vocab", vocab_count)) if v})
+                                       ("shard.tensor_parallel_vocab", vocab_count)) if v}, constants=made)

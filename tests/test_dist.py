@@ -221,15 +221,26 @@ def test_shard_splits_attention_heads_caches_and_vocabulary_over_tp_ranks():
     assert sum(n.op == "all_reduce" for n in g.nodes()) == 2  # the embedding and o_proj
 
 
-def test_shard_leaves_attention_whole_when_its_kv_heads_do_not_split():
-    """One kv head over 2 ranks: the attention (and its cache) stays replicated; the vocabulary still splits."""
+def test_shard_splits_query_heads_over_one_shared_kv_head():
+    """One kv head (MQA, as MLA's latent and DeepSeek-V4's K=V head): each rank keeps half the query heads, the kv
+    projections and caches stay whole on every rank (their head extent is 1, broadcast over the query heads); the
+    vocabulary splits too. The numbers: test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks."""
     g, found = shard(_attn_graph(kv=1), Mesh.of(tp=2))
     verify(g)
-    assert found.patterns == {"shard.tensor_parallel_vocab": 2, "shard.replicated_kv_caches": 2}
-    caches = [n for n in g.nodes() if n.op == "state"]
-    assert all(n.shape == (1, 1, L, HD) for n in caches)
-    assert not any("shard" in n.attr for n in g.nodes() if n.op == "weight" and n.attr["name"] != "emb"
-                   and n.attr["name"] != "head")
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_attention": 1, "shard.tensor_parallel_vocab": 2,
+                              "shard.replicated_kv_caches": 2}
+    nodes = {n.attr["name"]: n for n in g.nodes() if n.op in ("weight", "state")}
+    assert nodes["wq"].attr["shard"] == ("tp", 0, 2) and nodes["wq"].shape == (NH * HD // 2, D)
+    assert nodes["wo"].attr["shard"] == ("tp", 1, 2) and nodes["wo"].shape == (D, NH * HD // 2)
+    for name in ("wk", "wv"):
+        assert "shard" not in nodes[name].attr and nodes[name].shape == (HD, D)
+    assert all(nodes[c].shape == (1, 1, L, HD) for c in ("cache_wk", "cache_wv"))
+    (sdpa,) = [n for n in g.nodes() if n.op == "scaled_dot_product_attention"]
+    assert sdpa.shape == (1, NH // 2, T, HD) and sdpa.inputs[1].shape == (1, NH // 2, L, HD)
+    # 2 kv heads over 4 ranks (a rank would hold half a kv head): the attention stays whole
+    g4, found4 = shard(_attn_graph(kv=2), Mesh.of(tp=4))
+    assert "shard.tensor_parallel_attention" not in found4.patterns
 
 
 def test_shard_splits_the_routed_experts_over_ep_ranks():
@@ -298,8 +309,12 @@ def _interp_rank(rank: int, port: int, q) -> None:
     sg, _ = shard(_attn_graph(), Mesh.of(tp=2))  # attention heads, caches, embedding and head over the tp ranks
     held = _rank_slices(sg, data, rank)
     logits, _, _ = run_graph(sg, ag_, held.__getitem__)
+    _, data1 = _attn_data(kv=1)  # one kv head: query heads split, the kv head replicated
+    sg1, _ = shard(_attn_graph(kv=1), Mesh.of(tp=2))
+    held1 = _rank_slices(sg1, data1, rank)
+    logits1, _, _ = run_graph(sg1, ag_, held1.__getitem__)
     q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist(), logits.tolist(),
-           held["cache_wk"].tolist(), held["cache_wv"].tolist()))
+           held["cache_wk"].tolist(), held["cache_wv"].tolist(), logits1.tolist(), held1["cache_wk"].tolist()))
     dist.destroy_process_group()
 
 
@@ -326,8 +341,13 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     attn_in, data = _attn_data()
     full = {k: v.clone() for k, v in data.items()}
     (want_logits, _, _) = run_graph(_attn_graph(), attn_in, full.__getitem__)
-    for rank, y, ag, a2a, m, logits, ck, cv in res:
+    _, data1 = _attn_data(kv=1)
+    full1 = {k: v.clone() for k, v in data1.items()}
+    (want_logits1, _, _) = run_graph(_attn_graph(kv=1), attn_in, full1.__getitem__)
+    for rank, y, ag, a2a, m, logits, ck, cv, logits1, ck1 in res:
         assert torch.allclose(torch.tensor(logits), want_logits, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(torch.tensor(logits1), want_logits1, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.tensor(ck1), full1["cache_wk"])  # the one kv head's cache, whole on each rank
         assert torch.equal(torch.tensor(ck), full["cache_wk"][:, rank:rank + 1])  # its kv head's cache rows
         assert torch.equal(torch.tensor(cv), full["cache_wv"][:, rank:rank + 1])
         assert torch.allclose(torch.tensor(m), want_mlp, rtol=1e-5, atol=1e-4)
@@ -423,13 +443,18 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp"),
-                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp")])
+                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp"), ("deepseek_v4", "tp")])
 def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
                                                                       tmp_path_factory, tmp_path):
     """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared
-    experts): --ep 2 and --tp 2 (the dense MLP and the shared experts split) give the single-device logits and
-    tokens, each rank reading only its slices."""
+    experts), DeepSeek-V4 (one K=V head, sinks, grouped output projection, compressed attention, hyper-connections):
+    --ep 2 and --tp 2 (the dense MLP, the shared experts and the query heads split; MLA's latent KV, V4's K=V
+    head and the DSA / CSA indexers replicated) give the single-device logits and tokens, each rank reading only
+    its slices."""
     ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
+    if axis == "tp":  # the query heads split (MLA's and V4's too), not a replicated attention
+        patterns = json.loads((art / "report.json").read_text())["patterns"]
+        assert patterns.get("shard.tensor_parallel_attention"), patterns
     _run_two_ranks(ckpt, single, art, tmp_path, axis)
 
 
@@ -544,18 +569,22 @@ def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axis", ["tp", "ep"])
-def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_factory):
+@pytest.mark.parametrize("model,axis", [("qwen3_moe", "tp"), ("qwen3_moe", "ep"), ("deepseek_v32", "tp"),
+                                        ("deepseek_v4", "tp")])
+def test_plan_devices_and_report_agree_per_rank(model, axis, tiny_compiled, tmp_path_factory):
     """``dayzero plan --devices 2 --tp 2`` (or ``--ep 2``) from config.json alone and ``dayzero report`` of the
     artifact compiled that way give one rank's bytes: weights and KV cache within 2%; the workspace within the
     host plan's accuracy at tiny widths (its formula follows the peak of full-width models, 2% there:
-    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model."""
+    tests/test_full_size.py). The report's plan is the plan command's, and a rank holds less than the model.
+    DeepSeek --tp 2: the query-head parameters split, MLA's latent / V4's K=V projections, the indexers and
+    compressors and their caches whole on each rank (the host keeps the indexer keys in fp32, as the plan now
+    says)."""
     from click.testing import CliRunner
 
     from dayzero.tools.cli import main
     from dayzero.tools.report import build_report
 
-    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_moe", **{axis: 2})
+    ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
     got = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "2", f"--{axis}", "2",
                                     "--context", str(SHARED_MAX_SEQ), "--batch", "1", "--kv-dtype", "fp32", "--json"])
     assert got.exit_code == 0, got.output
@@ -567,12 +596,16 @@ def test_plan_devices_and_report_agree_per_rank(axis, tiny_compiled, tmp_path_fa
     pairs = {"weights": "weights", "kv_bytes_per_sequence": "kv", "workspace": "workspace"}
     for k, dev in pairs.items():
         assert rep[k]["plan"] == plan["per_device"][dev], (k, rep[k], plan["per_device"])
-    for k in ("weights", "kv_bytes_per_sequence"):
-        assert 0.98 <= rep[k]["measured_over_plan"] <= 1.02, (k, rep[k])
-    assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
-    # the split is real: tp halves the KV cache (2 kv heads over 2 ranks), both shrink the weights
-    assert rep["weights"]["measured"] < 0.85 * whole["weights"]["measured"]
-    want_kv = 0.5 if axis == "tp" else 1.0
+    assert 0.98 <= rep["weights"]["measured_over_plan"] <= 1.02, rep["weights"]
+    # DeepSeek-V4's KV cache (window + compressor state) and host workspace are not modelled at tiny widths on one
+    # device either (x1.51 and x1.32 of the plan, single-device and --tp 2 alike): only its weights are compared
+    if model != "deepseek_v4":
+        assert 0.98 <= rep["kv_bytes_per_sequence"]["measured_over_plan"] <= 1.02, rep["kv_bytes_per_sequence"]
+        assert 0.9 <= rep["workspace"]["measured_over_plan"] <= 1.1, rep["workspace"]
+    # the split is real: tp halves Qwen3's KV cache (2 kv heads over 2 ranks), both shrink the weights (less for
+    # V4, whose routed experts, hyper-connections, compressors and indexers stay whole under tp: x0.87)
+    assert rep["weights"]["measured"] < (0.9 if model == "deepseek_v4" else 0.85) * whole["weights"]["measured"]
+    want_kv = 0.5 if axis == "tp" and model == "qwen3_moe" else 1.0
     assert rep["kv_bytes_per_sequence"]["measured"] == want_kv * whole["kv_bytes_per_sequence"]["measured"]
     bad = CliRunner().invoke(main, ["plan", str(ckpt), "--target", "host", "--devices", "4", f"--{axis}", "2"])
     assert bad.exit_code == 2 and "not --devices 4" in bad.output

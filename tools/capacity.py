@@ -296,12 +296,16 @@ def _bf16_on_host(name: str, category: str, shape: tuple) -> bool:
         len(shape) == 2 and not name.endswith("bias")
 
 
-def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False) -> dict:
+def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False, head_split: set | None = None
+                     ) -> dict:
     """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``;
     what a format does not store low-precision takes ``dense_bytes`` per value (bf16: 2, the host CPU: fp32, 4),
-    except, with ``stored_bf16`` (the checkpoint is bf16), the matrices the host keeps bf16 (``_bf16_on_host``)."""
+    except, with ``stored_bf16`` (the checkpoint is bf16), the matrices the host keeps bf16 (``_bf16_on_host``).
+    ``head_split`` (attention module names, ``_head_split_modules``): ``"head_split_bytes"`` {fmt: bytes} of the
+    attention parameters split over tensor-parallel heads."""
     params = dict.fromkeys(CATEGORIES, 0)
     nbytes = {fmt: dict.fromkeys(CATEGORIES, 0) for fmt in FORMATS}
+    split = dict.fromkeys(FORMATS, 0)
     largest = {fmt: 0 for fmt in ("bf16", "fp8_block", "mxfp4")}  # bf16 bytes of the largest matrix stored as fmt
     for name, cat, shape in _meta_parameters(json.dumps(cfg, sort_keys=True)):
         params[cat] += math.prod(shape)
@@ -309,10 +313,49 @@ def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False)
         for fmt in FORMATS:
             pf = _param_format(fmt, cat, matrix)
             per = BF16_BYTES if stored_bf16 and _bf16_on_host(name, cat, shape) else dense_bytes
-            nbytes[fmt][cat] += _bytes(shape, pf) if matrix and pf != "bf16" else per * math.prod(shape)
+            b = _bytes(shape, pf) if matrix and pf != "bf16" else per * math.prod(shape)
+            nbytes[fmt][cat] += b
+            if cat == "attention" and head_split and _split_by_heads(name, head_split):
+                split[fmt] += b
             one = 2 * math.prod(shape[-2:]) if matrix else 0  # one expert's matrix, or the whole matrix
             largest[pf] = max(largest[pf], one)
-    return {"params": params, "bytes": nbytes, "largest_matrix_bf16": largest}
+    return {"params": params, "bytes": nbytes, "largest_matrix_bf16": largest, "head_split_bytes": split}
+
+
+# ---- attention over tensor-parallel ranks (as passes/shard.py splits it) ------------------------------------------
+
+# the attention modules whose parameters hold the query heads: split over the tp ranks; the others (MLA's latent
+# KV down-projection and norms, DeepSeek-V4's K=V projection, the indexers and compressors, q LoRA down-projections,
+# per-head-dim q/k norms) stay whole on every rank
+_HEAD_MODULES = {
+    "mla": {"q_proj", "q_b_proj", "kv_b_proj", "o_proj"},  # DeepSeek-V3 / V3.2, Kimi-K2: the latent KV is shared
+    "v4": {"q_b_proj", "o_a_proj", "o_b_proj", "sinks"},  # DeepSeek-V4: one K=V head, grouped output projection
+    "kv_heads": {"q_proj", "k_proj", "v_proj", "o_proj", "sinks"},  # GQA, the kv heads split too
+    "one_kv_head": {"q_proj", "o_proj", "sinks"},  # MQA: the one kv head stays whole
+}
+
+
+def _head_split_modules(cfg: dict, tp: int) -> tuple[str | None, set]:
+    """How passes/shard.py splits the attention over ``tp`` ranks: (kind, the module names split by heads), kind
+    None when the attention stays replicated (a head count tp does not divide)."""
+    heads = cfg["num_attention_heads"]
+    if tp == 1 or heads % tp:
+        return None, set()
+    if cfg.get("kv_lora_rank"):
+        kind = "mla"
+    elif isinstance(cfg.get("compress_rates"), dict):
+        kind = "v4" if (cfg.get("o_groups") or 1) % tp == 0 else None
+    else:
+        kv = cfg.get("num_key_value_heads") or heads
+        kind = "kv_heads" if kv % tp == 0 else "one_kv_head" if kv == 1 else None
+    return kind, (_HEAD_MODULES[kind] if kind else set())
+
+
+def _split_by_heads(name: str, modules: set) -> bool:
+    parts = name.split(".")
+    if {"indexer", "compressor"} & set(parts):
+        return False
+    return (parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]) in modules
 
 
 # ---- KV cache -----------------------------------------------------------------------------------------------------
@@ -448,8 +491,10 @@ def plan_capacity(
 
     ``mesh`` ({"tp": T, "ep": E}, T x E = ``devices``) plans one rank of a sharded artifact (``dayzero compile
     --tp T --ep E``, passes/shard.py) instead: routed experts split over the E ranks only; embeddings, LM head,
-    dense MLPs and shared experts over the T ranks; attention and its KV cache over the T ranks when the KV heads
-    divide by T (not MLA / DeepSeek-V4), else replicated; on the host the logits are gathered whole on each rank.
+    dense MLPs and shared experts over the T ranks; the attention's query heads over the T ranks (its parameters
+    that hold heads, ``_HEAD_MODULES``), with the KV cache when the KV heads divide by T; MLA's latent cache and
+    DeepSeek-V4's K=V cache, the indexers and compressors stay whole on every rank (a head count T does not
+    divide: the whole attention); on the host the logits are gathered whole on each rank.
     """
     validate_config(config)
     context = parse_count(context)
@@ -464,7 +509,10 @@ def plan_capacity(
 
     host = target.name == HOST_TARGET
     stored = config.get("dtype") or config.get("torch_dtype")
-    counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES, stored_bf16=stored == "bfloat16")
+    tp, ep = _mesh_axes(mesh, devices)
+    head_kind, head_modules = _head_split_modules(config, tp) if mesh is not None else (None, set())
+    counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES, stored_bf16=stored == "bfloat16",
+                               head_split=head_modules)
     params = counted["params"]
     total = sum(params.values())
     _, n_exp = num_experts(config)
@@ -481,7 +529,7 @@ def plan_capacity(
         notes.append(f"{mtp_layers} MTP module(s) of {mtp_module / 1e9:.2f}B parameters each are counted in "
                      "params_mtp, not in params_total, and not planned as resident (serving without MTP)")
 
-    layout = kv_layout(config, kv_dtype)
+    layout = kv_layout(config, kv_dtype, index_dtype=kv_dtype if host else "fp8")  # the host keeps index keys as kv
     kv_per_token = {t: e["bytes_per_token"] for t, e in layout.items()}
     kv_total_per_token = sum(e["layers"] * e["bytes_per_token"] for e in layout.values())
     kv_seq = kv_bytes_per_sequence(layout, context)
@@ -492,10 +540,9 @@ def plan_capacity(
     # parallel split
     kv_heads = 1 if (config.get("kv_lora_rank") or isinstance(config.get("compress_rates"), dict)) else (
         config.get("num_key_value_heads") or config["num_attention_heads"])
-    tp, ep = _mesh_axes(mesh, devices)
     if mesh is not None:  # a sharded artifact's rank: attention splits only where passes/shard.py splits it
-        attention = "tp" if kv_heads % tp == 0 else "replicated"
-        kv_split = 1 / tp if attention == "tp" else 1.0
+        attention = "tp" if head_kind else "replicated"
+        kv_split = 1 / tp if head_kind == "kv_heads" else 1.0  # MLA's latent, V4's K=V head: whole on every rank
     else:
         if attention == "auto":
             attention = "dp" if kv_heads == 1 and devices > 1 else "tp"
@@ -505,9 +552,11 @@ def plan_capacity(
     tp_share = 1 / tp
     share = {c: 1.0 for c in CATEGORIES}
     share.update(embeddings=tp_share, lm_head=tp_share, dense_mlp=tp_share, shared_experts=tp_share)
-    share["attention"] = tp_share if attention == "tp" else 1.0
+    share["attention"] = tp_share if attention == "tp" and mesh is None else 1.0
     share["routed_experts"] = math.ceil(n_exp / ep) / n_exp if n_exp else 1.0
     weights_dev = int(sum(b * share[c] for c, b in counted["bytes"][fmt].items()))
+    if mesh is not None:  # a rank of a sharded artifact: the attention parameters that hold heads are split
+        weights_dev -= int(counted["head_split_bytes"][fmt] * (1 - tp_share))
 
     # workspace: one step of step_tokens tokens (host: one prefill of the whole context, in fp32)
     if host:
@@ -518,8 +567,10 @@ def plan_capacity(
     ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
     ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
     residual = (config.get("hc_mult") or 1) * hidden
-    if attention == "tp" and mesh is not None:
-        q_width //= tp  # this rank's heads
+    if head_kind == "kv_heads":
+        # this rank's heads; not where the KV stays whole (MLA, V4): the host peak is then in the replicated
+        # latent / indexer work (measured, tiny DeepSeek-V3.2 --tp 2: workspace x1.03 of this plan, x1.27 halved)
+        q_width //= tp
     if host:  # dayzero's fused MoE / MLP kernels keep no intermediates; the peak is at q's rotary embedding: the
         # residual, its normed copy and the residual kept across layers, q and two rotated copies, cos and sin
         per_token = FP32_BYTES * (3 * residual + 3 * q_width + 2 * hd)

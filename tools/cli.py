@@ -152,8 +152,9 @@ def compile_options(fn):
                      help="expert-parallel ranks: the routed experts of every MoE layer split over them (run the "
                           "artifact with `torchrun --nproc-per-node N -m dayzero run ...`, N = tp x ep)"),
         click.option("--tp", type=int, default=1, show_default=True,
-                     help="tensor-parallel ranks: dense MLPs (a dense layer's, the shared experts) split over them "
-                          "(attention heads, embeddings and the head stay replicated for now)"),
+                     help="tensor-parallel ranks: dense MLPs (a dense layer's, the shared experts), attention heads "
+                          "(MLA's latent KV and DeepSeek-V4's K=V head, the indexers stay whole), embeddings and the "
+                          "LM head split over them"),
     ]
 
     @functools.wraps(fn)

@@ -218,7 +218,7 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     ("moe", lambda g, env: moe(g, env.constants)),  # routed experts -> moe_experts (grouped GEMM, routed only)
     ("dequant", lambda g, env: dequant(g, env.constants)),  # MXFP4 / FP8 chains -> fused dequant kernels
     # -- distribute over the device mesh ---------------------------------------------------------------------------
-    ("shard", lambda g, env: shard(g, env.mesh)),  # routed experts split over the ep ranks + all_reduce
+    ("shard", lambda g, env: shard(g, env.mesh, env.constants)),  # experts over ep, heads / MLPs / vocab over tp
     # -- lay out state: cache writes in place ----------------------------------------------------------------------
     ("inplace_state", lambda g, env: inplace_state(g)),
     # -- identify patterns that read the in-place cache ----------------------------------------------------------

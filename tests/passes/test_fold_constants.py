@@ -49,3 +49,24 @@ def test_values_shaped_by_a_symbol_empty_or_too_large_and_input_reads_stay():
     after, found = fold_constants(ir(before))
     assert_ir(after, before)
     assert found.constants == {}
+
+
+def test_an_empty_buffer_folds_to_zeros_with_the_same_name_every_time():
+    """MLA's expand_kv writes its keys into ``new_empty(...)`` slices: folded, the buffer is zeros (not whatever the
+    allocator returned), so two compiles give the same constant and the same artifact bytes, and its tp blocks are
+    equal (passes/shard.py splits it as one block)."""
+    before = """
+    graph main symbols(seq in [1, 32]) {
+      %0 = input {name="x"} : float32[seq, 4, 64, 24]
+      %1 = empty.memory_format {dtype="float32", size=[1, 4, 64, 24]} : float32[1, 4, 64, 24]
+      %2 = add.Tensor(%0, %1) {alpha=1} : float32[seq, 4, 64, 24]
+      return %2
+    }
+    """
+    names = set()
+    for _ in range(3):
+        after, found = fold_constants(ir(before))
+        name, = (n.attr["name"] for n in after.nodes() if n.op == "weight")
+        assert torch.equal(found.constants[name], torch.zeros(1, 4, 64, 24))
+        names.add(name)
+    assert len(names) == 1
