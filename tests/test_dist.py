@@ -232,6 +232,48 @@ def test_shard_leaves_attention_whole_when_its_kv_heads_do_not_split():
                    and n.attr["name"] != "head")
 
 
+def _bf16_bound(g: Graph) -> Graph:
+    """``g`` with every 2-D weight read as a linear's weight or an embedding's table stored bf16, as the frontend
+    binds a bf16 checkpoint's (frontend/lowprec.bind_bf16: ``_to_copy(weight bfloat16, float32)``)."""
+    from types import SimpleNamespace
+
+    from dayzero.frontend.lowprec import bf16_weights, bind_bf16
+
+    names = {n.attr["name"] for n in g.nodes() if n.op == "weight" and len(n.shape) == 2}
+    t = SimpleNamespace(graph=g)
+    bind_bf16(t, bf16_weights([g], names))
+    return t.graph
+
+
+def test_shard_splits_bf16_stored_weights_as_stored_then_dequant_bf16_reads_each_slice():
+    """A bf16 checkpoint's projections, MLP and vocabulary (each weight under its exact upcast) split as fp32 ones
+    do, each rank's slice a bf16 weight; dequant_bf16 after shard then reads every slice as stored."""
+    from dayzero.passes.dequant_bf16 import dequant_bf16
+
+    for graph, want in ((_attn_graph(), {"shard.tensor_parallel_attention": 1, "shard.tensor_parallel_vocab": 2}),
+                        (_mlp_graph(), {"shard.tensor_parallel_mlp": 1})):
+        bound = _bf16_bound(graph)
+        assert sum(n.op == "weight" and n.dtype == "bfloat16" for n in bound.nodes()) in (3, 6)
+        g, found = shard(bound, Mesh.of(tp=2))
+        verify(g)
+        check_shapes(g, {})
+        assert found.patterns == want
+        stored = [n for n in g.nodes() if n.op == "weight"]
+        assert stored and all(n.dtype == "bfloat16" and n.attr["shard"][0] == "tp" for n in stored)
+        whole = {n.attr["name"]: n.shape for n in graph.nodes() if n.op == "weight"}
+        for n in stored:
+            _, dim, parts = n.attr["shard"]
+            assert n.shape[dim] * parts == whole[n.attr["name"]][dim] and n.shape[1 - dim] == \
+                whole[n.attr["name"]][1 - dim]
+        fused, found = dequant_bf16(g)
+        verify(fused)
+        assert found.patterns.get("dequant_bf16.linear") == sum(n.op == "linear" for n in g.nodes())
+        assert not [n for n in fused.nodes() if n.op == "linear"]
+        readers = [n for n in fused.nodes() if n.op in ("dequant_linear_bf16", "embedding")]
+        assert readers and all(n.inputs[1 if n.op != "embedding" else 0].attr["shard"][0] == "tp"
+                               for n in readers)
+
+
 def test_shard_splits_the_routed_experts_over_ep_ranks():
     g, found = shard(_moe_graph(), Mesh.of(ep=2))
     verify(g)
@@ -431,6 +473,39 @@ def test_sharded_artifacts_of_other_architectures_match_single_device(model, axi
     tokens, each rank reading only its slices."""
     ckpt, single, art = _sharded(tiny_compiled, tmp_path_factory, model, **{axis: 2})
     _run_two_ranks(ckpt, single, art, tmp_path, axis)
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_sharded_keeps_its_slices_bf16_and_matches_single_device(lowprec_tiny, tmp_path_factory,
+                                                                                  tmp_path):
+    """gpt-oss stored bf16 (MXFP4 experts): --tp 2 and --ep 2 keep every weight the single-device artifact holds
+    bf16 in bf16 (under tp, the projections' and vocabulary's slices: each rank reads its bf16 rows only), give the
+    single-device logits and tokens on 2 gloo ranks, and a rank's weights are what `dayzero plan --devices 2` says."""
+    from _lowprec_ref import to_bf16_checkpoint
+
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.report import build_report
+
+    d = tmp_path_factory.mktemp("bf16_mesh")
+    ckpt = to_bf16_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), d / "ckpt", declared=True)
+    single = d / "single"
+    compile_model(str(ckpt), single, max_seq=32, max_batch=2)
+    whole = json.loads((single / "weights.json").read_text())["tensors"]
+    bf16 = {k for k, e in whole.items() if e["dtype"] == "bfloat16"}
+    assert any(k.endswith("q_proj.weight") for k in bf16) and any(k.endswith("lm_head.weight") for k in bf16)
+    for axis in ("tp", "ep"):
+        art = d / axis
+        compile_model(str(ckpt), art, max_seq=32, max_batch=2, verify=True, **{axis: 2})
+        tensors = json.loads((art / "weights.json").read_text())["tensors"]
+        assert {k for k, e in tensors.items() if e["dtype"] == "bfloat16"} == bf16, axis
+        split = {k for k in bf16 if "shard" in tensors[k]}
+        if axis == "tp":  # attention projections, the embedding table and the LM head
+            for name in ("q_proj.weight", "o_proj.weight", "embed_tokens.weight", "lm_head.weight"):
+                assert any(k.endswith(name) for k in split), (name, sorted(split))
+        plan = build_report(str(art))["plan"]
+        assert 0.98 <= plan["weights"]["measured_over_plan"] <= 1.02, (axis, plan["weights"])
+        (tmp_path / axis).mkdir()
+        _run_two_ranks(ckpt, single, art, tmp_path / axis, axis)
 
 
 @pytest.mark.slow
