@@ -47,14 +47,13 @@ class Frontend:
 
 
 def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
-                prefill_chunk: int | None = None, trace_cache: str | None = None, max_batch: int = 0,
-                keep_bf16: bool = True) -> Frontend:
+                prefill_chunk: int | None = None, trace_cache: str | None = None, max_batch: int = 0) -> Frontend:
     """``prefill_chunk``: the longest prefill call of a model with a KV cache (default ``max_seq``); its cache
     still holds ``max_seq`` positions and a longer prompt is prefilled in chunks (runtime ``prefill``).
     ``max_batch`` (> 1): also trace DeepSeek-V4's batched decode step for up to that many requests.
     ``trace_cache``: where a checkpoint's traces are kept (frontend/trace_cache.py; None: the default, "off").
-    ``keep_bf16``: a checkpoint's bf16 matrices read as linear weights / embedding tables stay bf16
-    (``lowprec.bind_bf16``); False: every float weight is fp32, converted at load."""
+    A checkpoint's bf16 matrices read as linear weights / embedding tables stay bf16 (``lowprec.bind_bf16``), on
+    one rank or sharded (passes/shard.py slices them as stored)."""
     seq = torch.export.Dim("seq", min=1, max=max_seq)
     if isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx"):
         from dayzero.frontend.onnx.importer import trace_onnx
@@ -107,7 +106,7 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
         stored_bf16 = {name for name, runs in recipes.items() if name not in lowp and runs and
                        all(ckpt.tensors[key].dtype == "bfloat16" for _, key, _, _ in runs)}
         programs = [t for t in (traced, decode, rows) if t is not None]
-        keep = bf16_weights([t.graph for t in programs], stored_bf16) if keep_bf16 else set()
+        keep = bf16_weights([t.graph for t in programs], stored_bf16)
         for t in programs:
             bind_bf16(t, keep)
         return Frontend(traced, ckpt, recipes, str(ckpt.config.get("model_type", "")), decode=decode,

@@ -25,9 +25,6 @@ INT4  P uint8 (packed, any shape) ─┬─ bitwise_and(15) ─ view [.., 1] ─
       ─ [sub(c)] ─ view ─ [sub(Z)] ─ mul(S) ─ view [R, C]     S, Z f32 broadcast as [R/bs, 1, C] (blocks along
                                                               rows) or [R, C/bs, 1] (along columns), c a scalar
 
-BF16  W bfloat16 [N, K] ─ _to_copy(f32)        (the frontend's binding of a checkpoint's bf16 projection or
-                                                embedding table: frontend/lowprec.bind_bf16; exact)
-
 Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not)::
 
     moe_experts(x, ids, w, W_gu, [b_gu], W_d, [b_d])    both W MXFP4 chains (layout nk: untransposed; kn: transposed)
@@ -39,9 +36,10 @@ Rewrites (x [.., K] fp32; T = the product of x's leading dims, symbolic or not):
         ==>  view [.., N] ( dequant_linear_FMT(view [T, K] (x), stored...) ) [+ b]     layout nk, [K, N] is kn;
                                                                                  MXFP4 / FP8 through matmul need
              FMT = int4:  (x, view [R, C/2] (P), view S2 (S), [view S2 (Z)])      the transposed chain)
-                   mxfp4: (x, B [N, G, 16], S [N, G])      fp8: (x, Wq [N, K], S)      bf16: (x, W [N, K])
-    embedding(_to_copy(W bf16 [V, H]), ids)  ==>  _to_copy(embedding(W, ids))   (the rows gathered as stored, then
-                                                                                  converted: never the whole table)
+                   mxfp4: (x, B [N, G, 16], S [N, G])      fp8: (x, Wq [N, K], S)
+
+A checkpoint's bf16 projections and tables (the frontend's ``_to_copy(W bf16)`` binding) are not fused here but by
+``dequant_bf16`` after ``shard``, which splits them over the ranks like any weight first.
 
 Constants are checked by value: the E2M1 table and the exponent bias 127 (folded by ``fold_constants``
 into the ``constants`` the pass reads), the nibble mask 15 and shift 4, the int4 xor 8 and offset. The fused kernels
@@ -50,7 +48,7 @@ T <= 64, prefill GEMM for a symbolic T) decode each weight element as they read 
 stored and no full-precision copy exists. A chain whose consumer does not fuse, or that differs in any checked
 detail (a wrong bit layout, no scale, a partial block), stays as its generic ops (correct, slow, and a
 full-precision temporary); a typed op no consumer fused lowers on its own (``codegen/lower/dequant.py``). Counts:
-``dequant.experts`` (fused expert blocks, two weights each), ``dequant.linear`` and ``dequant.embedding``.
+``dequant.experts`` (fused expert blocks, two weights each) and ``dequant.linear``.
 
 Ordering: after ``fold_constants`` (the table, 127 and the ONNX literals are constants) and after ``moe``.
 """
@@ -201,16 +199,6 @@ def match_int4(w: Node, constants) -> dict | None:
             "signed": "xor" in m, "offset": offset}
 
 
-# BF16: float(W), W a bfloat16 matrix (or table)
-_BF16 = P("_to_copy", P(name="stored", dtype="bfloat16", ndim=2), attrs={"dtype": "float32"})
-
-
-def match_bf16(w: Node) -> Node | None:
-    """W fp32 [N, K] -> the bfloat16 [N, K] it is an exact upcast of, else None."""
-    m = Match()
-    return m.stored if _BF16.match(w, m) else None
-
-
 def _fused_experts(n: Node, m: Match) -> Node | None:
     """moe_experts whose two expert matrices are MXFP4 chains (layout nk: untransposed, kn: transposed) ->
     moe_experts_mxfp4, or FP8 block chains (either layout: the chain's output is the parameter itself, so the
@@ -261,8 +249,6 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
             op, ins = "dequant_linear_fp8", list(f[:2])
         elif mx is not None and mx[2] == kn and len(mx[0].shape) == 3:
             op, ins = "dequant_linear_mxfp4", [mx[0], mx[1]]
-        elif not kn and match_bf16(w) is not None:
-            op, ins = "dequant_linear_bf16", [match_bf16(w)]
     need(op is not None)
     lead = tuple(x.shape[:-1])
     T = math.prod(lead) if lead else 1
@@ -273,12 +259,6 @@ def _fused_linear(n: Node, m: Match) -> Node | None:
     return y
 
 
-def _embedding_rows(n: Node, m: Match) -> Node:
-    """embedding(float(W bf16), ids) -> float(embedding(W, ids)): only the rows read are converted."""
-    rows = n.replace(inputs=(m.stored, *n.inputs[1:]), types=(TensorType("bfloat16", n.shape),))
-    return Node.make("_to_copy", (rows,), {"dtype": "float32"}, [n.type], n.span)
-
-
 _FP32 = {"dtype": "float32"}
 _X = P(where=lambda n, m: len(n.shape) >= 1, **_FP32)
 # fuse dequant chains into their consumers; counts ``dequant.experts`` (fused expert blocks, two chains each) and
@@ -287,5 +267,4 @@ dequant = pattern_pass("dequant", (
     Rule("dequant.experts", P("moe_experts"), _fused_experts),
     Rule("dequant.linear", Alt(P("linear", _X, P(ndim=2), rest=True, **_FP32),
                                P({"matmul", "mm"}, _X, P(ndim=2), **_FP32)), _fused_linear),
-    Rule("dequant.embedding", P("embedding", _BF16, rest=True, **_FP32), _embedding_rows),
 ))

@@ -52,7 +52,9 @@ Routing, the norms and the rest stay replicated (identical on every rank of a gr
 Matched on ops and shapes (the MoE ops; linear / elementwise trees read only inside the block; the head axis
 followed through an attention block; embedding and output projections), never on names. Ordering: after moe and
 dequant (which make the MoE ops), before inplace_state, the attention patterns and paged_kv (which see the rank's
-heads and caches) and expert_workspace (which converts the rank's experts only).
+heads and caches) and expert_workspace (which converts the rank's experts only). A bf16 checkpoint's projection or
+table arrives as ``_to_copy(weight bf16)`` (frontend/lowprec.bind_bf16) and splits as a weight does, its slice
+bf16 under the same upcast: dequant_bf16, after this pass, reads each rank's slice as stored.
 """
 
 from __future__ import annotations
@@ -78,6 +80,37 @@ MOE_OPS = ("moe_experts", "moe_experts_mxfp4", "moe_experts_fp8")  # x, ids, w, 
 _ROUTING_INPUTS = 3
 
 
+# ---- weights as the checkpoint stores them ------------------------------------------------------------------------
+# A linear's weight or an embedding's table is a ``weight``, or a bf16 one under the frontend's exact upcast
+# ``_to_copy(weight bfloat16, float32)`` (frontend/lowprec.bind_bf16; passes/dequant_bf16.py fuses it after this
+# pass): either splits the same way, the slice staying in the dtype the checkpoint stores.
+
+def _stored(w: Node) -> Node | None:
+    """The checkpoint ``weight`` behind ``w``: ``w`` itself, or the bf16 weight its upcast reads; else None."""
+    if w.op == "weight":
+        return w
+    if w.op == "_to_copy" and w.attr.get("dtype") == "float32" and len(w.inputs) == 1 and \
+            w.inputs[0].op == "weight" and w.inputs[0].dtype == "bfloat16" and w.inputs[0].shape == w.shape:
+        return w.inputs[0]
+    return None
+
+
+def _own(w: Node, reader: Node, uses: dict[int, list[Node]]) -> bool:
+    """``w`` is an unsplit checkpoint weight (or its bf16 upcast) read by ``reader`` only."""
+    s = _stored(w)
+    return s is not None and "shard" not in s.attr and uses.get(id(w), []) == [reader] and \
+        (s is w or uses.get(id(s), []) == [w])
+
+
+def _sliced(w: Node, group: str, dim: int, parts: int) -> Node:
+    """``w`` (a weight, or its bf16 upcast) as this rank's slice ``dim`` of ``parts``: the weight with attr
+    ``shard`` = (group, dim, parts) and the slice's shape, under the same upcast."""
+    s = _stored(w)
+    shape = tuple(d // parts if k == dim else d for k, d in enumerate(s.shape))
+    part = Node.make("weight", (), dict(s.attr, shard=(group, dim, parts)), [TensorType(s.dtype, shape)], s.span)
+    return part if s is w else w.replace(inputs=(part,), types=(TensorType(w.dtype, shape),))
+
+
 def _expert_count(n: Node, uses: dict[int, list[Node]]) -> int | None:
     """E when every expert tensor of MoE node ``n`` is a weight [E, ..], read by MoE ops only; else None."""
     ts = n.inputs[_ROUTING_INPUTS:]
@@ -94,7 +127,8 @@ def _dense_mlp(down: Node, uses: dict[int, list[Node]], outputs: set[int]) -> bo
     """``down`` is the down-projection of a dense MLP: linear(f(linear(x, W_1), .., linear(x, W_n)), W_d), f
     elementwise over tensors of one shape [.., I], no biases, every node between read only inside the MLP and
     every W a 2-D weight read only by its linear."""
-    if down.op != "linear" or down.attr.get("bias") or down.inputs[1].op != "weight" or len(down.inputs[1].shape) != 2:
+    if down.op != "linear" or down.attr.get("bias") or _stored(down.inputs[1]) is None or \
+            len(down.inputs[1].shape) != 2:
         return False
     h = down.inputs[0]
     if len(h.types) != 1 or not h.shape or not isinstance(h.shape[-1], int) or down.inputs[1].shape[1] != h.shape[-1]:
@@ -107,7 +141,7 @@ def _dense_mlp(down: Node, uses: dict[int, list[Node]], outputs: set[int]) -> bo
         inside.add(id(n))
         if len(n.types) != 1 or n.shape != h.shape:
             return False
-        if n.op == "linear" and not n.attr.get("bias") and n.inputs[1].op == "weight" and \
+        if n.op == "linear" and not n.attr.get("bias") and _stored(n.inputs[1]) is not None and \
                 len(n.inputs[1].shape) == 2:
             leaves.append(n)
             xs.add(id(n.inputs[0]))
@@ -119,7 +153,7 @@ def _dense_mlp(down: Node, uses: dict[int, list[Node]], outputs: set[int]) -> bo
     between = inside - {id(down)}
     return bool(leaves) and len(xs) == 1 and not between & outputs and \
         all(id(u) in inside for k in between for u in uses.get(k, ())) and \
-        all(uses.get(id(w.inputs[1]), []) == [w] for w in (*leaves, down))
+        all(_own(w.inputs[1], w, uses) for w in (*leaves, down))
 
 
 def _split_mlp(down: Node, tp: int) -> Node:
@@ -133,17 +167,11 @@ def _split_mlp(down: Node, tp: int) -> Node:
         if id(n) not in new:
             t = TensorType(n.dtype, (*n.shape[:-1], I // tp))
             if n.op == "linear":
-                w = n.inputs[1]
-                sw = Node.make("weight", (), dict(w.attr, shard=(TP, 0, tp)),
-                               [TensorType(w.dtype, (w.shape[0] // tp, w.shape[1]))], w.span)
-                new[id(n)] = n.replace(inputs=(n.inputs[0], sw), types=(t,))
+                new[id(n)] = n.replace(inputs=(n.inputs[0], _sliced(n.inputs[1], TP, 0, tp)), types=(t,))
             else:
                 new[id(n)] = n.replace(inputs=tuple(split(i) for i in n.inputs), types=(t,))
         return new[id(n)]
-    wd = down.inputs[1]
-    swd = Node.make("weight", (), dict(wd.attr, shard=(TP, 1, tp)), [TensorType(wd.dtype, (wd.shape[0], I // tp))],
-                    wd.span)
-    part = down.replace(inputs=(split(h), swd))
+    part = down.replace(inputs=(split(h), _sliced(down.inputs[1], TP, 1, tp)))
     return Node.make("all_reduce", (part,), {"group": TP, "size": tp, "reduce": "sum"}, [down.type], down.span)
 
 
@@ -169,8 +197,7 @@ def _projection(n: Node, uses: dict[int, list[Node]]) -> bool:
     if n.op != "linear" or len(n.types) != 1:
         return False
     ws = n.inputs[1:]
-    return all(w.op == "weight" and "shard" not in w.attr and uses.get(id(w), []) == [n] for w in ws) and \
-        len(ws[0].shape) == 2 and all(len(w.shape) == 1 for w in ws[1:])
+    return all(_own(w, n, uses) for w in ws) and len(ws[0].shape) == 2 and all(len(w.shape) == 1 for w in ws[1:])
 
 
 def _dims(v, rank: int) -> list[int]:
@@ -382,11 +409,8 @@ class _Heads:
         types = tuple(TensorType(t.dtype, tuple(_part(d, tp) if k == b else d for k, d in enumerate(t.shape)))
                       for t in n.types)
         attrs = n.attr
-        if id(original) in self.projections:  # its rows (and bias) are this rank's heads
-            ws = tuple(Node.make("weight", (), dict(w.attr, shard=(TP, 0, tp)),
-                                 [TensorType(w.dtype, (w.shape[0] // tp, *w.shape[1:]))], w.span)
-                       for w in n.inputs[1:])
-            n = n.replace(inputs=(n.inputs[0], *ws))
+        if id(original) in self.projections:  # its rows (and bias) are this rank's heads, bf16 slices as stored
+            n = n.replace(inputs=(n.inputs[0], *(_sliced(w, TP, 0, tp) for w in n.inputs[1:])))
         elif n.op == "weight" and attrs["name"] in self.constants:  # every block the same: one block
             v = self.constants[attrs["name"]].chunk(tp, b)[0].contiguous()
             name = constant_name(v, types[0])
@@ -404,10 +428,7 @@ class _Heads:
 
 def _split_attention(o: Node, tp: int) -> Node:
     """o_proj (inputs rewritten: its input holds the rank's heads) row-split, all_reduce[tp], then its bias."""
-    w = o.inputs[1]
-    sw = Node.make("weight", (), dict(w.attr, shard=(TP, 1, tp)), [TensorType(w.dtype, (w.shape[0], w.shape[1] // tp))],
-                   w.span)
-    part = o.replace(inputs=(o.inputs[0], sw), attrs=dict(o.attr, bias=False))
+    part = o.replace(inputs=(o.inputs[0], _sliced(o.inputs[1], TP, 1, tp)), attrs=dict(o.attr, bias=False))
     out = Node.make("all_reduce", (part,), {"group": TP, "size": tp, "reduce": "sum"}, [o.type], o.span)
     if len(o.inputs) == 3:
         out = Node.make("add.Tensor", (out, o.inputs[2]), {"alpha": 1}, [o.type], o.span)
@@ -440,13 +461,7 @@ def _table(n: Node, uses: dict[int, list[Node]], tp: int) -> bool:
     """``n``'s table (its vocabulary first: embedding's input 0, a linear's input 1) is a 2-D weight read by ``n``
     only, its rows a multiple of tp."""
     w = n.inputs[0 if n.op == "embedding" else 1]
-    return w.op == "weight" and "shard" not in w.attr and len(w.shape) == 2 and isinstance(w.shape[0], int) and \
-        w.shape[0] % tp == 0 and uses.get(id(w), []) == [n]
-
-
-def _vocab_shard(w: Node, tp: int) -> Node:
-    return Node.make("weight", (), dict(w.attr, shard=(TP, 0, tp)), [TensorType(w.dtype, (w.shape[0] // tp,
-                                                                                          w.shape[1]))], w.span)
+    return _own(w, n, uses) and len(w.shape) == 2 and isinstance(w.shape[0], int) and w.shape[0] % tp == 0
 
 
 def _split_embedding(n: Node, tp: int) -> Node:
@@ -461,7 +476,7 @@ def _split_embedding(n: Node, tp: int) -> Node:
     inside = Node.make("logical_and", (Node.make("ge.Scalar", (rel,), {"other": 0}, [bt], sp),
                                        Node.make("lt.Scalar", (rel,), {"other": local}, [bt], sp)), {}, [bt], sp)
     idx = Node.make("clamp", (rel,), {"min": 0, "max": local - 1}, [it], sp)
-    rows = n.replace(inputs=(_vocab_shard(w, tp), idx))
+    rows = n.replace(inputs=(_sliced(w, TP, 0, tp), idx))
     mask = Node.make("_to_copy", (inside,), {"dtype": n.dtype}, [TensorType(n.dtype, it.shape)], sp)
     mask = Node.make("unsqueeze", (mask,), {"dim": len(it.shape)}, [TensorType(n.dtype, (*it.shape, 1))], sp)
     part = Node.make("mul.Tensor", (rows, mask), {}, [n.type], sp)
@@ -470,11 +485,7 @@ def _split_embedding(n: Node, tp: int) -> Node:
 
 def _split_head(n: Node, tp: int) -> Node:
     """linear(x, W [V, K] (, b)) with this rank's V/tp rows, then all_gather[tp] of the logits."""
-    ws = [_vocab_shard(n.inputs[1], tp)]
-    if len(n.inputs) == 3:
-        b = n.inputs[2]
-        ws.append(Node.make("weight", (), dict(b.attr, shard=(TP, 0, tp)),
-                            [TensorType(b.dtype, (b.shape[0] // tp,))], b.span))
+    ws = [_sliced(w, TP, 0, tp) for w in n.inputs[1:]]
     shape = n.shape
     part = n.replace(inputs=(n.inputs[0], *ws), types=(TensorType(n.dtype, (*shape[:-1], shape[-1] // tp)),))
     return Node.make("all_gather", (part,), {"group": TP, "size": tp, "dim": len(shape) - 1}, [n.type], n.span)
@@ -529,8 +540,7 @@ def shard(g: Graph, mesh: Mesh, constants: Mapping[str, torch.Tensor] | None = N
         experts = []
         for t in n.inputs[_ROUTING_INPUTS:]:
             if id(t) not in split:
-                split[id(t)] = Node.make("weight", (), dict(t.attr, shard=(EP, 0, ep)),
-                                         [TensorType(t.dtype, (local, *t.shape[1:]))], t.span)
+                split[id(t)] = _sliced(t, EP, 0, ep)
             experts.append(split[id(t)])
         part = n.replace(inputs=(n.inputs[0], local_ids, n.inputs[2], *experts))
         count += 1

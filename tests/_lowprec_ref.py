@@ -5,6 +5,8 @@
 - ``check_fused_experts``: the compile report of a low-precision checkpoint puts every MoE layer on one fused,
   hand-scheduled kernel and keeps the experts resident as stored (bytes per weight within a range).
 - ``assert_prefill_matches``: compiled prefill logits equal the reference's within 1e-4 at several lengths.
+- ``to_bf16_checkpoint``: a copy of a checkpoint with its float32 tensors stored bf16 (test_bf16_weights.py,
+  test_dist.py).
 - ``rewrite_checkpoint`` / ``compile_fails``: a damaged copy of a checkpoint, and `dayzero compile` on it exiting 2
   with one line that names the problem, writing nothing.
 """
@@ -89,6 +91,23 @@ def rewrite_checkpoint(src, dst, fn, framework: str = "pt"):
     t = io.load_file(str(f))
     fn(t)
     io.save_file(t, str(f), metadata=meta)
+    return dst
+
+
+def to_bf16_checkpoint(src, dst, declared: bool = False):
+    """A copy of checkpoint ``src`` at ``dst`` with every float32 tensor stored as bfloat16 (as published
+    checkpoints are); ``declared``: its config.json says so too (``dtype``: what `dayzero plan` reads)."""
+    import json
+
+    def fn(t):
+        for k, v in t.items():
+            if v.dtype == torch.float32:
+                t[k] = v.bfloat16()
+    rewrite_checkpoint(src, dst, fn)
+    if declared:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["dtype"] = "bfloat16"
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return dst
 
 

@@ -66,22 +66,6 @@ def test_the_op_reference_is_the_upcast_weight():
     np.testing.assert_allclose(y.numpy(), _numpy_linear(x.numpy(), w), rtol=1e-6, atol=1e-6)
 
 
-def _to_bf16_checkpoint(src, dst):
-    """A copy of checkpoint SRC with every float32 tensor stored as bfloat16 (as published checkpoints are)."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    shutil.copytree(src, dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            meta = h.metadata()
-            t = {k: h.get_tensor(k) for k in h.keys()}
-        save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in t.items()}, str(f), metadata=meta)
-    return dst
-
-
 @pytest.mark.slow
 def test_a_bf16_checkpoint_keeps_its_projections_and_tables_bf16_in_the_arena_and_matches_upstream(
         lowprec_tiny, tmp_path):
@@ -92,7 +76,9 @@ def test_a_bf16_checkpoint_keeps_its_projections_and_tables_bf16_in_the_arena_an
     from dayzero.tools.compare import compare
     from dayzero.tools.driver import compile_model
 
-    ckpt = _to_bf16_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ckpt")  # MXFP4 experts, bf16 else
+    from _lowprec_ref import to_bf16_checkpoint
+
+    ckpt = to_bf16_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), tmp_path / "ckpt")  # MXFP4 experts, bf16 else
     art = tmp_path / "art"
     compile_model(str(ckpt), art, max_seq=16, max_batch=2)
     tensors = json.loads((art / "weights.json").read_text())["tensors"]

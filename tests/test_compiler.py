@@ -41,8 +41,8 @@ def test_graph_steps_in_phase_order():
     names = [n for n, _ in GRAPH_STEPS]
     assert len(set(names)) == len(names)
     # the ordering rules the passes' docstrings state
-    order = ["fold_empty", "fold_constants", "moe", "dequant", "inplace_state", "sparse_attention",
-             "compressed_attention", "expert_workspace", "paged_kv", "fuse"]
+    order = ["fold_empty", "fold_constants", "moe", "dequant", "shard", "dequant_bf16", "inplace_state",
+             "sparse_attention", "compressed_attention", "expert_workspace", "paged_kv", "fuse"]
     assert sorted(order, key=names.index) == order
     assert names[-1] == "fuse"  # every pattern pass matches the unfused ops
 

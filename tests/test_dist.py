@@ -243,6 +243,48 @@ def test_shard_splits_query_heads_over_one_shared_kv_head():
     assert "shard.tensor_parallel_attention" not in found4.patterns
 
 
+def _bf16_bound(g: Graph) -> Graph:
+    """``g`` with every 2-D weight read as a linear's weight or an embedding's table stored bf16, as the frontend
+    binds a bf16 checkpoint's (frontend/lowprec.bind_bf16: ``_to_copy(weight bfloat16, float32)``)."""
+    from types import SimpleNamespace
+
+    from dayzero.frontend.lowprec import bf16_weights, bind_bf16
+
+    names = {n.attr["name"] for n in g.nodes() if n.op == "weight" and len(n.shape) == 2}
+    t = SimpleNamespace(graph=g)
+    bind_bf16(t, bf16_weights([g], names))
+    return t.graph
+
+
+def test_shard_splits_bf16_stored_weights_as_stored_then_dequant_bf16_reads_each_slice():
+    """A bf16 checkpoint's projections, MLP and vocabulary (each weight under its exact upcast) split as fp32 ones
+    do, each rank's slice a bf16 weight; dequant_bf16 after shard then reads every slice as stored."""
+    from dayzero.passes.dequant_bf16 import dequant_bf16
+
+    for graph, want in ((_attn_graph(), {"shard.tensor_parallel_attention": 1, "shard.tensor_parallel_vocab": 2}),
+                        (_mlp_graph(), {"shard.tensor_parallel_mlp": 1})):
+        bound = _bf16_bound(graph)
+        assert sum(n.op == "weight" and n.dtype == "bfloat16" for n in bound.nodes()) in (3, 6)
+        g, found = shard(bound, Mesh.of(tp=2))
+        verify(g)
+        check_shapes(g, {})
+        assert found.patterns == want
+        stored = [n for n in g.nodes() if n.op == "weight"]
+        assert stored and all(n.dtype == "bfloat16" and n.attr["shard"][0] == "tp" for n in stored)
+        whole = {n.attr["name"]: n.shape for n in graph.nodes() if n.op == "weight"}
+        for n in stored:
+            _, dim, parts = n.attr["shard"]
+            assert n.shape[dim] * parts == whole[n.attr["name"]][dim] and n.shape[1 - dim] == \
+                whole[n.attr["name"]][1 - dim]
+        fused, found = dequant_bf16(g)
+        verify(fused)
+        assert found.patterns.get("dequant_bf16.linear") == sum(n.op == "linear" for n in g.nodes())
+        assert not [n for n in fused.nodes() if n.op == "linear"]
+        readers = [n for n in fused.nodes() if n.op in ("dequant_linear_bf16", "embedding")]
+        assert readers and all(n.inputs[1 if n.op != "embedding" else 0].attr["shard"][0] == "tp"
+                               for n in readers)
+
+
 def test_shard_splits_the_routed_experts_over_ep_ranks():
     g, found = shard(_moe_graph(), Mesh.of(ep=2))
     verify(g)
@@ -459,6 +501,39 @@ def test_sharded_artifacts_of_other_architectures_match_single_device(model, axi
 
 
 @pytest.mark.slow
+def test_a_bf16_checkpoint_sharded_keeps_its_slices_bf16_and_matches_single_device(lowprec_tiny, tmp_path_factory,
+                                                                                  tmp_path):
+    """gpt-oss stored bf16 (MXFP4 experts): --tp 2 and --ep 2 keep every weight the single-device artifact holds
+    bf16 in bf16 (under tp, the projections' and vocabulary's slices: each rank reads its bf16 rows only), give the
+    single-device logits and tokens on 2 gloo ranks, and a rank's weights are what `dayzero plan --devices 2` says."""
+    from _lowprec_ref import to_bf16_checkpoint
+
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.report import build_report
+
+    d = tmp_path_factory.mktemp("bf16_mesh")
+    ckpt = to_bf16_checkpoint(lowprec_tiny("gpt_oss", "mxfp4"), d / "ckpt", declared=True)
+    single = d / "single"
+    compile_model(str(ckpt), single, max_seq=32, max_batch=2)
+    whole = json.loads((single / "weights.json").read_text())["tensors"]
+    bf16 = {k for k, e in whole.items() if e["dtype"] == "bfloat16"}
+    assert any(k.endswith("q_proj.weight") for k in bf16) and any(k.endswith("lm_head.weight") for k in bf16)
+    for axis in ("tp", "ep"):
+        art = d / axis
+        compile_model(str(ckpt), art, max_seq=32, max_batch=2, verify=True, **{axis: 2})
+        tensors = json.loads((art / "weights.json").read_text())["tensors"]
+        assert {k for k, e in tensors.items() if e["dtype"] == "bfloat16"} == bf16, axis
+        split = {k for k in bf16 if "shard" in tensors[k]}
+        if axis == "tp":  # attention projections, the embedding table and the LM head
+            for name in ("q_proj.weight", "o_proj.weight", "embed_tokens.weight", "lm_head.weight"):
+                assert any(k.endswith(name) for k in split), (name, sorted(split))
+        plan = build_report(str(art))["plan"]
+        assert 0.98 <= plan["weights"]["measured_over_plan"] <= 1.02, (axis, plan["weights"])
+        (tmp_path / axis).mkdir()
+        _run_two_ranks(ckpt, single, art, tmp_path / axis, axis)
+
+
+@pytest.mark.slow
 def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
     _, single, art = qwen3_ep2
     sys.path.insert(0, str(HERE))
@@ -496,6 +571,27 @@ def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep
     assert dead[1].returncode == 0 and dead[0].returncode == 2, dead[0].stderr[-2000:]
     err = Path(str(out) + ".err").read_text()
     assert "rank 0:" in err and "a rank died" in err and "\n" not in err
+
+
+def test_an_image_prefill_message_carries_the_parsed_request_bit_for_bit():
+    """runtime/lockstep.py's MM_PREFILL payload: ids, M-RoPE positions, the rope delta, each image's grid and its
+    pixel values (every float32 bit pattern: signed zeros, subnormals, NaN) come back as rank 0 parsed them."""
+    from dayzero.runtime.lockstep import pack_parsed, unpack_parsed
+    from dayzero.runtime.multimodal import Parsed
+
+    g = torch.Generator().manual_seed(0)
+    px = [torch.randn(16, 24, generator=g), torch.randn(24, 24, generator=g)]
+    px[0][0, :4] = torch.tensor([-0.0, float("nan"), 1e-45, -float("inf")])
+    p = Parsed(torch.tensor([[5, 9, 9, 9, 9, 7]]), torch.arange(18).reshape(3, 1, 6), -3, px,
+               [(1, 4, 4), (1, 4, 6)])
+    q = unpack_parsed(pack_parsed(p))
+    assert torch.equal(q.ids, p.ids) and torch.equal(q.positions, p.positions) and q.delta == -3
+    assert q.grids == p.grids and len(q.pixels) == 2
+    for a, b in zip(q.pixels, px):
+        assert a.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    text = unpack_parsed(pack_parsed(Parsed(torch.tensor([[1, 2]]), torch.zeros(3, 1, 2, dtype=torch.int64), 0,
+                                            [], [])))
+    assert text.pixels == [] and text.ids.tolist() == [[1, 2]]
 
 
 def _serve_two_ranks(art: Path):
@@ -566,6 +662,79 @@ def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
             for p in procs:
                 p.kill() if p.poll() is None else None
                 p.communicate()
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow
+def test_torchrun_serves_a_sharded_multimodal_artifact(tiny_compiled, tmp_path_factory):
+    """Tiny Qwen3-VL-MoE --tp 2 served under torchrun (2 gloo ranks): a chat with an image and a text completion
+    at once give the single-device artifact's greedy tokens (rank 0 parses the image; every rank runs the vision
+    program and the prefill, then steps the batched decode with each request's rope delta); the startup probe's
+    image request passed; a bad image is a 400 on rank 0 alone and the ranks go on; Ctrl-C on rank 0 ends both."""
+    import base64
+    import io
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from PIL import Image
+
+    from dayzero.runtime import load
+
+    _, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_vl_moe", tp=2)
+    assert json.loads((art / "report.json").read_text())["mesh"]["world"] == 2
+    rt = load(single)
+    a = (np.indices((64, 64)).sum(0) * 5 % 256).astype(np.uint8)
+    img = Image.fromarray(np.stack([a, a[::-1], 255 - a], -1))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": uri}},
+               {"type": "text", "text": " this"}]
+    text = rt.tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": " this"}]}],
+        tokenize=False, add_generation_prompt=True)
+    ids = rt.tokenizer(text, add_special_tokens=False)["input_ids"]
+    want_image = rt.generate(ids, 8, images=[img])
+    rt.reset()
+    want_text = rt.generate([5, 17, 99, 3, 42], 8)
+    chat = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    plain = {"prompt": [5, 17, 99, 3, 42], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    procs, port = _serve_two_ranks(art)  # healthy: the startup probe's text and image requests passed
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda a: _post(port, *a), [("/v1/chat/completions", chat),
+                                                               ("/v1/completions", plain)]))
+        assert [c for c, _ in got] == [200, 200], got
+        assert got[0][1]["choices"][0]["token_ids"] == want_image
+        assert got[1][1]["choices"][0]["token_ids"] == want_text
+        bad = dict(chat, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+        code, err = _post(port, "/v1/chat/completions", bad)
+        assert code == 400 and "image" in err["error"]["message"], err
+        code, again = _post(port, "/v1/chat/completions", chat)
+        assert code == 200 and again["choices"][0]["token_ids"] == want_image
+        procs[0].send_signal(signal.SIGINT)
+        code, err = _ended(procs[0])
+        assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+        code, err = _ended(procs[1])
+        assert code == 0 and not err.strip(), err[-2000:]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
 
 
 @pytest.mark.slow

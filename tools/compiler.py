@@ -41,6 +41,7 @@ from dayzero.frontend.trace import DEFAULT_MAX_SEQ, Frontend, batched_decode_inp
 from dayzero.passes import expert_workspace as ew
 from dayzero.passes.compressed_attention import compressed_attention
 from dayzero.passes.dequant import dequant
+from dayzero.passes.dequant_bf16 import dequant_bf16
 from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.fold_empty import fold_empty
 from dayzero.passes.fuse import fuse
@@ -219,6 +220,7 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     ("dequant", lambda g, env: dequant(g, env.constants)),  # MXFP4 / FP8 chains -> fused dequant kernels
     # -- distribute over the device mesh ---------------------------------------------------------------------------
     ("shard", lambda g, env: shard(g, env.mesh, env.constants)),  # experts over ep, heads / MLPs / vocab over tp
+    ("dequant_bf16", lambda g, env: dequant_bf16(g)),  # after shard: each rank's bf16 slices read as stored
     # -- lay out state: cache writes in place ----------------------------------------------------------------------
     ("inplace_state", lambda g, env: inplace_state(g)),
     # -- identify patterns that read the in-place cache ----------------------------------------------------------
@@ -363,8 +365,7 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
 def trace(model: Any, options: CompileOptions) -> Frontend:
     """MODEL -> Frontend; refuses a checkpoint whose float weights hold NaN/Inf unless ``allow_nonfinite``."""
     fe = trace_model(model, options.max_seq, image_grids=options.image_grids, prefill_chunk=options.chunk,
-                     trace_cache=options.trace_cache, max_batch=options.max_batch,
-                     keep_bf16=options.mesh.world == 1)  # shard.py splits linear weights, not dequant_linear_bf16
+                     trace_cache=options.trace_cache, max_batch=options.max_batch)
     if fe.checkpoint is not None and not options.allow_nonfinite:
         bad = first_nonfinite(fe.checkpoint, {k for runs in fe.recipes.values() for _, k, _, _ in runs})
         if bad is not None:
