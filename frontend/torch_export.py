@@ -126,8 +126,9 @@ def _export_one_pass(pieces, module, args, kwargs, dynamic_shapes) -> ExportedPr
 def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *, kwargs: dict | None = None,
                   one_pass: bool | None = None) -> ExportedProgram:
     """``module(*example_inputs, **kwargs)`` exported (non-strict) and decomposed (``decomposition_table``),
-    ``dynamic_shapes`` as for ``torch.export.export``. ``one_pass``: trace and decompose in one trace (None: when this torch has the private
-    pieces, ``_one_pass_pieces``; ``DAYZERO_EXPORT=two-pass`` in the environment forces the public path)."""
+    ``dynamic_shapes`` as for ``torch.export.export``. ``one_pass``: trace and decompose in one trace (None: when
+    this torch has the private pieces, ``_one_pass_pieces``; ``DAYZERO_EXPORT=two-pass`` in the environment forces
+    the public path)."""
     pieces = None
     if one_pass is None:
         one_pass = os.environ.get("DAYZERO_EXPORT", "") != "two-pass"
