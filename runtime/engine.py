@@ -6,7 +6,8 @@
     each iteration:   aborts / timeouts  ─► their slots reset, blocks back in the pool
                       prefill chunks     ─► new requests, ``prefill_chunk`` tokens in all per iteration
                                             (later chunks: ``Runtime.prefill(..., append=True)``)
-                      sample             ─► one token per request with fresh logits (temperature, top_p, seed)
+                      sample             ─► one token per request with fresh logits (temperature, top_p, seed;
+                                            greedy requests of a batched step: one argmax over its [B, V])
                                             streamed out; stop ids, stop strings, max_tokens, the length budget
                                             end a request and free its slot
                       one decode step    ─► ``rt.decode_batch(tokens, slots) -> [B, V]`` when the runtime has
@@ -138,6 +139,7 @@ class Engine:
         self.decode_steps = 0
         self.error: BaseException | None = None
         self._decode_batch = batched_decode(rt)
+        self._step_rows: tuple[torch.Tensor, list[int]] | None = None  # the last batched step's logits, request ids
 
     # -- the client side (any thread) ----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -221,10 +223,11 @@ class Engine:
         self._aborts.clear()
         self._admit()
         self._prefill()
+        picks = self._greedy_picks()
         batch = []
         for req in sorted(self.active.values(), key=lambda r: r.slot):
             if req.logits is not None:
-                tok = self._sample(req)
+                tok = self._sample(req, picks.get(req.id) if req.temperature <= 0 else None)
                 if tok is not None:
                     batch.append((tok, req))
         if batch:
@@ -301,9 +304,20 @@ class Engine:
             if req.prefilled >= req.prompt_tokens:
                 req.logits = logits[0, -1]
 
-    def _sample(self, req: Request) -> int | None:
-        """Pick the request's next token from its logits and stream it; None when the request ended."""
-        tok = _pick(req.logits, req.temperature, req.top_p, req.gen)
+    def _greedy_picks(self) -> dict[int, int]:
+        """Request id -> its greedy token, for the requests of the last batched decode step: one argmax over the
+        step's [B, V] logits, not one per request (each a torch call and a tensor-to-int conversion)."""
+        step, self._step_rows = self._step_rows, None
+        if step is None:
+            return {}
+        logits, ids = step
+        return dict(zip(ids, logits.argmax(-1).tolist()))
+
+    def _sample(self, req: Request, tok: int | None = None) -> int | None:
+        """Pick the request's next token from its logits (``tok``: already picked, greedy) and stream it; None
+        when the request ended."""
+        if tok is None:
+            tok = _pick(req.logits, req.temperature, req.top_p, req.gen)
         req.logits = None
         req.tokens.append(tok)
         now = time.monotonic()
@@ -365,6 +379,7 @@ class Engine:
                 logits = self._decode_batch([t for t, _ in batch], [r.slot for _, r in batch])
                 for k, (_, req) in enumerate(batch):
                     req.logits = logits[k]
+                self._step_rows = (logits, [r.id for _, r in batch])
                 return
             except UserError:
                 pass  # a request over its budget (a full pool): find it, one request at a time

@@ -89,7 +89,11 @@ class _Program:
         # the cache held, rebuilt them on every prefill)
         bindings = int(np.prod([hi - lo + 1 for lo, hi in self.symbols.values()])) if self.symbols else 1
         self._shared_views = lru_cache(maxsize=min(max(16, bindings), 256))(lambda env: {})
-        self._cache = lru_cache(maxsize=64)(self._prepare)
+        # a program with no per-request state (every cache paged, e.g. Qwen3-MoE's prefill) reads the same buffers
+        # from every slot: one argument list per binding serves them all. Keyed by (binding, slot), a 16-slot
+        # server's prompts of ~30 lengths overflowed the 64 lists kept, and each prefill rebuilt its list (every
+        # view converted to a TVM tensor again)
+        self._prepared = lru_cache(maxsize=64 if self._in_state else min(max(64, bindings), 256))(self._prepare)
         self._arena_as = {}  # dtype -> the arena viewed as that dtype (a buffer's view is one slice of it)
 
     def shape(self, bid: int, env: tuple) -> tuple[int, ...]:
@@ -116,6 +120,11 @@ class _Program:
         if n == 0:  # torch strides a 0-element tensor as if each 0 were 1; kernels check TVM's compact strides
             return v.as_strided(shape, [int(np.prod(shape[k + 1:])) for k in range(len(shape))])
         return v.view(shape)
+
+    def _cache(self, env: tuple, slot: int = 0):
+        """The prepared argument lists of a binding in a request slot (one list for every slot when the program
+        has no per-request state)."""
+        return self._prepared(env, slot if self._in_state else 0)
 
     def _prepare(self, env: tuple, slot: int = 0):
         shared, own = self._shared_views(env), {}
@@ -438,11 +447,15 @@ class Runtime:
 
     @property
     def max_length(self) -> int:
-        """Tokens a request may hold in total (prompt + generated): the compiled cache length."""
-        if self.program_json.get("max_seq"):
-            return int(self.program_json["max_seq"])
-        prog = self.programs["prefill"]  # artifacts without a cache (or from before chunked prefill)
-        return max(hi for lo, hi in prog.symbols.values()) if prog.symbols else 0
+        """Tokens a request may hold in total (prompt + generated): the compiled cache length (read once: the
+        engine asks at every request and decode step)."""
+        if getattr(self, "_max_length", None) is None:
+            if self.program_json.get("max_seq"):
+                self._max_length = int(self.program_json["max_seq"])
+            else:
+                prog = self.programs["prefill"]  # artifacts without a cache (or from before chunked prefill)
+                self._max_length = max(hi for lo, hi in prog.symbols.values()) if prog.symbols else 0
+        return self._max_length
 
     @property
     def prefill_chunk(self) -> int:

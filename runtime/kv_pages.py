@@ -106,5 +106,7 @@ class KVPages:
         return [c.owned[slot][i] for i in sorted(c.owned[slot])]
 
     def stats(self) -> dict:
+        """Per class: blocks in the pool, held ("used": every block off the free list is some slot's, so it is
+        counted off the free list, not summed over the slots at every engine iteration) and free."""
         return {c.name: {"block_size": self.block_size, "window": c.window, "blocks": c.blocks - 1,
-                         "used": sum(len(v) for v in c.owned.values()), "free": len(c.free)} for c in self.classes}
+                         "used": c.blocks - 1 - len(c.free), "free": len(c.free)} for c in self.classes}

@@ -476,6 +476,21 @@ def test_request_slots_share_the_prepared_views(tiny_compiled):
     assert checked_state  # DeepSeek-V4 keeps per-request states outside the paged pools
 
 
+def test_a_program_without_request_state_prepares_one_argument_list_for_every_slot(tiny_compiled):
+    """Qwen3-MoE's prefill keeps nothing per request (its caches are paged): a prompt length prefilled in several
+    slots reuses one prepared argument list, so a 16-slot server's prompt lengths do not overflow the lists kept
+    and rebuild them (every view converted to a TVM tensor again) on later prefills."""
+    _, art, _ = tiny_compiled("qwen3_moe")
+    rt = load(art)
+    prog = rt.programs["prefill"]
+    assert not prog._in_state and rt.max_batch >= 3
+    prog._prepared.cache_clear()
+    for slot in range(3):
+        rt.prefill(_prompt(7, 1), slot=slot)
+    info = prog._prepared.cache_info()
+    assert info.misses == 1 and info.hits == 2, info
+
+
 def test_serve_cli_help_and_a_missing_artifact(tmp_path):
     from click.testing import CliRunner
 
