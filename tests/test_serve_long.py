@@ -16,6 +16,7 @@ import http.client
 import json
 import queue
 import re
+import socket
 import threading
 import time
 
@@ -25,6 +26,7 @@ import torch
 from dayzero import UserError
 from dayzero.runtime import load
 from dayzero.runtime.engine import Engine, EngineMetrics, Request
+from dayzero.runtime import server as server_mod
 from dayzero.runtime.server import Server, start_in_thread
 
 
@@ -174,3 +176,117 @@ def _metric(port, name) -> float:
     _, text = _request(port, "GET", "/metrics")
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture
+def slow_server(tiny_compiled, request):
+    """A server over tiny Qwen3-MoE whose engine prefills 8 tokens per iteration, each chunk 0.1 s slower than it
+    is (a long prompt's prefill, made long in time); keepalive comments every 0.2 s."""
+    _, art, _ = tiny_compiled("qwen3_moe")
+    s = Server(art, model="tiny", prefill_chunk=8, keepalive=0.2, max_body=1_000_000)
+    http_srv, port = start_in_thread(s)
+    real = s.rt.prefill
+
+    def slow(*a, **kw):
+        time.sleep(0.1)
+        return real(*a, **kw)
+    s.rt.prefill = slow  # the engine thread calls it through the runtime object
+    s.port, s.offline = port, load(art)
+    yield s
+    http_srv.should_exit = True
+    s.close()
+
+
+def test_sse_keepalive_comments_while_a_long_prefill_runs(slow_server):
+    """A streaming request whose prefill outlasts the keepalive gets its headers and `: prefill N/M` comment lines
+    (N growing) until its first token, then the tokens offline generate gives, and [DONE]."""
+    prompt = _prompt(100, 6)  # 13 chunks: ~1.3 s of prefill
+    c = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                      "ignore_eos": True, "stream": True}),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    lines = [ln.decode().rstrip("\n") for ln in r if ln.strip()]
+    c.close()
+    comments = [ln for ln in lines if ln.startswith(":")]
+    progress = [int(m.group(1)) for ln in comments if (m := re.fullmatch(r": prefill (\d+)/100", ln))]
+    assert len(progress) == len(comments) >= 3 and progress == sorted(progress) and progress[-1] > progress[0]
+    assert all(ln.startswith(":") for ln in lines[:len(comments)])  # every comment before the first token
+    tokens = [t for ln in lines if ln.startswith("data: {")
+              for ch in json.loads(ln[6:])["choices"] for t in ch.get("token_ids", [])]
+    assert tokens == slow_server.offline.generate(prompt, 5)
+    assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_server, stream):
+    """The client closes its connection while its prompt is still prefilling (streaming: after the keepalive
+    headers; non-streaming: while the handler waits): the request ends as aborted before its prefill would have
+    ended, and its KV blocks and slot are back."""
+    port = slow_server.port
+    aborted = _metric(port, 'dayzero_requests_finished_total{reason="abort"}')
+    base = _metric(port, "dayzero_prefilled_tokens_total")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": _prompt(120, 7), "max_tokens": 4,
+                                                      "stream": stream}),
+              {"Content-Type": "application/json"})  # 15 chunks: ~1.5 s of prefill
+    if stream:
+        r = c.getresponse()
+        assert r.status == 200 and r.readline().startswith(b": prefill")
+    deadline = time.monotonic() + 30
+    while _metric(port, "dayzero_prefilled_tokens_total") - base < 16:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    while _metric(port, 'dayzero_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the server never saw the disconnect"
+        time.sleep(0.02)
+    assert _metric(port, "dayzero_prefilled_tokens_total") - base < 120  # ended during its prefill
+    assert _metric(port, "dayzero_kv_blocks_used") == 0 and _metric(port, "dayzero_requests_running") == 0
+    assert slow_server.engine.kv_blocks()[0] == 0
+
+
+def test_a_body_over_max_body_is_413_and_the_server_goes_on(slow_server):
+    status, r = _request(slow_server.port, "POST", "/v1/completions", {"prompt": [1] * 400_000, "max_tokens": 1})
+    assert status == 413 and "--max-body of 1000000 bytes" in r["error"]["message"], r
+    status, r = _request(slow_server.port, "POST", "/v1/completions",
+                         {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and r["choices"][0]["token_ids"] == slow_server.offline.generate([1, 2, 3], 2)
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(slow_server, monkeypatch):
+    """While a large body is parsed (made slow: 2 s), /health still answers at once."""
+    real = server_mod.parse_json
+
+    def slow_parse(raw):
+        time.sleep(2.0)
+        return real(raw)
+    monkeypatch.setattr(server_mod, "parse_json", slow_parse)
+    got = {}
+    body = {"prompt": [1] * 100_000, "max_tokens": 1}  # ~300 KB: over OFF_LOOP_BYTES, within max_body
+
+    def post():
+        got["r"] = _request(slow_server.port, "POST", "/v1/completions", body)
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(0.5)  # the body is in and being parsed
+    t0 = time.monotonic()
+    assert _request(slow_server.port, "GET", "/health", timeout=10)[0] == 200
+    assert time.monotonic() - t0 < 1.0
+    t.join(60)
+    status, r = got["r"]
+    assert status == 400 and "the artifact's --max-seq" in r["error"]["message"], r
+
+
+@pytest.mark.parametrize("value, needle", [("0", "must be positive"), ("8X", "expected a number like")])
+def test_serve_max_body_is_checked_on_the_command_line(tmp_path, value, needle):
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+
+    r = CliRunner().invoke(main, ["serve", str(tmp_path), "--port", "0", "--max-body", value])
+    line = r.output.strip()
+    assert r.exit_code == 2 and len(line.splitlines()) == 1 and "--max-body" in line and needle in line, line
+    assert "--max-body" in CliRunner().invoke(main, ["serve", "--help"]).output
