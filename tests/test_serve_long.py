@@ -290,3 +290,26 @@ def test_serve_max_body_is_checked_on_the_command_line(tmp_path, value, needle):
     line = r.output.strip()
     assert r.exit_code == 2 and len(line.splitlines()) == 1 and "--max-body" in line and needle in line, line
     assert "--max-body" in CliRunner().invoke(main, ["serve", "--help"]).output
+
+
+@pytest.mark.slow
+def test_serve_long_measures_a_prompt_through_a_served_artifact(tiny_compiled, tmp_path):
+    """tools/serve_long.py (the 1M-token run's driver) on tiny V4 at 100 tokens: the streamed tokens are offline
+    generate's, with its figures (TTFT, prefill rate, RSS) and progress samples written, and its server stopped."""
+    from click.testing import CliRunner
+
+    from dayzero.tools.serve_long import main
+
+    _, art, _ = tiny_compiled("deepseek_v4")
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, [str(art), "--tokens", "100", "--max-tokens", "4", "--prefill-chunk", "8",
+                                  "--every", "0.2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    import random
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(256) for _ in range(100)]
+    assert res["status"] == 200 and res["generated"] == load(art).generate(prompt, 4)
+    assert res["ttft_s"] > 0 and res["prefill_tokens_per_s"] > 0 and res["rss_end"]["VmHWM"] > 0
+    assert res["samples"] and res["short_during_status"] == 200
