@@ -4,8 +4,10 @@
                                    │ admitted when a request slot is free and the KV-block pool holds the
                                    ▼ blocks of its whole budget (prompt + max_tokens) beside the running ones
     each iteration:   aborts / timeouts  ─► their slots reset, blocks back in the pool
-                      prefill chunks     ─► new requests, ``prefill_chunk`` tokens in all per iteration
-                                            (later chunks: ``Runtime.prefill(..., append=True)``)
+                      prefill chunks     ─► new requests, ``prefill_chunk`` tokens in all per iteration, the
+                                            request with the fewest prompt tokens left first (a 1M-token prompt
+                                            takes what short ones leave; running requests decode between its
+                                            chunks); later chunks: ``Runtime.prefill(..., append=True)``
                       sample             ─► one token per request with fresh logits (temperature, top_p, seed;
                                             greedy requests of a batched step: one argmax over its [B, V])
                                             streamed out; stop ids, stop strings, max_tokens, the length budget
@@ -102,6 +104,9 @@ class EngineMetrics:
     def token(self, req: Request, now: float) -> None:
         pass
 
+    def prefilled(self, req: Request, tokens: int) -> None:
+        """``tokens`` more of the request's prompt went through prefill (a long prompt's progress)."""
+
     def finished(self, req: Request, reason: str) -> None:
         pass
 
@@ -149,7 +154,8 @@ class Engine:
         budget = self.rt.max_length
         if req.prompt_tokens + req.max_tokens > budget:
             raise UserError(f"prompt ({req.prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                            f"length budget of {budget} tokens")
+                            f"length budget of {budget} tokens (the artifact's --max-seq)")
+        self._check_pool(req)
         with self._lock:
             if self._queued >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting): retry later")
@@ -219,7 +225,8 @@ class Engine:
             if req.id in self._aborts:
                 self._finish(req, "abort")
             elif req.timeout is not None and now - req.submitted > req.timeout:
-                self._fail(req, f"the request timed out after {req.timeout:g} s", 408)
+                self._fail(req, f"the request timed out after {req.timeout:g} s (the server's --timeout; "
+                                f"{req.prefilled} of {req.prompt_tokens} prompt tokens prefilled)", 408)
         self._aborts.clear()
         self._admit()
         self._prefill()
@@ -243,7 +250,8 @@ class Engine:
                 if not self.active:  # nothing will free blocks: it can never run
                     self.waiting.popleft()
                     self._dequeued()
-                    self._fail(req, "the request needs more KV-cache blocks than the pool holds", 400)
+                    self._fail(req, "the request needs more KV-cache blocks than the pool holds (compile with a "
+                                    "larger --kv-blocks)", 400)
                     continue
                 return
             self.waiting.popleft()
@@ -274,6 +282,19 @@ class Engine:
             need[c.name] = n
         return need
 
+    def _check_pool(self, req: Request) -> None:
+        """A request whose budget (prompt + max_tokens) needs more blocks than a whole pool holds can never be
+        admitted, whatever ends: a UserError now (HTTP 400) instead of a wait that never ends."""
+        if self.rt.kv is None:
+            return
+        need = self._blocks_needed(req.prompt_tokens + req.max_tokens)
+        for c in self.rt.kv.classes:
+            if need[c.name] > c.blocks - 1:
+                bs = self.rt.kv.block_size
+                raise UserError(f"prompt ({req.prompt_tokens} tokens) + max_tokens ({req.max_tokens}) needs "
+                                f"{need[c.name]} KV-cache blocks of {bs} tokens in {c.name}, but its pool holds "
+                                f"{c.blocks - 1} (compile with a larger --kv-blocks, or ask for fewer tokens)")
+
     def _fits(self, need: dict[str, int]) -> bool:
         for c in self.rt.kv.classes if self.rt.kv is not None else ():
             held = sum(r.get(c.name, 0) for r in self._reserved.values())
@@ -282,8 +303,11 @@ class Engine:
         return True
 
     def _prefill(self) -> None:
+        """This iteration's prefill: ``prefill_chunk`` tokens in all, the request with the fewest prompt tokens
+        left first (ties: the older one), so short prompts are not stuck behind a long one's thousands of chunks;
+        the long one takes the rest of the budget, and every running request decodes once per iteration."""
         budget = self.prefill_chunk
-        for req in sorted(self.active.values(), key=lambda r: r.id):
+        for req in sorted(self.active.values(), key=lambda r: (r.prompt_tokens - r.prefilled, r.id)):
             if budget <= 0:
                 return
             if req.prefilled >= req.prompt_tokens:
@@ -298,6 +322,7 @@ class Engine:
                     logits = self.rt.prefill(chunk, slot=req.slot, append=req.prefilled > 0)
                     req.prefilled += n
                     budget -= n
+                    self.metrics.prefilled(req, n)
             except UserError as e:
                 self._fail(req, str(e), 400)
                 continue

@@ -12,8 +12,15 @@ Startup (``Server.load``, in a thread while HTTP already answers /health): load 
 ``validate=CHECKPOINT`` compare the probe's prefill and decode logits with the upstream model run eagerly (refuse
 to start outside tolerance); start the engine; run the probe through the engine (prefill, decode and, on a
 multimodal artifact, an image); then ready. A bad request gets OpenAI's error JSON with status 400 and the server
-keeps serving the others; a full queue is 429. Responses carry the generated ``token_ids`` beside the text (as
-vLLM's ``return_token_ids`` does), which clients without a tokenizer need.
+keeps serving the others; a full queue is 429; a body over ``max_body`` bytes is 413. Responses carry the
+generated ``token_ids`` beside the text (as vLLM's ``return_token_ids`` does), which clients without a tokenizer
+need.
+
+Long prompts (a 1M-token prompt is ~7 MB of JSON and an hour of prefill here): a large body is parsed and its
+prompt checked in a worker thread, not on the event loop; until a request's first token, the handler watches its
+client (one that went away is aborted: its slot and blocks are back within an engine iteration), and a streaming
+request whose first token takes longer than ``keepalive`` seconds gets its response headers then and an SSE
+comment line every ``keepalive`` seconds (``: prefill N/M``), so clients and proxies see a live connection.
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ PROBE_TOKENS = 16
 VALIDATE_ATOL = 1e-3  # fp32 kernels against fp32 eager; the prefill comparisons of tools/compare.py hold 1e-4
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+MAX_BODY = 64_000_000  # bytes (--max-body 64M): a 1M-token prompt is ~7 MB of JSON as token ids
+OFF_LOOP_BYTES = 256 * 2**10  # bodies above this are parsed (and their prompts checked) in a worker thread
+KEEPALIVE_S = 15.0  # an SSE comment this often while a streaming request's prefill runs
+WATCH_S = 0.2  # how often a request still waiting for its first token checks that its client is there
 
 
 class Stream:
@@ -127,6 +138,7 @@ class PrometheusMetrics(EngineMetrics):
         self.kv_used = Gauge("dayzero_kv_blocks_used", "KV-cache blocks held by requests", registry=r)
         self.kv_total = Gauge("dayzero_kv_blocks_total", "KV-cache blocks in the pools", registry=r)
         self.tokens = Counter("dayzero_generated_tokens", "tokens generated", registry=r)
+        self.prefilled_tokens = Counter("dayzero_prefilled_tokens", "prompt tokens prefilled", registry=r)
         self.requests = Counter("dayzero_requests_finished", "requests ended, by reason", ["reason"], registry=r)
         self.ttft = Histogram("dayzero_time_to_first_token_seconds", "submission to first token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -145,6 +157,9 @@ class PrometheusMetrics(EngineMetrics):
             self.ttft.observe(now - req.submitted)
         else:
             self.itl.observe(now - req.last_token_at)
+
+    def prefilled(self, req, tokens):
+        self.prefilled_tokens.inc(tokens)
 
     def finished(self, req, reason):
         self.requests.labels(reason).inc()
@@ -190,11 +205,12 @@ def sampling(body: dict, prompt_tokens: int, budget: int, chat: bool) -> dict:
     if max_tokens is None:
         max_tokens = budget - prompt_tokens
         if max_tokens < 1:
-            raise BadRequest(f"the prompt ({prompt_tokens} tokens) fills the length budget of {budget} tokens",
+            raise BadRequest(f"the prompt ({prompt_tokens} tokens) fills the length budget of {budget} tokens "
+                             "(the artifact's --max-seq)",
                              param="messages" if chat else "prompt")
     elif prompt_tokens + max_tokens > budget:
         raise BadRequest(f"prompt ({prompt_tokens} tokens) + {key} ({max_tokens}) exceeds the length budget of "
-                         f"{budget} tokens", param=key)
+                         f"{budget} tokens (the artifact's --max-seq)", param=key)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -328,8 +344,10 @@ class Server:
     """An artifact served over HTTP: ``app`` (FastAPI); ``load()`` readies it (the CLI runs it in a thread)."""
 
     def __init__(self, artifact, model: str | None = None, max_queue: int = 64, prefill_chunk: int = 64,
-                 timeout: float | None = None, validate=None, load_progress=None, open_runtime=None):
+                 timeout: float | None = None, validate=None, load_progress=None, open_runtime=None,
+                 max_body: int = MAX_BODY, keepalive: float = KEEPALIVE_S):
         self.artifact = Path(artifact)
+        self.max_body, self.keepalive = int(max_body), float(keepalive)
         self.model = model or self.artifact.name
         self.max_queue, self.prefill_chunk, self.timeout = max_queue, prefill_chunk, timeout
         self.validate_ckpt = validate
@@ -382,19 +400,14 @@ class Server:
         app = FastAPI(title="dayzero", docs_url=None, redoc_url=None)
 
         def error(status: int, message: str, code=None, param=None, kind=None):
-            kind = kind or {400: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
-                            408: "timeout"}.get(status, "server_error")
+            kind = kind or {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                            503: "service_unavailable", 408: "timeout"}.get(status, "server_error")
             return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                                 status_code=status)
 
         async def body_of(request: HttpRequest) -> dict:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the request body is not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
+            raw = await read_body(request, self.max_body)
+            body = await asyncio.to_thread(parse_json, raw) if len(raw) > OFF_LOOP_BYTES else parse_json(raw)
             model = body.get("model")
             if model is not None and model != self.model:
                 raise BadRequest(f"unknown model {json.dumps(model)}: this server serves {json.dumps(self.model)}",
@@ -445,7 +458,12 @@ class Server:
         if chat:
             ids, images = await asyncio.to_thread(chat_prompt, rt, body.get("messages"))
         else:
-            ids, images = completion_prompt(rt, body.get("prompt"), self.vocab), []
+            prompt = body.get("prompt")
+            if isinstance(prompt, (str, list)) and len(prompt) > OFF_LOOP_BYTES // 8:  # a long prompt's check
+                ids = await asyncio.to_thread(completion_prompt, rt, prompt, self.vocab)
+            else:
+                ids = completion_prompt(rt, prompt, self.vocab)
+            images = []
         params = sampling(body, len(ids), rt.max_length, chat)
         events = Stream(asyncio.get_running_loop())
         req = Request(ids, self.outbox.emitter(events), images=images, timeout=self.timeout, **params)
@@ -457,22 +475,29 @@ class Server:
             return self._error(400, str(e))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        # until the first token (a long prompt's prefill): watch the client, abort the request if it went away
+        first = await self._first_events(request, req, events, self.keepalive if body.get("stream") else None)
+        if first is None:
+            return Response(status_code=499)  # nobody reads it
         if body.get("stream"):
-            first = await events.next()  # an error before the first token is still an HTTP error
-            if first[0].kind == "error":
+            # an error before the first token is still an HTTP error, unless the headers went out for keepalives
+            if first and first[0].kind == "error":
                 return self._error(first[0].status, first[0].error)
             return StreamingResponse(self._sse(req, first, events, rid, created, chat), media_type="text/event-stream")
         try:
             text, tokens = [], []
             ev = None
+            batch = first
             while ev is None:
-                for e in await events.next():
+                for e in batch:
                     if e.kind == "token":
                         text.append(e.text)
                         tokens.append(e.token)
                     else:
                         ev = e
                         break
+                if ev is None:
+                    batch = await events.next()
         finally:
             if not req.finished:
                 self.engine.abort(req)
@@ -488,6 +513,23 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model, "choices": [choice], "usage": usage}
 
+    async def _first_events(self, request, req: Request, events: Stream, wait: float | None) -> list[Event] | None:
+        """The request's first events; [] when none came within ``wait`` seconds (None: no limit); None when the
+        client disconnected first (the request is aborted: its slot and blocks go back within an iteration)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        while True:
+            step = WATCH_S if deadline is None else min(WATCH_S, max(0.0, deadline - loop.time()))
+            try:
+                return await asyncio.wait_for(events.next(), step)
+            except TimeoutError:
+                pass
+            if await request.is_disconnected():
+                self.engine.abort(req)
+                return None
+            if deadline is not None and loop.time() >= deadline:
+                return []
+
     async def _sse(self, req: Request, first: list[Event], events: Stream, rid: str, created: int, chat: bool):
         """Server-sent events, one per token; the events that arrived since the last write go out as one write."""
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -501,6 +543,12 @@ class Server:
             return head + ("" if choice is None else json.dumps(choice)) + tail + "}\n\n"
 
         try:
+            while not first:  # a long prefill: a comment line now and then keeps clients and proxies waiting
+                yield f": prefill {req.prefilled}/{req.prompt_tokens}\n\n"
+                try:
+                    first = await asyncio.wait_for(events.next(), self.keepalive)
+                except TimeoutError:
+                    pass
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             batch, ended = first, False
@@ -534,6 +582,37 @@ class Server:
         finally:
             if not req.finished:  # the client went away mid-stream: its slot and blocks go back
                 self.engine.abort(req)
+
+
+# -- request bodies ----------------------------------------------------------------------------------------------
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a larger one (by its Content-Length, or counted as it arrives)
+    is a 413 before it is all in memory."""
+    def too_large(size: str):
+        return BadRequest(f"the request body ({size}) is larger than the server's --max-body of {limit} bytes",
+                          status=413, code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(f"{int(length)} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(f"over {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object (a 400 for anything else)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
 
 # -- startup checks -----------------------------------------------------------------------------------------------

@@ -426,11 +426,14 @@ def demo_cmd(out, prompt, images, as_json, then_serve, host, port):
 @click.option("--prefill-chunk", default=64, show_default=True, type=int,
               help="prompt tokens prefilled per engine iteration (long prompts in chunks, decoding goes on)")
 @click.option("--timeout", type=float, default=None, help="seconds a request may take (HTTP 408 after)")
+@click.option("--max-body", default="64M", show_default=True, metavar="BYTES",
+              help="largest request body (a count such as 8M; k = 10^3, M = 10^6): larger gets HTTP 413; a "
+                   "1M-token prompt is ~7 MB as token ids")
 @click.option("--model-name", default=None, help="the model id clients send (default: the artifact's dir name)")
 @click.option("--validate", "validate_ckpt", type=click.Path(exists=True, file_okay=False), default=None,
               metavar="CHECKPOINT", help="refuse to start unless the startup probe's logits match the upstream "
                                          "model run eagerly on CHECKPOINT")
-def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_name, validate_ckpt):
+def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, max_body, model_name, validate_ckpt):
     """Serve ARTIFACT over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /health, /metrics)."""
     from dayzero.runtime.server import serve
 
@@ -438,8 +441,13 @@ def serve_cmd(artifact, host, port, max_queue, prefill_chunk, timeout, model_nam
         raise UserError("--max-queue must be at least 1")
     if timeout is not None and timeout <= 0:
         raise UserError("--timeout must be positive")
+    from dayzero.tools.capacity import parse_count
+
+    max_body = parse_count(max_body, "--max-body")
+    if max_body < 1:
+        raise UserError("--max-body must be at least 1 byte")
     kwargs = dict(max_queue=max_queue, prefill_chunk=prefill_chunk, timeout=timeout, model=model_name,
-                  validate=validate_ckpt, load_progress=LoadProgress())
+                  validate=validate_ckpt, load_progress=LoadProgress(), max_body=max_body)
     if _mesh(artifact):  # a sharded artifact under torchrun: rank 0 serves, every rank steps together
         from dayzero.runtime.lockstep import serve_sharded
 
