@@ -37,7 +37,7 @@ from dayzero.codegen.artifact import FORMAT, FORMAT_PREFIX, MANIFEST, file_diges
 from dayzero.passes.ir.collective import COLLECTIVES, MESH_AXES, Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE, INPUT_KINDS
 from dayzero.passes.ir.ops import DTYPE_BYTES
-from dayzero.passes.ir.shape_expr import dim_at
+from dayzero.passes.ir.shape_expr import dim_at, parse_dim, symbol_table
 from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES, ZONES
 
 
@@ -173,10 +173,14 @@ def _corners(symbols: dict[str, tuple[int, int]]):
 
 
 def buffer_max_bytes(b: dict, symbols: dict[str, tuple[int, int]], w: _Where, path: str) -> int:
-    """Bytes of buffer B at the largest of its sizes over the symbols' bounds (checked at every corner, and
-    each dimension non-negative there)."""
+    """Bytes of buffer B at the largest of its sizes over the symbols' bounds (checked at every corner of the
+    symbols its shape mentions, and each dimension non-negative there). A batched program declares a symbol per
+    request and cache (tiny DeepSeek-V4's decode_batch: 18), so the corners of all of them (2^18) would take
+    minutes per buffer; a buffer's shape names one or two."""
+    table = symbol_table(symbols)
+    used = {str(x) for d in b["shape"] if isinstance(d, str) for x in parse_dim(d, table).free_symbols}
     best = 0
-    for env in _corners(symbols):
+    for env in _corners({s: r for s, r in symbols.items() if s in used}):
         n = 1
         for d in b["shape"]:
             v = shape_dim(d, env)

@@ -369,3 +369,20 @@ def test_overlap_sweep_agrees_with_the_planners_verifier():
         assert got == expected, (bufs, offs)
         clashes += expected
     assert 50 < clashes < 250  # both outcomes were exercised
+
+
+def test_a_buffers_size_is_checked_at_the_corners_of_its_own_symbols_only(monkeypatch):
+    # a batched decode program declares a symbol per request and cache (tiny DeepSeek-V4 --max-batch 2: 18); its
+    # buffers each name one or two, and checking every buffer at all 2^18 corners kept `load` busy for minutes
+    from dayzero.runtime import validate
+
+    symbols = {f"s{k}": (1, 2) for k in range(16)} | {"n": (1, 1 << 20)}
+    calls = []
+    real = validate.shape_dim
+    monkeypatch.setattr(validate, "shape_dim", lambda d, env: calls.append(d) or real(d, env))
+    where = validate._Where("program.json")
+    buf = {"shape": ["n", "s3 * 4", 8], "dtype": "float32"}
+    assert validate.buffer_max_bytes(buf, symbols, where, "b") == (1 << 20) * 2 * 4 * 8 * 4
+    assert len(calls) <= 3 * 4  # 3 dims at the 4 corners of (n, s3)
+    with pytest.raises(UserError, match=r"dimension 's3 - 2' is -1"):
+        validate.buffer_max_bytes({"shape": ["s3 - 2"], "dtype": "int8"}, symbols, where, "b")
