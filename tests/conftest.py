@@ -132,8 +132,10 @@ def pytest_collection_modifyitems(config, items):
 # gpt-oss 251 s, the demo+serve 140 s; ~190 s and ~200 s of wall in a fresh-clone run). ``--dist loadfile`` hands
 # whole files to the workers in collection order (addopts turns off xdist's default reordering by test count,
 # which sent these one-test files last, so a 3-minute file ran alone at the end of the run): they start first and
-# the many small files fill the other workers around them.
-HEAVY_FIRST = ("test_full_size.py", "test_demo.py")
+# the many small files fill the other workers around them. The chunked prefill on the shared DeepSeek-V3.2 / V4
+# artifacts follows: the first file to need those builds them (the tiny V4 compile alone ~140 s), so they are
+# built early, beside the two above, and the later files that read them find them made.
+HEAVY_FIRST = ("test_full_size.py", "test_demo.py", "test_chunked_prefill_shared.py")
 
 
 def _run_order(path: Path, end_to_end: set) -> tuple[int, int]:
