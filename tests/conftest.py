@@ -132,8 +132,10 @@ def pytest_collection_modifyitems(config, items):
 # gpt-oss 251 s, the demo+serve 140 s; ~190 s and ~200 s of wall in a fresh-clone run). ``--dist loadfile`` hands
 # whole files to the workers in collection order (addopts turns off xdist's default reordering by test count,
 # which sent these one-test files last, so a 3-minute file ran alone at the end of the run): they start first and
-# the many small files fill the other workers around them.
-HEAVY_FIRST = ("test_full_size.py", "test_demo.py")
+# the many small files fill the other workers around them. The chunked prefill on the shared DeepSeek-V3.2 / V4
+# artifacts follows: the first file to need those builds them (the tiny V4 compile alone ~140 s), so they are
+# built early, beside the two above, and the later files that read them find them made.
+HEAVY_FIRST = ("test_full_size.py", "test_demo.py", "test_chunked_prefill_shared.py")
 
 
 def _run_order(path: Path, end_to_end: set) -> tuple[int, int]:
@@ -162,19 +164,24 @@ def compiled_factory(tmp_path_factory):
 
 SHARED_MAX_SEQ = 128
 SHARED_MAX_BATCH = 3
+# the multimodal checkpoint's shared artifact carries two image grids (a 64x64 image and a 64 high x 96 wide one),
+# so that test_vision.py's checks of several compiled grids run on it instead of on a compile of their own
+SHARED_IMAGE_GRIDS = {"qwen3_vl_moe": ("1x4x4", "1x4x6")}
 
 
 @pytest.fixture(scope="session")
 def tiny_compiled(tmp_path_factory):
     """tiny_compiled("gpt_oss") -> (checkpoint dir, artifact dir, report): every make-tiny architecture is written
-    (seed 0) and compiled (max_seq 128, max_batch 3) once per run, shared by every test that needs it (compiling
-    is the slow part of the suite)."""
+    (seed 0) and compiled (max_seq 128, max_batch 3, SHARED_IMAGE_GRIDS for a multimodal one) once per run, shared
+    by every test that needs it (compiling is the slow part of the suite)."""
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_tiny import make_tiny
 
     def build(d: Path):
-        ckpt = make_tiny(d.name.removeprefix("shared_"), d / "ckpt", seed=0)
-        compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH)
+        model_type = d.name.removeprefix("shared_")
+        ckpt = make_tiny(model_type, d / "ckpt", seed=0)
+        compile_model(str(ckpt), d / "art", max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH,
+                      image_grids=SHARED_IMAGE_GRIDS.get(model_type))
         return read(d)
 
     def read(d: Path):

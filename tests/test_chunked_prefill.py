@@ -12,7 +12,8 @@ Spec:
 - Qwen3-MoE and gpt-oss (sliding windows: their pools are sized by the chunk) are compiled with
   ``--prefill-chunk 16``, so ``prefill`` splits the prompt itself; DeepSeek-V3.2 and V4 reuse the session's shared
   artifacts (conftest.tiny_compiled: one prefill call could take the whole prompt) and are driven 16 tokens per
-  call with ``append=True``: the same calls at the same positions, without compiling them a second time.
+  call with ``append=True``: the same calls at the same positions, without compiling them a second time (in
+  test_chunked_prefill_shared.py, so that another xdist worker can run them; the checks are tests/_chunked.py).
 - The prefill's per-call memory (activations, I/O) is sized by the chunk: smaller than a compile without one.
 - A chunk outside [1, --max-seq] is one line, exit 2.
 """
@@ -22,80 +23,37 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from dayzero.tools.cli import main
 
-CHUNK = 16
-MAX_SEQ = 128  # as the shared session artifacts (conftest.tiny_compiled), so the arenas compare
-NEW = 8
-TOL = 1e-4
-COMPILED_CHUNK = ("qwen3_moe", "gpt_oss")  # compiled with --prefill-chunk; the others are the shared artifacts
+from _chunked import CHUNK, MAX_SEQ, check_matches_upstream, upstream_model
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def chunked(request, tmp_path_factory, tiny_compiled):
-    """(model type, runtime, upstream model, report, chunk the test hands to each prefill call or None)."""
-    from dayzero.frontend.hf import load_upstream
+    """(model type, runtime, upstream model, report) of the shared checkpoint compiled with --prefill-chunk (the
+    runtime splits the prompt itself). DeepSeek-V3.2 and V4: test_chunked_prefill_shared.py."""
     from dayzero.runtime import load
 
-    if request.param in COMPILED_CHUNK:  # the runtime splits the prompt itself
-        d = tmp_path_factory.mktemp(f"chunked_{request.param}")
-        ckpt = tiny_compiled(request.param)[0]
-        r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", str(MAX_SEQ),
-                                      "--max-batch", "1", "--prefill-chunk", str(CHUNK)])
-        assert r.exit_code == 0, r.output
-        art, report, by_hand = d / "art", json.loads((d / "art" / "report.json").read_text()), None
-    else:  # the shared artifact, fed CHUNK tokens per call
-        ckpt, art, report = tiny_compiled(request.param)
-        by_hand = CHUNK
-    ref = load_upstream(ckpt)
-    ref.generation_config.eos_token_id = None  # exactly NEW tokens, as rt.generate without stop ids
-    return request.param, load(art), ref, report, by_hand
-
-
-def _prompt(n, seed):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _prefill_in_chunks(rt, ids, chunk):
-    """The prompt as consecutive prefill calls of ``chunk`` tokens (the first starts the request)."""
-    logits = [rt.prefill(ids[k:k + chunk], append=k > 0) for k in range(0, len(ids), chunk)]
-    return torch.cat(logits, dim=1)
+    d = tmp_path_factory.mktemp(f"chunked_{request.param}")
+    ckpt = tiny_compiled(request.param)[0]
+    r = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(d / "art"), "--max-seq", str(MAX_SEQ),
+                                  "--max-batch", "1", "--prefill-chunk", str(CHUNK)])
+    assert r.exit_code == 0, r.output
+    art, report = d / "art", json.loads((d / "art" / "report.json").read_text())
+    return request.param, load(art), upstream_model(ckpt), report
 
 
 @pytest.mark.slow
 def test_chunked_prefill_matches_upstream(chunked):
-    _, rt, ref, _, by_hand = chunked
-    assert rt.max_length == MAX_SEQ
-    assert rt.prefill_chunk == (CHUNK if by_hand is None else MAX_SEQ)
-    for n in (70, 33):
-        ids = _prompt(n, n)
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            want = ref(input_ids=x, attention_mask=torch.ones_like(x)).logits
-            upstream = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                                    do_sample=False)[0, n:].tolist()
-        if by_hand is None:
-            got = rt.prefill(ids)
-            # what generation reads: the last chunk's last position only, not every chunk's logits kept
-            last = rt.prefill(ids, last=True)
-            assert last.shape == (1, 1, got.shape[-1]) and torch.equal(last[0, 0], got[0, -1])
-            tokens = rt.generate(ids, NEW)
-        else:
-            got = _prefill_in_chunks(rt, ids, by_hand)
-            head = (n - 1) // by_hand * by_hand  # every chunk but the last, then the last one and the decode
-            _prefill_in_chunks(rt, ids[:head], by_hand)
-            tokens = rt.generate(ids[head:], NEW, append=True)
-        assert got.shape == want.shape
-        assert float((got - want).abs().max()) <= TOL
-        assert tokens == upstream
+    _, rt, ref, _ = chunked
+    check_matches_upstream(rt, ref, None)
 
 
 @pytest.mark.slow
 def test_prefill_memory_is_sized_by_the_chunk(chunked, tiny_compiled):
-    model_type, _, _, report, _ = chunked
+    model_type, _, _, report = chunked
     if model_type != "qwen3_moe":
         pytest.skip("one architecture is enough for the prefill's sizes")
     full = tiny_compiled(model_type)[2]  # max_seq 128, no chunk: prefill takes all 128 tokens at once
@@ -113,9 +71,7 @@ def test_sliding_window_pool_is_sized_by_the_chunk(chunked):
     """A sliding-window K/V pool (gpt-oss's sliding layers, DeepSeek-V4's K = V state) holds, for the one request
     (--max-batch 1), the W - 1 positions before a call plus the call's chunk, ceil((W - 1 + chunk) / 16) + 1
     blocks, and the scratch block: not --max-seq's 128 / 16 blocks; the prompts of the test above ran through it."""
-    model_type, rt, _, report, by_hand = chunked
-    if by_hand is not None:
-        pytest.skip("a shared artifact: compiled without a chunk")
+    model_type, rt, _, report = chunked
     windowed = [t for t in report["kv_pages"]["tables"] if t["window"]]
     if model_type != "gpt_oss":  # Qwen3-MoE: full attention only
         assert not windowed

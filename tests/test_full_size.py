@@ -53,11 +53,14 @@ def test_full_width_gpt_oss_two_layers_compiles_loads_matches_upstream_and_gener
     prompt = [200005, 17360, 200008, 3575, 306, 261, 1899, 13]
     out = rt.generate(prompt, max_new_tokens=3)
     assert len(out) == 3 and all(0 <= t < 201088 for t in out)
-    for i, tok in enumerate(out):  # decode agrees with a prefill of the prompt and what was generated so far
-        if rt.stateful:
-            rt.reset()
-        logits = rt.prefill(torch.tensor([prompt + out[:i]]))
-        assert int(logits[0, -1].argmax()) == tok
+    # decode agrees with a prefill of the prompt and what was generated so far: one prefill of the prompt and all
+    # but the last generated token holds, at each position, what a prefill ending there gives (causal attention),
+    # so token i is the argmax at the prompt's last position + i (one full-width prefill, not one per token)
+    if rt.stateful:
+        rt.reset()
+    logits = rt.prefill(torch.tensor([prompt + out[:-1]]))
+    assert logits.shape == (1, len(prompt) + len(out) - 1, 201088)
+    assert [int(logits[0, len(prompt) - 1 + i].argmax()) for i in range(len(out))] == out
     del rt, logits
     gc.collect()
 

@@ -1,8 +1,9 @@
 """Fuzz: seeded random corruptions of a tiny checkpoint's safetensors header, each through `dayzero compile`.
 
-Spec: every corrupted checkpoint is compiled in its own subprocess (a crash by signal would show as a negative
-return code). The outcome is exit 2 with one line and no traceback, or exit 0 only when the artifact's prefill
-logits equal the upstream model's on the ORIGINAL checkpoint (a corruption transformers and dayzero both read the
+Spec: every corrupted checkpoint is compiled by ``dayzero compile`` in a child process (one for all the cases,
+each in its own checkpoint folder: tests/_fuzz_child.py; a crash by a signal, or an exception escaping the CLI,
+ends it without an answer). The outcome is exit 2 with one line and no traceback, or exit 0 only when the
+artifact's prefill logits equal the upstream model's on the ORIGINAL checkpoint (a corruption transformers and dayzero both read the
 same way, e.g. whitespace). Nothing is written outside the output path: HOME, TMPDIR, the working directory and
 the checkpoint are inside the test's tmp dir and snapshotted before and after each run.
 
@@ -21,6 +22,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,8 +105,47 @@ def _logits(art: Path, ids: torch.Tensor) -> torch.Tensor:
     return load(art).prefill(ids)
 
 
+class _Child:
+    """The test's one ``dayzero`` process (tests/_fuzz_child.py): ``compile(args)`` -> (exit code, its stdout and
+    stderr), or None when the process ended without answering (a crash: ``returncode`` says how)."""
+
+    def __init__(self, cwd: Path, env: dict, io_dir: Path):
+        self.err = io_dir / "child.stderr"
+        with self.err.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_fuzz_child.py")),
+                                          str(io_dir)], cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def compile(self, args: list[str]) -> tuple[int, str] | None:
+        self.proc.stdin.write(json.dumps(["compile", *args]) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(900, self.proc.kill)  # as the per-process timeout this replaced
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        if not line:
+            self.proc.wait()
+            return None
+        answer = json.loads(line)
+        return answer["code"], answer["output"]
+
+    def close(self) -> int:
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=300)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def died(self) -> str:
+        return f"the child ended with {self.proc.returncode}: {self.err.read_text()[-2000:]}"
+
+
 @pytest.mark.slow
-def test_corrupted_headers_never_pass_silently(lowprec_tiny, tmp_path):
+def test_corrupted_headers_never_pass_silently(lowprec_tiny, tmp_path, tmp_path_factory):
     from dayzero.frontend.hf import load_upstream
 
     src = lowprec_tiny(MODEL, "fp32")
@@ -117,24 +158,34 @@ def test_corrupted_headers_never_pass_silently(lowprec_tiny, tmp_path):
     for d in ("home", "tmp", "cwd"):
         (tmp_path / d).mkdir()
     env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), DAYZERO_TUNING_DIR=str(tmp_path / "home"))
-    for case in range(CASES):
-        ck = tmp_path / "ck"
-        shutil.rmtree(ck, ignore_errors=True)
-        shutil.copytree(src, ck)
-        what, raw = corrupt(rng, original)
-        (ck / "model.safetensors").write_bytes(raw)
-        out = tmp_path / "out"
-        before = _snapshot(tmp_path, out)
-        r = subprocess.run([sys.executable, "-c", "from dayzero.tools.cli import main; main()", "compile", str(ck),
-                            "-o", str(out), "--max-seq", str(MAX_SEQ)], cwd=tmp_path / "cwd", env=env,
-                           capture_output=True, text=True, timeout=900)
-        msg = (r.stdout + r.stderr).strip()
-        assert r.returncode in (0, 2), (case, what, r.returncode, msg[-2000:])  # never a signal, never exit 3
-        assert _snapshot(tmp_path, out) == before, (case, what)  # nothing written but the output path
-        if r.returncode == 2:
-            assert "Traceback" not in msg and len(msg.splitlines()) == 1, (case, what, msg)
-            assert not out.exists(), (case, what)
-        else:
-            err = float((_logits(out, ids) - want).abs().max())
-            assert err <= TOL, (case, what, err)
-            shutil.rmtree(out)
+    child = None
+    try:
+        for case in range(CASES):
+            # a fresh checkpoint folder per case: nothing the child process keeps in memory from one compile can be
+            # keyed by the path of the next one
+            ck = tmp_path / f"ck{case}"
+            shutil.copytree(src, ck)
+            what, raw = corrupt(rng, original)
+            (ck / "model.safetensors").write_bytes(raw)
+            out = tmp_path / "out"
+            before = _snapshot(tmp_path, out)
+            if child is None:  # started inside the first case's snapshots: its imports write nothing either
+                child = _Child(tmp_path / "cwd", env, tmp_path_factory.mktemp("fuzz_child_io"))
+            answer = child.compile([str(ck), "-o", str(out), "--max-seq", str(MAX_SEQ)])
+            assert answer is not None, (case, what, child.died())  # never a signal, never an escaped exception
+            code, msg = answer[0], answer[1].strip()
+            assert code in (0, 2), (case, what, code, msg[-2000:])  # never exit 3
+            if case == CASES - 1:  # the child's exit inside the last case's snapshots
+                assert child.close() == 0, (case, what, child.died())
+            assert _snapshot(tmp_path, out) == before, (case, what)  # nothing written but the output path
+            if code == 2:
+                assert "Traceback" not in msg and len(msg.splitlines()) == 1, (case, what, msg)
+                assert not out.exists(), (case, what)
+            else:
+                err = float((_logits(out, ids) - want).abs().max())
+                assert err <= TOL, (case, what, err)
+                shutil.rmtree(out)
+            shutil.rmtree(ck)
+    finally:
+        if child is not None:
+            child.kill()

@@ -165,8 +165,16 @@ def test_every_shape_of_a_real_artifact_parses_as_sympify_did(tiny_compiled):
 
 
 def _dayzero(*args):
+    """``dayzero ARGS`` in a real process (exit code and stderr as a user sees them)."""
     return subprocess.run([sys.executable, "-m", "dayzero.tools.cli", *args], capture_output=True, text=True,
                           timeout=600)
+
+
+def _refused(code: int, stderr: str, args) -> None:
+    """Exit 2 and one line on stderr naming the dimension or shape, no traceback."""
+    assert code == 2, (args, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr and ("dimension" in lines[0] or "shape" in lines[0]), stderr
 
 
 @pytest.fixture
@@ -188,18 +196,38 @@ def crafted(tiny_compiled, tmp_path):
     return make
 
 
+CRAFTED = {
+    "os.system": lambda f: f"__import__('os').system('touch {f}')",
+    "in-sum": lambda f: f"seq + __import__('pathlib').Path('{f}').touch()",
+    "bomb": lambda f: "10**10**10**10",
+    "not-a-dim": lambda f: [1, 2],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape_of", [
-    lambda f: f"__import__('os').system('touch {f}')",
-    lambda f: f"seq + __import__('pathlib').Path('{f}').touch()",
-    lambda f: "10**10**10**10",
-    lambda f: [1, 2],
-], ids=["os.system", "in-sum", "bomb", "not-a-dim"])
+@pytest.mark.parametrize("shape_of", CRAFTED.values(), ids=CRAFTED.keys())
 def test_crafted_program_json_is_refused_by_report_and_run(crafted, shape_of):
+    """In-process (click's runner: the same command, its one stderr line and exit code, without a Python start
+    per case); the end-to-end process is the test below."""
+    from click.testing import CliRunner
+
+    from dayzero.tools.cli import main
+
     art, flag = crafted(shape_of)
     for args in (["report", str(art)], ["run", str(art), "--input-ids", "1,2,3"]):
+        r = CliRunner().invoke(main, args)
+        assert isinstance(r.exception, SystemExit), (args, r.exc_info)  # the CLI's own exit, nothing escaped
+        _refused(r.exit_code, r.stderr, args)
+        assert r.stdout == "", (args, r.stdout)
+        assert not flag.exists()
+
+
+@pytest.mark.slow
+def test_crafted_program_json_is_refused_by_a_real_process(crafted):
+    """One case through a real ``python -m dayzero.tools.cli`` process per command: the exit code, stderr and no
+    traceback as a shell sees them, and nothing run."""
+    art, flag = crafted(CRAFTED["os.system"])
+    for args in (["report", str(art)], ["run", str(art), "--input-ids", "1,2,3"]):
         r = _dayzero(*args)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in r.stderr and ("dimension" in lines[0] or "shape" in lines[0]), r.stderr
+        _refused(r.returncode, r.stderr, args)
         assert not flag.exists()

@@ -1,6 +1,7 @@
 """Image input (issue 9): tiny Qwen3-VL-MoE, vision encoder + text compiled from one checkpoint, against upstream.
 
-One artifact (module fixture) with two image grids (1x4x4: a 64x64 image, 1x4x6: 64 high x 96 wide). The
+One artifact with two image grids (1x4x4: a 64x64 image, 1x4x6: 64 high x 96 wide): the session's shared one
+(conftest.tiny_compiled, SHARED_IMAGE_GRIDS; max_batch 3). The
 reference is transformers' ``AutoModelForImageTextToText.from_pretrained(dir)`` run eagerly on the same processor
 outputs (pixel_values, image_grid_thw, expanded ids, mm_token_type_ids), logits and ``generate(do_sample=False)``.
 """
@@ -15,10 +16,8 @@ import torch
 
 from dayzero import UserError
 from dayzero.runtime import load
-from dayzero.tools.driver import compile_model
-from dayzero.tools.make_tiny import make_tiny
+from conftest import SHARED_IMAGE_GRIDS, SHARED_MAX_BATCH
 
-MAX_SEQ = 64
 NEW = 16
 IMG = 255  # the tiny config's image_token_id
 VS, VE = 253, 252  # vision start / end
@@ -33,14 +32,14 @@ def _image(h, w, seed, mode="RGB"):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tiny_compiled):
+    """(runtime, upstream model, artifact dir) of the shared tiny Qwen3-VL-MoE artifact."""
     from transformers import AutoModelForImageTextToText
 
-    d = tmp_path_factory.mktemp("qwen3_vl_moe")
-    ckpt = make_tiny("qwen3_vl_moe", d / "ckpt", seed=0)
-    compile_model(str(ckpt), d / "art", max_seq=MAX_SEQ, max_batch=3, image_grids=["1x4x4", "1x4x6"])
+    ckpt, art, _ = tiny_compiled("qwen3_vl_moe")
+    assert SHARED_IMAGE_GRIDS["qwen3_vl_moe"] == ("1x4x4", "1x4x6") and SHARED_MAX_BATCH == 3  # what these tests read
     ref = AutoModelForImageTextToText.from_pretrained(str(ckpt)).eval()
-    return load(d / "art"), ref, d
+    return load(art), ref, art
 
 
 def _upstream(rt, ref, prompt, images, n=NEW):
@@ -120,7 +119,7 @@ def test_text_decode_of_image_and_text_requests_is_one_batched_step(served):
     position shifted by its own delta): each gets upstream's greedy tokens; the first stops early, so later
     steps run slots 1 and 2 only."""
     rt, ref, d = served
-    report = json.loads((d / "art" / "report.json").read_text())
+    report = json.loads((d / "report.json").read_text())
     assert rt.has_batched_decode and report["decode_batch"] == {"built": True, "reason": None}
     reqs = [(ONE, [_image(64, 64, 11)]), (TEXT, []), (TWO, [_image(64, 96, 12), _image(64, 64, 13)])]
     limits = [4, NEW, NEW]
@@ -176,7 +175,7 @@ def test_bad_images(served, tmp_path):
 @pytest.mark.slow
 def test_vision_activations_planned_in_the_shared_arena(served):
     rt, _, d = served
-    pj = json.loads((d / "art" / "program.json").read_text())["programs"]
+    pj = json.loads((d / "program.json").read_text())["programs"]
     assert {"prefill", "decode", "vision_1x4x4", "vision_1x4x6"} <= set(pj)
     arena = pj["prefill"]["memory"]["arena_bytes"]
 
@@ -208,12 +207,12 @@ def test_cli_run_with_images(served, tmp_path):
     _image(64, 64, 2).save(p1)
     _image(64, 96, 3).save(p2)
     ids = ",".join(map(str, TWO))
-    r = CliRunner().invoke(main, ["run", str(d / "art"), "--image", str(p1), "--image", str(p2), "--input-ids", ids,
+    r = CliRunner().invoke(main, ["run", str(d), "--image", str(p1), "--image", str(p2), "--input-ids", ids,
                                   "--max-new-tokens", "6", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["tokens"] == rt.generate(TWO, 6, images=[str(p1), str(p2)])
-    r = CliRunner().invoke(main, ["run", str(d / "art"), "--image", str(tmp_path / "nope.png"), "--input-ids", ids])
+    r = CliRunner().invoke(main, ["run", str(d), "--image", str(tmp_path / "nope.png"), "--input-ids", ids])
     assert r.exit_code == 2 and "cannot read" in r.output
 
 
