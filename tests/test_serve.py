@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -25,33 +24,12 @@ from dayzero.runtime import load
 from dayzero.runtime.engine import Engine, QueueFull, Request, batched_decode
 from dayzero.runtime.server import Server, start_in_thread, validate
 
+from _http import Http
 from _tiny_tokenizer import add_tiny_tokenizer
 
 ARCHS = ["qwen3_moe", "deepseek_v4"]
 
 
-class Http:
-    """Raw HTTP to a server on 127.0.0.1:port."""
-
-    def __init__(self, port: int):
-        self.port = port
-
-    def request(self, method, path, body=None, timeout=120):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        data = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
-        c.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        raw = r.read().decode()
-        c.close()
-        try:
-            return r.status, json.loads(raw)
-        except json.JSONDecodeError:
-            return r.status, raw
-
-    def metric(self, name: str) -> float:
-        _, text = self.request("GET", "/metrics")
-        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
 
 
 class Served(Http):

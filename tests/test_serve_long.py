@@ -29,6 +29,8 @@ from dayzero.runtime.engine import Engine, EngineMetrics, Request
 from dayzero.runtime import server as server_mod
 from dayzero.runtime.server import Server, start_in_thread
 
+from _http import Http
+
 
 def _prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -136,15 +138,15 @@ def test_a_request_the_pool_can_never_hold_is_400_naming_kv_blocks(small_pool):
         got = {}
 
         def run():
-            got["r"] = _request(port, "POST", "/v1/completions",
+            got["r"] = Http(port).request("POST", "/v1/completions",
                                 {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True})
         t = threading.Thread(target=run)
         t.start()
         deadline = time.monotonic() + 60
-        while _metric(port, "dayzero_requests_running") < 1:
+        while Http(port).metric("dayzero_requests_running") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        status, r = _request(port, "POST", "/v1/completions", {"prompt": _prompt(50, 5), "max_tokens": 60},
+        status, r = Http(port).request("POST", "/v1/completions", {"prompt": _prompt(50, 5), "max_tokens": 60},
                              timeout=30)
         assert status == 400, r
         assert "--kv-blocks" in r["error"]["message"] and "holds 5" in r["error"]["message"], r
@@ -155,27 +157,6 @@ def test_a_request_the_pool_can_never_hold_is_400_naming_kv_blocks(small_pool):
     finally:
         http_srv.should_exit = True
         s.close()
-
-
-# -- HTTP ------------------------------------------------------------------------------------------------------------
-
-def _request(port, method, path, body=None, timeout=120):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    data = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
-    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    raw = r.read().decode()
-    c.close()
-    try:
-        return r.status, json.loads(raw)
-    except json.JSONDecodeError:
-        return r.status, raw
-
-
-def _metric(port, name) -> float:
-    _, text = _request(port, "GET", "/metrics")
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 @pytest.fixture
@@ -225,8 +206,8 @@ def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_s
     headers; non-streaming: while the handler waits): the request ends as aborted before its prefill would have
     ended, and its KV blocks and slot are back."""
     port = slow_server.port
-    aborted = _metric(port, 'dayzero_requests_finished_total{reason="abort"}')
-    base = _metric(port, "dayzero_prefilled_tokens_total")
+    aborted = Http(port).metric('dayzero_requests_finished_total{reason="abort"}')
+    base = Http(port).metric("dayzero_prefilled_tokens_total")
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     c.request("POST", "/v1/completions", json.dumps({"prompt": _prompt(120, 7), "max_tokens": 4,
                                                       "stream": stream}),
@@ -235,23 +216,23 @@ def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_s
         r = c.getresponse()
         assert r.status == 200 and r.readline().startswith(b": prefill")
     deadline = time.monotonic() + 30
-    while _metric(port, "dayzero_prefilled_tokens_total") - base < 16:
+    while Http(port).metric("dayzero_prefilled_tokens_total") - base < 16:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
-    while _metric(port, 'dayzero_requests_finished_total{reason="abort"}') == aborted:
+    while Http(port).metric('dayzero_requests_finished_total{reason="abort"}') == aborted:
         assert time.monotonic() < deadline, "the server never saw the disconnect"
         time.sleep(0.02)
-    assert _metric(port, "dayzero_prefilled_tokens_total") - base < 120  # ended during its prefill
-    assert _metric(port, "dayzero_kv_blocks_used") == 0 and _metric(port, "dayzero_requests_running") == 0
+    assert Http(port).metric("dayzero_prefilled_tokens_total") - base < 120  # ended during its prefill
+    assert Http(port).metric("dayzero_kv_blocks_used") == 0 and Http(port).metric("dayzero_requests_running") == 0
     assert slow_server.engine.kv_blocks()[0] == 0
 
 
 def test_a_body_over_max_body_is_413_and_the_server_goes_on(slow_server):
-    status, r = _request(slow_server.port, "POST", "/v1/completions", {"prompt": [1] * 400_000, "max_tokens": 1})
+    status, r = Http(slow_server.port).request("POST", "/v1/completions", {"prompt": [1] * 400_000, "max_tokens": 1})
     assert status == 413 and "--max-body of 1000000 bytes" in r["error"]["message"], r
-    status, r = _request(slow_server.port, "POST", "/v1/completions",
+    status, r = Http(slow_server.port).request("POST", "/v1/completions",
                          {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert status == 200 and r["choices"][0]["token_ids"] == slow_server.offline.generate([1, 2, 3], 2)
 
@@ -268,12 +249,12 @@ def test_a_large_body_is_parsed_off_the_event_loop(slow_server, monkeypatch):
     body = {"prompt": [1] * 100_000, "max_tokens": 1}  # ~300 KB: over OFF_LOOP_BYTES, within max_body
 
     def post():
-        got["r"] = _request(slow_server.port, "POST", "/v1/completions", body)
+        got["r"] = Http(slow_server.port).request("POST", "/v1/completions", body)
     t = threading.Thread(target=post)
     t.start()
     time.sleep(0.5)  # the body is in and being parsed
     t0 = time.monotonic()
-    assert _request(slow_server.port, "GET", "/health", timeout=10)[0] == 200
+    assert Http(slow_server.port).request("GET", "/health", timeout=10)[0] == 200
     assert time.monotonic() - t0 < 1.0
     t.join(60)
     status, r = got["r"]

@@ -4,6 +4,7 @@
 from dayzero.passes.dequant import dequant
 
 from .ir_spec import assert_ir, ir
+from .test_dequant_bf16 import _BF16_LINEAR
 
 
 def _fp8_linear(block_rows: int) -> str:
@@ -83,17 +84,6 @@ def test_a_weight_shorter_than_its_scale_blocks_reads_the_repeated_scales_sliced
 
 
 # ---- bf16 weights: fused by passes/dequant_bf16.py after shard, not here ------------------------------------
-
-_BF16_LINEAR = """
-    graph main symbols(seq in [1, 16]) {
-      %0 = input {name="x"} : float32[1, seq, 53]
-      %1 = weight {name="lm_head.weight"} : bfloat16[37, 53]
-      %2 = _to_copy(%1) {dtype="float32"} : float32[37, 53]
-      %3 = linear(%0, %2) {bias=false} : float32[1, seq, 37]
-      return %3
-    }
-    """
-
 
 def test_an_upcast_bf16_weight_is_left_for_dequant_bf16_after_shard():
     before = ir(_BF16_LINEAR)
