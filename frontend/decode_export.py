@@ -1,7 +1,7 @@
 """Export an upstream causal LM *with its KV cache as state*: one program for cache-filling prefill and decode.
 
 ``export_with_cache(model, max_cache_len, batch_size=1, max_seq=32)`` returns ``(ep, info)``: ``ep`` is a
-decomposed (``frontend.torch_export.export_module``) ExportedProgram of
+decomposed (``frontend.torch_export.decompose``) ExportedProgram of
 ``(input_ids [B, seq] int64, cache_position [seq] int64) -> logits [B, seq, V]`` whose KV cache tensors are buffers
 ``cache_{layer}_{keys|values|indexer_keys}`` (DeepSeek-V4: ``keys`` and ``{compressor|indexer}_*``, v4_cache.py);
 after decomposition every cache write is an out-of-place ``aten.index_put`` (V4's pending / overlap windows: a
@@ -96,7 +96,6 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from dayzero import UserError
-from dayzero.frontend.torch_export import export_module
 
 # cache-layer attribute -> (buffer suffix, position dim of that tensor)
 _LAYER_TENSORS = (("keys", "keys", 2), ("values", "values", 2), ("indexer_keys", "indexer_keys", 1))
@@ -255,6 +254,12 @@ class RowDecodeStep(torch.nn.Module):
         return (out.logits, *states)
 
 
+def _decompose(ep: ExportedProgram) -> ExportedProgram:
+    from dayzero.frontend.torch_export import decompose
+
+    return decompose(ep)
+
+
 def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: int = 1, max_seq: int = 32,
                       *, min_seq: int = 1, decompose: bool = True,
                       step: CacheStep | None = None) -> tuple[ExportedProgram, DecodeExportInfo]:
@@ -280,16 +285,15 @@ def export_with_cache(model: torch.nn.Module, max_cache_len: int, batch_size: in
     ids = torch.zeros((batch_size, ex_len), dtype=torch.long)
     pos = torch.arange(ex_len)
     with torch.no_grad():
-        if decompose:  # traced and decomposed in one pass where this torch allows (torch_export.export_module)
-            ep = export_module(step, (), dynamic, kwargs={"input_ids": ids, "cache_position": pos})
-        else:
-            ep = torch.export.export(step, (), {"input_ids": ids, "cache_position": pos}, dynamic_shapes=dynamic,
-                                     strict=False)
+        ep = torch.export.export(step, (), {"input_ids": ids, "cache_position": pos}, dynamic_shapes=dynamic,
+                                 strict=False)
     # export traced one call: reset the state it wrote through the real tensors (it writes through the fakes, but
     # be defensive: the program's initial cache must be zeros)
     for name, buf in step.named_buffers():
         if name.startswith("cache_"):
             buf.zero_()
+    if decompose:
+        ep = _decompose(ep)
     return ep, describe(ep, step, max_seq)
 
 

@@ -19,12 +19,8 @@ torch itself and outside generated code.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import operator
-import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,83 +57,16 @@ class Traced:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # weight name -> tensor (may be meta)
 
 
-def decomposition_table() -> dict:
-    """torch.export's default (core ATen) decompositions, less ``KEEP_OPS``."""
+def decompose(ep: ExportedProgram) -> ExportedProgram:
     table = torch.export.default_decompositions()
     for op in KEEP_OPS:
         table.pop(op, None)
-    return table
+    return ep.run_decompositions(table)
 
 
-def decompose(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` (torch.export's training IR) re-traced with ``decomposition_table()``: core ATen plus ``KEEP_OPS``."""
-    return ep.run_decompositions(decomposition_table())
-
-
-def _one_pass_pieces():
-    """torch's private pieces that trace a module *and* decompose it in one pass, or None when this torch lacks
-    them (``export_module`` then takes the public two-pass path).
-
-    ``torch.export.export`` traces to training IR (pre-dispatch) and ``run_decompositions`` traces that graph a
-    second time, through AOTAutograd with the decomposition table. Tracing the module once through the same
-    AOTAutograd step with the table applied (``torch.export._trace._export(pre_dispatch=False)``, whose
-    ``_export_to_aten_ir`` takes ``decomp_table``) yields the same program at roughly half the tracing cost: the
-    table is split as ``run_decompositions`` splits it (CompositeImplicitAutograd ops kept or given a decomposition
-    by overriding their CIA kernel for the trace, the rest handed to AOTAutograd)."""
+def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> ExportedProgram:
     try:
-        from torch.export import _trace
-        from torch.export.exported_program import (_override_composite_implicit_decomp,
-                                                   _split_decomp_table_to_cia_and_python_decomp)
-    except ImportError:
-        return None
-    export = getattr(_trace, "_export", None)
-    to_aten = getattr(_trace, "_export_to_aten_ir", None)
-    if not callable(export) or not callable(to_aten):
-        return None
-    try:
-        takes = inspect.signature(to_aten).parameters
-        export_takes = inspect.signature(export).parameters
-    except (TypeError, ValueError):
-        return None
-    if "decomp_table" not in takes or "pre_dispatch" not in export_takes or "strict" not in export_takes:
-        return None
-    return _trace, _override_composite_implicit_decomp, _split_decomp_table_to_cia_and_python_decomp
-
-
-# the private path is patched into torch.export._trace for the length of one export: one export at a time
-_ONE_PASS_LOCK = threading.Lock()
-
-
-def _export_one_pass(pieces, module, args, kwargs, dynamic_shapes) -> ExportedProgram:
-    _trace, override_cia, split = pieces
-    cia_to_decomp, python_table = split(dict(decomposition_table()))  # as run_decompositions splits it
-    to_aten = _trace._export_to_aten_ir
-    with _ONE_PASS_LOCK:
-        # _export builds its trace step from the module global ``_export_to_aten_ir``: the same function, given the
-        # table (run_decompositions hands it the same table when it re-traces)
-        _trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=python_table)
-        try:
-            with override_cia(cia_to_decomp):
-                return _trace._export(module, args, kwargs, dynamic_shapes, strict=False, pre_dispatch=False)
-        finally:
-            _trace._export_to_aten_ir = to_aten
-
-
-def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *, kwargs: dict | None = None,
-                  one_pass: bool | None = None) -> ExportedProgram:
-    """``module(*example_inputs, **kwargs)`` exported (non-strict) and decomposed (``decomposition_table``),
-    ``dynamic_shapes`` as for ``torch.export.export``. ``one_pass``: trace and decompose in one trace (None: when
-    this torch has the private pieces, ``_one_pass_pieces``; ``DAYZERO_EXPORT=two-pass`` in the environment forces
-    the public path)."""
-    pieces = None
-    if one_pass is None:
-        one_pass = os.environ.get("DAYZERO_EXPORT", "") != "two-pass"
-    if one_pass:
-        pieces = _one_pass_pieces()
-    try:
-        if pieces is not None:
-            return _export_one_pass(pieces, module, tuple(example_inputs), kwargs, dynamic_shapes)
-        ep = torch.export.export(module, tuple(example_inputs), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # torch.export raises many types; the user needs the first line
         raise UserError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     return decompose(ep)

@@ -59,7 +59,3 @@ def test_compile_reports_every_phase_in_seconds(tmp_path):
     assert s["graph_steps_s"] + s["lower_s"] <= s["passes_s"]
     assert s["schedule_s"] + s["compile_s"] <= s["codegen_s"]
     assert sum(s[p] for p in phases) <= s["total_s"]
-    # and in this process's CPU seconds (what a compile costs on a shared machine, whatever else runs)
-    cpu = [p.removesuffix("_s") + "_cpu_s" for p in phases]
-    assert set(cpu + ["total_cpu_s"]) <= set(s)
-    assert sum(s[p] for p in cpu) <= s["total_cpu_s"] + 1e-6

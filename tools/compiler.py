@@ -375,24 +375,20 @@ def trace(model: Any, options: CompileOptions) -> Frontend:
 
 @contextmanager
 def _timed(times: dict, key: str, add: bool = False):
-    """``times[key]``: the seconds the block took (``add``: added to what is there); ``times[<phase>_cpu_s]``: the
-    CPU seconds this process (every thread) spent in it, the measure that holds on a shared machine."""
-    cpu_key = key.removesuffix("_s") + "_cpu_s"
-    t0, c0 = time.perf_counter(), time.process_time()
+    """``times[key]``: the seconds the block took (``add``: added to what is there)."""
+    t0 = time.perf_counter()
     yield
     times[key] = (times[key] if add else 0.0) + time.perf_counter() - t0
-    times[cpu_key] = (times.get(cpu_key, 0.0) if add else 0.0) + time.process_time() - c0
 
 
 def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> dict:
-    """Compile MODEL into the artifact directory OUT; returns the report, whose ``seconds`` are the phases in order
-    (wall seconds; each top-level phase and the total also as ``<phase>_cpu_s``, this process's CPU seconds):
+    """Compile MODEL into the artifact directory OUT; returns the report, whose ``seconds`` are the phases in order:
     trace_s (torch.export, or the trace cache), passes_s (graph_steps_s + lower_s: every program's GRAPH_STEPS,
     then its kernels as TIR), [tune_s], codegen_s (schedule_s + compile_s: each distinct kernel scheduled, then
     TVM's lowering to LLVM IR), plan_s (memory), write_s (LLVM's machine code for kernels.so, the link, the JSON
     and weight files) and total_s."""
     times: dict[str, Any] = {}
-    t_start, c_start = time.perf_counter(), time.process_time()
+    t_start = time.perf_counter()
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
     with _timed(times, "trace_s"):
         fe = trace(model, options)
@@ -414,7 +410,6 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
     with _timed(times, "write_s"):
         report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
     times["total_s"] = time.perf_counter() - t_start
-    times["total_cpu_s"] = time.process_time() - c_start
     report["seconds"] = times
     return report
 
