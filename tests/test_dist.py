@@ -23,7 +23,7 @@ from dayzero.passes.shard import shard
 from dayzero.tools.compiler import shard_runs
 
 from _http import free_port, wait_until_healthy
-from conftest import SHARED_MAX_BATCH, SHARED_MAX_SEQ
+from conftest import SHARED_IMAGE_GRIDS, SHARED_MAX_BATCH, SHARED_MAX_SEQ
 
 HERE = Path(__file__).parent
 E, H, I, K = 8, 16, 8, 2
@@ -404,14 +404,16 @@ _SHARDED: dict = {}  # compiled once per run: (model, mesh) -> (checkpoint, sing
 
 
 def _sharded(tiny_compiled, tmp_path_factory, model: str, **mesh):
-    """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch."""
+    """(checkpoint, single-device artifact, sharded artifact) of a tiny model, the same max_seq / max_batch / image
+    grids."""
     from dayzero.tools.driver import compile_model
 
     key = (model, tuple(sorted(mesh.items())))
     if key not in _SHARDED:
         ckpt, single, _ = tiny_compiled(model)
         out = tmp_path_factory.mktemp("_".join([model, *(f"{k}{v}" for k, v in mesh.items())])) / "art"
-        compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True, **mesh)
+        compile_model(str(ckpt), out, max_seq=SHARED_MAX_SEQ, max_batch=SHARED_MAX_BATCH, verify=True,
+                      image_grids=SHARED_IMAGE_GRIDS.get(model), **mesh)
         _SHARDED[key] = ckpt, single, out
     return _SHARDED[key]
 
