@@ -30,8 +30,10 @@ cache where there are several)::
 The head axis is found backward from o_proj's input (the row-split linear) through g, which must treat heads
 independently (element-wise with broadcast, views that keep heads as blocks or merge them with a batch axis,
 permutes, expands, slices / cats / reductions over other axes, cache index_put, scaled_dot_product_attention, bmm
-over the head batch) and hold an attention op (sdpa, bmm, softmax over positions). The walk ends at a projection
-(column-split per head), a KV cache (split, with its writes back), a per-head weight (gpt-oss's and V4's sinks,
+over the head batch) and hold an attention op (sdpa, bmm, softmax over positions). Each tensor's head axis may
+hold its heads in blocks (``_view_axis``): a fused q/k/v projection's [T, 3*H*D] columns, heads merged with the
+batch; a rank's part is its heads of every block. The walk ends at a projection (column-split per head: a fused
+one's rows are the rank's heads of each block, shard attr (group, dim, parts, blocks)), a KV cache (split, with its writes back), a per-head weight (gpt-oss's and V4's sinks,
 V4's grouped o_a_proj: split on that axis), a buffer made from nothing or a folded constant with equal blocks
 (one block), or a tensor whose head extent is 1, broadcast over the heads: MLA's shared latent KV head and
 DeepSeek-V4's single K=V head, the masks (the DSA indexer's top-k mask among them: the indexer stays whole, so its
@@ -102,12 +104,15 @@ def _own(w: Node, reader: Node, uses: dict[int, list[Node]]) -> bool:
         (s is w or uses.get(id(s), []) == [w])
 
 
-def _sliced(w: Node, group: str, dim: int, parts: int) -> Node:
+def _sliced(w: Node, group: str, dim: int, parts: int, blocks: int = 1) -> Node:
     """``w`` (a weight, or its bf16 upcast) as this rank's slice ``dim`` of ``parts``: the weight with attr
-    ``shard`` = (group, dim, parts) and the slice's shape, under the same upcast."""
+    ``shard`` = (group, dim, parts) and the slice's shape, under the same upcast. ``blocks`` > 1: ``dim`` holds
+    that many blocks (a fused q/k/v projection's rows) and the slice is the rank's part of each, in order (attr
+    (group, dim, parts, blocks))."""
     s = _stored(w)
     shape = tuple(d // parts if k == dim else d for k, d in enumerate(s.shape))
-    part = Node.make("weight", (), dict(s.attr, shard=(group, dim, parts)), [TensorType(s.dtype, shape)], s.span)
+    shard = (group, dim, parts) if blocks == 1 else (group, dim, parts, blocks)
+    part = Node.make("weight", (), dict(s.attr, shard=shard), [TensorType(s.dtype, shape)], s.span)
     return part if s is w else w.replace(inputs=(part,), types=(TensorType(w.dtype, shape),))
 
 
@@ -226,38 +231,48 @@ def _same(x, y) -> bool:
     return x == y or sympy.expand(x - y) == 0
 
 
-def _view_axis(src: tuple, dst: tuple, a: int, tp: int) -> int:
-    """The axis of ``dst`` (a reshape of ``src``) that holds ``src``'s axis ``a``, so that dividing axis ``a`` by tp
-    divides that axis by tp in the same reshape. Either a ``dst`` axis starts where ``a`` does (same product of
-    the axes before) with a multiple of tp elements: the tp-th blocks of both are the same elements ([H*D] ->
-    [H, D], [H, D] -> [H*D], [H, D] -> [G, H*D/G]); or, the axes cut into groups of equal products, the group of
-    ``a`` is one axis in ``dst`` (it merges ``a`` into a batch-like axis, as [batch, H] -> [batch*H]) or ``a``
-    alone in ``src``, split into symbolic axes then a static one holding the heads ([batch*H] -> [batch, H]);
-    each rank's part of such a merged axis is its heads of every batch row, read back by the same reshapes."""
-    if not _divisible(src[a], tp):
+def _quot(x, y):
+    """``x / y`` when ``y`` divides ``x`` (integers, or products of the shape symbols with an integer factor);
+    else None."""
+    if isinstance(x, int) and isinstance(y, int):
+        return x // y if y and x % y == 0 else None
+    q = sympy.cancel(sympy.sympify(x) / sympy.sympify(y))
+    if q.is_Integer:
+        return int(q)
+    num, den = sympy.fraction(q)
+    if den != 1 or q.is_number or not all(c.is_Integer for c in sympy.Poly(num, *num.free_symbols).coeffs()):
+        return None
+    return q
+
+
+def _splits(d, blocks, tp: int) -> bool:
+    """Extent ``d`` is ``blocks`` blocks, each a multiple of tp."""
+    e = _quot(d, blocks)
+    return e is not None and _divisible(e, tp)
+
+
+def _view_axis(src: tuple, dst: tuple, a: int, tp: int, outer=1) -> tuple[int, object]:
+    """Where the heads of ``src``'s axis ``a`` lie in ``dst`` (a reshape of ``src``): (axis, blocks) such that each
+    rank's part of ``src`` is its part of ``dst``.
+
+    A rank's part of an axis with ``outer`` blocks is the tp-th contiguous slice of each block ([H] with outer 1:
+    H/tp heads; [3*H*D] with outer 3, a fused q/k/v projection's columns: H/tp heads of each of q, k and v; [B*H]
+    with outer B: the rank's heads of every batch row). In flat order the heads of ``src`` are ``prefix`` runs
+    (the product of the axes before ``a``, times ``outer``) of ``run`` elements each, the rank holding the tp-th
+    contiguous slice of each run. The same elements in ``dst``: the first axis whose start divides ``prefix``
+    (``blocks`` = prefix / that start) and whose extent is ``blocks`` blocks of a multiple of tp: each such block,
+    with the axes after it, is one run."""
+    if not _splits(src[a], outer, tp):
         raise _NoSplit
-    ps = [math.prod(src[:k]) for k in range(len(src) + 1)]
-    pd = [math.prod(dst[:k]) for k in range(len(dst) + 1)]
-    b = next((k for k in range(len(dst)) if dst[k] != 1 and _same(pd[k], ps[a])), None)
-    if b is not None and _divisible(dst[b], tp):
-        return b
-    lo = max(k for k in range(a + 1) if any(_same(ps[k], q) for q in pd))  # the group's bounds in src
-    hi = min(k for k in range(a + 1, len(src) + 1) if any(_same(ps[k], q) for q in pd))
-    first = next(k for k in range(len(pd)) if _same(pd[k], ps[lo]))
-    last = next(k for k in range(len(pd)) if _same(pd[k], ps[hi]))
-    inside = [k for k in range(first, last) if dst[k] != 1]
-    merged = [k for k in range(lo, hi) if src[k] != 1]
-    if len(inside) == 1:
-        b = inside[0]
-    elif merged == [a]:
-        b = next((k for k in inside if isinstance(dst[k], int)), None)
-        if b is None or any(isinstance(dst[k], int) for k in inside if k < b):
-            raise _NoSplit
-    else:
-        raise _NoSplit
-    if not _divisible(dst[b], tp):
-        raise _NoSplit
-    return b
+    prefix = math.prod(src[:a]) * outer
+    start = 1
+    for b, d in enumerate(dst):
+        blocks = _quot(prefix, start)
+        if d != 1 and blocks is not None:
+            if _splits(d, blocks, tp):
+                return b, blocks
+        start = start * d
+    raise _NoSplit
 
 
 class _Heads:
@@ -279,22 +294,27 @@ class _Heads:
     def __init__(self, o: Node, uses: dict[int, list[Node]], tp: int, constants: Mapping[str, torch.Tensor]):
         self.tp, self.uses, self.constants = tp, uses, constants
         self.axis: dict[int, int] = {}
+        self.outer: dict[int, object] = {}  # node id -> the blocks of its head axis (_view_axis)
         self.nodes: dict[int, Node] = {}
-        self.projections: set[int] = set()
+        self.projections: dict[int, int] = {}  # linear id -> the blocks of its output columns
         self.assigns: list[Node] = []
         self.attends = False
         h = o.inputs[0]
-        stack = [(h, len(h.shape) - 1)]
+        stack = [(h, len(h.shape) - 1, 1)]
         while stack:
-            n, a = stack.pop()
+            n, a, outer = stack.pop()
             if id(n) in self.axis:
-                if self.axis[id(n)] != a:
-                    raise _NoSplit  # reached on two axes
+                if self.axis[id(n)] != a or not _same(self.outer[id(n)], outer):
+                    raise _NoSplit  # reached on two axes, or with two layouts of the heads
                 continue
-            self._set(n, a)
+            self._set(n, a, outer)
             if len(self.axis) > _WALK_LIMIT:
                 raise _NoSplit
-            stack.extend((i, k) for i, k in self._back(n, a) if k is not None)
+            if n.op in _VIEWS:
+                b, blocks = _view_axis(n.shape, n.inputs[0].shape, a, tp, outer)
+                stack.append((n.inputs[0], b, blocks))
+            else:
+                stack.extend((i, k, outer) for i, k in self._back(n, a, outer) if k is not None)
         if not self.attends:
             raise _NoSplit
         # every split value is read only inside the block, by o_proj, or by a write back to its split cache
@@ -310,13 +330,15 @@ class _Heads:
                 raise _NoSplit
         for u in self.assigns:
             self.axis[id(u)] = self.axis[id(u.inputs[0])]
+            self.outer[id(u)] = self.outer[id(u.inputs[0])]
             self.nodes[id(u)] = u
 
-    def _set(self, n: Node, axis: int) -> None:
+    def _set(self, n: Node, axis: int, outer) -> None:
         if n.op == "input" or not n.types or any(
-                len(t.shape) <= axis or not _divisible(t.shape[axis], self.tp) for t in n.types):
+                len(t.shape) <= axis or not _splits(t.shape[axis], outer, self.tp) for t in n.types):
             raise _NoSplit
         self.axis[id(n)] = axis
+        self.outer[id(n)] = outer
         self.nodes[id(n)] = n
 
     @staticmethod
@@ -326,14 +348,17 @@ class _Heads:
         k = a - (r - len(i.shape))
         return (i, None) if k < 0 or i.shape[k] == 1 else (i, k)
 
-    def _back(self, n: Node, a: int) -> list[tuple[Node, int | None]]:
-        """The inputs of ``n`` (its head axis ``a``) with the axis each must split on (None: not split)."""
+    def _back(self, n: Node, a: int, outer) -> list[tuple[Node, int | None]]:
+        """The inputs of ``n`` (its head axis ``a`` in ``outer`` blocks; not a view: those are _view_axis's) with
+        the axis each must split on (None: not split), the same blocks."""
         op, r = n.op, len(n.types[0].shape)
         if op == "linear" and _projection(n, self.uses):
-            if a != r - 1:
+            if a != r - 1 or not isinstance(outer, int):
                 raise _NoSplit
-            self.projections.add(id(n))
+            self.projections[id(n)] = outer  # a fused projection (q, k and v columns): the rank's rows of each
             return []
+        if outer != 1 and (op == "weight" or op == "state"):
+            raise _NoSplit  # a stored tensor holding the heads interleaved with another axis
         if op == "weight":
             if "shard" in n.attr:
                 raise _NoSplit
@@ -348,8 +373,6 @@ class _Heads:
         if op in _POINTWISE or op in _COPIES:
             return [self._aligned(i, a, r) for i in n.inputs]
         src = n.inputs[0].shape if n.inputs else ()
-        if op in _VIEWS:
-            return [(n.inputs[0], _view_axis(n.shape, src, a, self.tp))]
         if op == "permute":
             return [(n.inputs[0], _dims(n.attr["dims"], r)[a])]
         if op == "transpose.int":
@@ -410,7 +433,8 @@ class _Heads:
                       for t in n.types)
         attrs = n.attr
         if id(original) in self.projections:  # its rows (and bias) are this rank's heads, bf16 slices as stored
-            n = n.replace(inputs=(n.inputs[0], *(_sliced(w, TP, 0, tp) for w in n.inputs[1:])))
+            blocks = self.projections[id(original)]
+            n = n.replace(inputs=(n.inputs[0], *(_sliced(w, TP, 0, tp, blocks) for w in n.inputs[1:])))
         elif n.op == "weight" and attrs["name"] in self.constants:  # every block the same: one block
             v = self.constants[attrs["name"]].chunk(tp, b)[0].contiguous()
             name = constant_name(v, types[0])

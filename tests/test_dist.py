@@ -243,6 +243,88 @@ def test_shard_splits_query_heads_over_one_shared_kv_head():
     assert "shard.tensor_parallel_attention" not in found4.patterns
 
 
+def _fused_qkv_graph() -> Graph:
+    """A vision block's attention as transformers traces Qwen3-VL's: one fused q/k/v projection (with bias),
+    reshaped [T, 3, heads, head_dim], permuted and selected into q, k and v, sdpa, the output projection."""
+    f = lambda *shape: TensorType("float32", shape)  # noqa: E731
+    x = Node.make("input", (), {"name": "x"}, [f(T, D)])
+    wqkv = Node.make("weight", (), {"name": "wqkv"}, [f(3 * NH * HD, D)])
+    bqkv = Node.make("weight", (), {"name": "bqkv"}, [f(3 * NH * HD)])
+    wo = Node.make("weight", (), {"name": "wo"}, [f(D, NH * HD)])
+    y = Node.make("linear", (x, wqkv, bqkv), {"bias": True}, [f(T, 3 * NH * HD)])
+    y = Node.make("view", (y,), {"size": [T, 3, NH, -1]}, [f(T, 3, NH, HD)])
+    y = Node.make("permute", (y,), {"dims": [1, 0, 2, 3]}, [f(3, T, NH, HD)])
+    qkv = []
+    for i in range(3):
+        s = Node.make("select.int", (y,), {"dim": 0, "index": i}, [f(T, NH, HD)])
+        s = Node.make("transpose.int", (s,), {"dim0": 0, "dim1": 1}, [f(NH, T, HD)])
+        qkv.append(Node.make("unsqueeze", (s,), {"dim": 0}, [f(1, NH, T, HD)]))
+    a = Node.make("scaled_dot_product_attention", tuple(qkv),
+                  {"attn_mask": False, "dropout_p": 0.0, "enable_gqa": False, "is_causal": False, "scale": 0.5},
+                  [f(1, NH, T, HD)])
+    a = Node.make("transpose.int", (a,), {"dim0": 1, "dim1": 2}, [f(1, T, NH, HD)])
+    a = Node.make("view", (a,), {"size": [T, -1]}, [f(T, NH * HD)])
+    return Graph("vision", (x,), (Node.make("linear", (a, wo), {"bias": False}, [f(T, D)]),))
+
+
+def _fused_qkv_data(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"wqkv": (3 * NH * HD, D), "bqkv": (3 * NH * HD,), "wo": (D, NH * HD)}
+    return {"x": torch.randn(T, D, generator=g)}, {k: torch.randn(*s, generator=g) * 0.5 for k, s in shapes.items()}
+
+
+def _rank_weight(n: Node, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rank's tensor of weight ``n`` (sharded or not) as the runtime binds it: the manifest's copy runs
+    (tools/compiler.shard_runs) over the full tensor."""
+    if "shard" not in n.attr:
+        return full
+    group, dim, parts, *blocks = n.attr["shard"]
+    out = torch.empty(n.shape)
+    flat = full.reshape(-1)
+    for d0, _, s0, length in shard_runs([(0, "t", 0, full.numel())], tuple(full.shape), dim, parts, rank, *blocks):
+        out.view(-1)[d0:d0 + length] = flat[s0:s0 + length]
+    return out
+
+
+def test_shard_splits_a_fused_qkv_projection_by_each_of_its_q_k_v_blocks():
+    """A fused q/k/v projection's output columns are [3, heads, head_dim]: a rank's heads are a slice of each of
+    the three blocks, not a contiguous half of the columns (that half would be all of q and part of k: a tp=2
+    Qwen3-VL vision encoder gave wrong image logits). The weight and bias carry the blocks in their shard attr
+    and the copy runs read the rank's rows of each block. Numbers on 2 ranks:
+    test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks."""
+    g, found = shard(_fused_qkv_graph(), Mesh.of(tp=2))
+    verify(g)
+    check_shapes(g, {})
+    assert found.patterns == {"shard.tensor_parallel_attention": 1}
+    nodes = {n.attr["name"]: n for n in g.nodes() if n.op == "weight"}
+    assert nodes["wqkv"].attr["shard"] == ("tp", 0, 2, 3) and nodes["wqkv"].shape == (3 * NH * HD // 2, D)
+    assert nodes["bqkv"].attr["shard"] == ("tp", 0, 2, 3) and nodes["wo"].attr["shard"] == ("tp", 1, 2)
+    _, full = _fused_qkv_data()
+    for rank in range(2):
+        heads = slice(rank * NH // 2, (rank + 1) * NH // 2)
+        want = full["wqkv"].view(3, NH, HD, D)[:, heads].reshape(-1, D)
+        assert torch.equal(_rank_weight(nodes["wqkv"], full["wqkv"], rank), want)
+
+
+def test_view_axis_follows_the_heads_through_reshapes_as_blocks():
+    """(axis, blocks) of the heads in a reshape's input: a rank's part of an axis is the tp-th slice of each of
+    its blocks."""
+    import sympy
+
+    from dayzero.passes.shard import _NoSplit, _view_axis
+
+    assert _view_axis((T, 3, NH, HD), (T, 3 * NH * HD), 2, 2) == (1, 3)  # q, k, v heads fused in one axis
+    assert _view_axis((T, 3 * NH * HD), (T, 3, NH, HD), 1, 2, 3) == (2, 1)
+    assert _view_axis((T, NH, HD), (T, NH * HD), 1, 2) == (1, 1)
+    b = sympy.Symbol("batch", integer=True, positive=True)
+    assert _view_axis((b, NH, T, HD), (b * NH, T, HD), 1, 2) == (0, b)  # heads merged with the batch (bmm)
+    assert _view_axis((b * NH, T, HD), (b, NH, T, HD), 0, 2, b) == (1, 1)
+    for src, dst, a, blocks in (((NH, 3), (3, NH), 0, 1),  # a transposing reshape
+                                ((b * NH, T), (b, NH, T), 0, 1)):  # a contiguous half of batch * heads
+        with pytest.raises(_NoSplit):
+            _view_axis(src, dst, a, 2, blocks)
+
+
 def _bf16_bound(g: Graph) -> Graph:
     """``g`` with every 2-D weight read as a linear's weight or an embedding's table stored bf16, as the frontend
     binds a bf16 checkpoint's (frontend/lowprec.bind_bf16: ``_to_copy(weight bfloat16, float32)``)."""
@@ -355,15 +437,21 @@ def _interp_rank(rank: int, port: int, q) -> None:
     sg1, _ = shard(_attn_graph(kv=1), Mesh.of(tp=2))
     held1 = _rank_slices(sg1, data1, rank)
     logits1, _, _ = run_graph(sg1, ag_, held1.__getitem__)
+    fx, fw = _fused_qkv_data()  # a fused q/k/v projection: the rank's rows of each block, as the runs bind them
+    fg, _ = shard(_fused_qkv_graph(), Mesh.of(tp=2))
+    fheld = {n.attr["name"]: _rank_weight(n, fw[n.attr["name"]], rank) for n in fg.nodes() if n.op == "weight"}
+    (fused,) = run_graph(fg, fx, fheld.__getitem__)
     q.put((rank, y.tolist(), ag.tolist(), a2a.tolist(), m.tolist(), logits.tolist(),
-           held["cache_wk"].tolist(), held["cache_wv"].tolist(), logits1.tolist(), held1["cache_wk"].tolist()))
+           held["cache_wk"].tolist(), held["cache_wv"].tolist(), logits1.tolist(), held1["cache_wk"].tolist(),
+           fused.tolist()))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned interpreters, each importing torch and dayzero: 10 s CPU, a tenth of the fast tier
 def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     """The reference interpreter on 2 gloo ranks, each with its half of the experts (then of a dense MLP's
-    intermediate columns, then of an attention's heads, KV cache and vocabulary): the all-reduced partial sums and
+    intermediate columns, then of an attention's heads, KV cache and vocabulary, then of a fused q/k/v
+    projection's blocks, bound through the manifest's copy runs): the all-reduced partial sums and
     gathered logits are the unsharded graph's outputs, each rank's cache holds its kv head's rows; all_gather and
     all_to_all move what they say."""
     import torch.multiprocessing as mp
@@ -386,7 +474,10 @@ def test_sharded_graph_matches_the_whole_one_on_two_gloo_ranks():
     _, data1 = _attn_data(kv=1)
     full1 = {k: v.clone() for k, v in data1.items()}
     (want_logits1, _, _) = run_graph(_attn_graph(kv=1), attn_in, full1.__getitem__)
-    for rank, y, ag, a2a, m, logits, ck, cv, logits1, ck1 in res:
+    fx, fw = _fused_qkv_data()
+    (want_fused,) = run_graph(_fused_qkv_graph(), fx, fw.__getitem__)
+    for rank, y, ag, a2a, m, logits, ck, cv, logits1, ck1, fused in res:
+        assert torch.allclose(torch.tensor(fused), want_fused, rtol=1e-5, atol=1e-5)
         assert torch.allclose(torch.tensor(logits), want_logits, rtol=1e-5, atol=1e-5)
         assert torch.allclose(torch.tensor(logits1), want_logits1, rtol=1e-5, atol=1e-5)
         assert torch.equal(torch.tensor(ck1), full1["cache_wk"])  # the one kv head's cache, whole on each rank

@@ -463,11 +463,11 @@ def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, 
                                 "in another (passes/shard.py matched a block in one program only)")
         shards[name] = n.attr.get("shard")
         if name in fe.recipes and "shard" in n.attr:  # each group rank binds its own slice (passes/shard.py)
-            group, dim, parts = n.attr["shard"]
+            group, dim, parts, *blocks = n.attr["shard"]  # blocks: a fused projection's (passes/shard._sliced)
             full = tuple(d * parts if k == dim else d for k, d in enumerate(n.shape))
-            entries[name] = dict(meta, source="checkpoint", shard={"group": group, "dim": dim, "parts": parts},
-                                 shard_runs=[[list(r) for r in shard_runs(fe.recipes[name], full, dim, parts, i)]
-                                             for i in range(parts)])
+            sh = {"group": group, "dim": dim, "parts": parts, **({"blocks": blocks[0]} if blocks else {})}
+            runs = [[list(r) for r in shard_runs(fe.recipes[name], full, dim, parts, i, *blocks)] for i in range(parts)]
+            entries[name] = dict(meta, source="checkpoint", shard=sh, shard_runs=runs)
         elif "shard" in n.attr:
             raise InternalError(f"weight {name} is split over ranks but is no checkpoint tensor (only checkpoint "
                                 "tensors are read in slices)")
@@ -488,10 +488,13 @@ def weights_manifest(fe: Frontend, graphs: list[Graph], constants: Mapping[str, 
     return manifest, own
 
 
-def shard_runs(runs, shape: tuple[int, ...], dim: int, parts: int, index: int) -> list[tuple]:
+def shard_runs(runs, shape: tuple[int, ...], dim: int, parts: int, index: int, blocks: int = 1) -> list[tuple]:
     """The copy runs ([dst, key, src, length], over the flat full tensor of ``shape``) that fill slice ``index`` of
-    ``parts`` equal slices along ``dim``, with dst offsets in the slice: only the slice's source elements are
-    read (each rank reads its shard of the checkpoint, nothing else)."""
+    ``parts`` equal slices along ``dim`` (of each of its ``blocks`` equal blocks, in order), with dst offsets in
+    the slice: only the slice's source elements are read (each rank reads its shard of the checkpoint, nothing
+    else)."""
+    if blocks > 1:  # [.., blocks * n, ..] as [.., blocks, n, ..], sliced on n
+        shape, dim = (*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1:]), dim + 1
     inner = math.prod(shape[dim + 1:])
     chunk = shape[dim] // parts * inner  # contiguous elements of the slice per index of the dims before dim
     row = shape[dim] * inner
