@@ -5,7 +5,11 @@ groups). Rank 0 serves HTTP and runs the engine (runtime/engine.py, unchanged) o
 for its Runtime: each call that runs programs or changes cache state (``prefill``, ``decode``, ``decode_batch``,
 ``reset``) is first sent to the other ranks, then run; the other ranks (:func:`follow`) run the same calls in the
 same order on their own Runtime and open no socket. The runtime is deterministic, so every rank takes the same KV
-blocks for the same calls; the calls' token ids, slots and append flags are all a step needs.
+blocks for the same calls; the calls' token ids, slots and append flags are all a step needs. A multimodal
+artifact's image request is parsed on rank 0 alone (runtime/multimodal.py ``parse``: the image files or bytes, the
+processor, the positions; a bad image fails there, before any rank hears of it), and the parsed request (ids,
+M-RoPE positions, rope delta, each image's grid and pixel values, bit for bit) goes out as one ``MM_PREFILL`` call
+that every rank runs: the vision programs, then prefill, together (their collectives need every rank).
 
 The calls travel on a control group of their own (gloo, CPU tensors whatever the target), as an ``all_reduce`` of
 int64s where the other ranks add zeros: a sum needs every rank, so rank 0 learns of a dead rank on its next
@@ -25,13 +29,14 @@ from datetime import timedelta
 
 import torch
 
-from dayzero import UserError
+from dayzero import InternalError, UserError
 
+from . import request_checks
 from .dist import DEFAULT_TIMEOUT_S, RankFailure, first_line
 
 HEARTBEAT_S = 1.0  # rank 0 idle this long sends a heartbeat
 INLINE = 64  # call arguments carried in the header itself; longer ones follow in a second message
-NOOP, PREFILL, DECODE, DECODE_BATCH, RESET, STOP = range(6)
+NOOP, PREFILL, DECODE, DECODE_BATCH, RESET, STOP, MM_PREFILL = range(7)
 HEADER = 5  # op, slot, append, argument count, a sequence number (a mismatch means the ranks diverged)
 
 
@@ -87,27 +92,65 @@ class _Channel:
                               f"timeout): {first_line(e)}") from None
         return t
 
-    def send(self, op: int, slot: int = -1, append: int = 0, args: list[int] = ()) -> None:
+    def send(self, op: int, slot: int = -1, append: int = 0, args=()) -> None:
+        """``args``: int64s (a list, or a tensor for a long payload such as an image's pixels)."""
         self.seq += 1
+        args = torch.as_tensor(args, dtype=torch.int64).reshape(-1)
+        n = args.numel()
         head = torch.zeros(HEADER + INLINE, dtype=torch.int64)
-        head[:HEADER] = torch.tensor([op, slot, append, len(args), self.seq])
-        if len(args) <= INLINE:
-            head[HEADER:HEADER + len(args)] = torch.tensor(args, dtype=torch.int64)
+        head[:HEADER] = torch.tensor([op, slot, append, n, self.seq])
+        if n <= INLINE:
+            head[HEADER:HEADER + n] = args
         self._reduce(head)
-        if len(args) > INLINE:
-            self._reduce(torch.tensor(args, dtype=torch.int64))
+        if n > INLINE:
+            self._reduce(args.clone())
 
-    def receive(self) -> tuple[int, int, int, list[int]]:
+    def receive(self) -> tuple[int, int, int, torch.Tensor]:
         self.seq += 1
         head = self._reduce(torch.zeros(HEADER + INLINE, dtype=torch.int64))
         op, slot, append, n, seq = head[:HEADER].tolist()
         if seq != self.seq:
             raise RankFailure(f"rank {self.rank}: the ranks' calls diverged (message {seq}, expected {self.seq})")
         if n <= INLINE:
-            args = head[HEADER:HEADER + n].tolist()
+            args = head[HEADER:HEADER + n]
         else:
-            args = self._reduce(torch.zeros(n, dtype=torch.int64)).tolist()
+            args = self._reduce(torch.zeros(n, dtype=torch.int64))
         return op, slot, append, args
+
+
+def pack_parsed(p) -> torch.Tensor:
+    """A parsed multimodal request (runtime/multimodal.Parsed) as int64s: [n, images, delta, grids (3 each),
+    pixel shapes (2 each), ids (n), positions (3n), pixels (their float32 bits)]."""
+    n = p.ids.shape[1]
+    head = [n, len(p.grids), p.delta, *(int(x) for g in p.grids for x in g),
+            *(int(x) for pv in p.pixels for x in pv.shape)]
+    parts = [torch.tensor(head, dtype=torch.int64), p.ids.reshape(-1).to(torch.int64),
+             p.positions.reshape(-1).to(torch.int64),
+             *(pv.to(torch.float32).contiguous().reshape(-1).view(torch.int32).to(torch.int64) for pv in p.pixels)]
+    return torch.cat(parts)
+
+
+def unpack_parsed(args: torch.Tensor):
+    """``pack_parsed``'s int64s -> the runtime/multimodal.Parsed request."""
+    from .multimodal import Parsed
+
+    n, k, delta = (int(x) for x in args[:3])
+    at = 3
+    grids = [tuple(int(x) for x in args[at + 3 * i:at + 3 * i + 3]) for i in range(k)]
+    at += 3 * k
+    shapes = [tuple(int(x) for x in args[at + 2 * i:at + 2 * i + 2]) for i in range(k)]
+    at += 2 * k
+    ids = args[at:at + n].reshape(1, n).clone()
+    at += n
+    positions = args[at:at + 3 * n].reshape(3, 1, n).clone()
+    at += 3 * n
+    pixels = []
+    for rows, cols in shapes:
+        pixels.append(args[at:at + rows * cols].to(torch.int32).view(torch.float32).reshape(rows, cols).clone())
+        at += rows * cols
+    if at != args.numel():
+        raise RankFailure(f"an image prefill message of {args.numel()} values, {at} expected: the ranks diverged")
+    return Parsed(ids, positions, delta, pixels, grids)
 
 
 class Lockstep:
@@ -121,6 +164,8 @@ class Lockstep:
         self._last = time.monotonic()
         self._stopped = threading.Event()
         self._heartbeat_s = heartbeat_s
+        # a multimodal artifact: image requests parsed here, then run by every rank (MM_PREFILL)
+        self.multimodal = None if rt.multimodal is None else _Multimodal(self, rt.multimodal)
         threading.Thread(target=self._heartbeat, name="dayzero-heartbeat", daemon=True).start()
 
     def __getattr__(self, name):
@@ -160,6 +205,9 @@ class Lockstep:
         k = -1 if slot is None else _ints(slot, "slot")[0]
         return self._call(RESET, k, 0, [], lambda: self._rt.reset(slot))
 
+    def mm_prefill(self, mm, parsed, slot: int) -> torch.Tensor:
+        return self._call(MM_PREFILL, slot, 0, pack_parsed(parsed), lambda: mm.run(parsed, slot))
+
     def _heartbeat(self) -> None:
         while not self._stopped.wait(self._heartbeat_s / 4):
             if time.monotonic() - self._last < self._heartbeat_s:
@@ -185,6 +233,30 @@ class Lockstep:
                 pass
 
 
+class _Multimodal:
+    """Rank 0's multimodal driver (runtime/multimodal.Multimodal's attributes): ``prefill`` parses the request
+    here, then every rank runs it. What would run programs on rank 0 alone is refused (the other ranks would not
+    join its collectives): requests go through ``prefill`` and the Lockstep's ``decode`` / ``decode_batch``."""
+
+    _RANK0_ONLY = ("encode", "prepare", "inputs", "run", "_prefill", "generate", "generate_batch")
+
+    def __init__(self, lockstep: Lockstep, mm):
+        self._lockstep, self._mm = lockstep, mm
+
+    def __getattr__(self, name):
+        if name in self._RANK0_ONLY:
+            raise InternalError(f"Multimodal.{name} on rank 0 of a sharded artifact would run programs without "
+                                "the other ranks")
+        return getattr(self._mm, name)
+
+    def prefill(self, input_ids, images=(), slot: int = 0, fit: bool = False) -> torch.Tensor:
+        slot = request_checks.slot(slot, self._mm.rt.max_batch)
+        return self._lockstep.mm_prefill(self._mm, self._mm.parse(input_ids, images, fit), slot)
+
+    def decode(self, token_id, slot: int = 0) -> torch.Tensor:
+        return self._lockstep.decode(token_id, slot)
+
+
 def follow(rt, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """A rank other than 0: run rank 0's calls on ``rt`` until it says stop. A call's UserError is rank 0's too
     (the same state, the same check), which answers it; the ranks go on. A lost rank 0 ends this one (one line)."""
@@ -201,6 +273,10 @@ def follow(rt, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if op == STOP:
             return
         try:
+            if op == MM_PREFILL:
+                rt.multimodal.run(unpack_parsed(args), slot)
+                continue
+            args = args.tolist()
             if op == PREFILL:
                 rt.prefill(args, slot=slot, append=bool(append))
             elif op == DECODE:
@@ -232,14 +308,12 @@ def serve_sharded(artifact, host: str, port: int, timeout_s: float = DEFAULT_TIM
     rank = int(os.environ["RANK"])
     if rank != 0:
         rt = load(artifact, dist_timeout_s=timeout_s)
-        _refuse_multimodal(rt)
         follow(rt, timeout_s)
         return
     held = []
 
     def open_runtime(path, progress):
         rt = load(path, progress, dist_timeout_s=timeout_s)
-        _refuse_multimodal(rt)
         held.append(Lockstep(rt, timeout_s))
         return held[0]
 
@@ -249,8 +323,3 @@ def serve_sharded(artifact, host: str, port: int, timeout_s: float = DEFAULT_TIM
         if held:
             held[0].close()
 
-
-def _refuse_multimodal(rt) -> None:
-    if rt.multimodal is not None:
-        raise UserError(f"{rt.path}: serving a sharded multimodal artifact is not supported (its image prefill is "
-                        "not sent to the other ranks): serve it unsharded")

@@ -17,6 +17,11 @@ A request is token ids plus images (paths, PIL images or HxWxC / HxW arrays). Pe
 
 A failing request (unreadable file, empty image, a grid not compiled, too many tokens) raises a UserError; in
 ``generate_batch`` it is reported for that request while the others keep going.
+
+Steps 1, 3 and 4 (``parse``: files, the processor, the placeholders, the positions) need only the request; steps 2
+and 5 (``run``: the vision programs, then prefill) run the compiled programs. A sharded artifact served under
+torchrun parses on rank 0 alone and sends the :class:`Parsed` request to every rank, which all run it together
+(runtime/lockstep.py): the vision programs hold collectives too.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +38,16 @@ import torch
 from dayzero import UserError
 
 from . import request_checks
+
+
+@dataclass
+class Parsed:
+    """A request as ``Multimodal.parse`` leaves it: what ``Multimodal.run`` needs on every rank."""
+    ids: torch.Tensor  # [1, n] int64, image placeholders expanded
+    positions: torch.Tensor  # [3, 1, n] int64 M-RoPE position ids
+    delta: int  # the rope delta decode continues with
+    pixels: list  # per image: pixel_values [T*H*W, C*tp*p*p] float32
+    grids: list  # per image: its (T, H, W) grid, a compiled one
 
 
 class Multimodal:
@@ -161,15 +177,15 @@ class Multimodal:
         pos, delta = Qwen3VLMoeModel.get_rope_index(shim, ids, tt, image_grid_thw=torch.tensor(grids))
         return pos.contiguous(), int(delta.reshape(-1)[0])
 
-    def prepare(self, input_ids, images=(), fit: bool = False):
-        """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta)."""
+    def parse(self, input_ids, images=(), fit: bool = False) -> Parsed:
+        """The request without running a program: images read and preprocessed, placeholders expanded, positions."""
         ids = self.rt._ids(input_ids)
         if images is not None and not isinstance(images, (list, tuple)):
             raise UserError(f"images: expected a list of images (paths, PIL images, arrays), got "
                             f"{type(images).__name__}")
         images = list(images or [])
-        encoded = [self.encode(im, fit) for im in images]
-        grids = [list(g) for _, g in encoded]
+        pre = [self.preprocess(im, fit) for im in images]
+        grids = [list(g) for _, g in pre]
         if not images and bool((ids == self.image_token_id).any()):
             raise UserError(f"the prompt has image tokens ({self.image_token_id}) but no image was given")
         ids = self._expand(ids, grids)
@@ -178,19 +194,33 @@ class Multimodal:
             raise UserError(f"prompt of {n} tokens (with image tokens) is longer than the compiled maximum "
                             f"{self.rt.max_length}")
         pos, delta = self.rope_index(ids, grids)
+        return Parsed(ids, pos, delta, [pv for pv, _ in pre], [tuple(g) for g in grids])
+
+    def inputs(self, p: Parsed):
+        """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta): the
+        vision programs run on ``p``'s images."""
+        ids, n = p.ids, p.ids.shape[1]
+        feats = [self.rt.programs[self.grids[tuple(g)]].run([pv])[0] for pv, g in zip(p.pixels, p.grids)]
         visual = torch.zeros(self.rows, n, self.hidden)
         mask = torch.zeros(1, n, dtype=torch.int64)
-        if encoded:  # upstream scatters image features only when images are given (get_placeholder_mask)
+        if feats:  # upstream scatters image features only when images are given (get_placeholder_mask)
             mask = (ids == self.image_token_id).to(torch.int64)
-            visual[:, mask[0] != 0] = torch.cat([f for f, _ in encoded], dim=1)
-        return ids, pos, visual, mask, delta
+            visual[:, mask[0] != 0] = torch.cat(feats, dim=1)
+        return ids, p.positions, visual, mask, p.delta
+
+    def prepare(self, input_ids, images=(), fit: bool = False):
+        """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta)."""
+        return self.inputs(self.parse(input_ids, images, fit))
+
+    def run(self, p: Parsed, slot: int) -> torch.Tensor:
+        """Logits [1, n, V] of a parsed request, started in cache slot ``slot`` (its vision programs, then prefill)."""
+        return self._prefill(*self.inputs(p), request_checks.slot(slot, self.rt.max_batch))
 
     # -- serving ------------------------------------------------------------------------------------------------
     def prefill(self, input_ids, images=(), slot: int = 0, fit: bool = False) -> torch.Tensor:
         """Logits [1, n, V] of the prompt (image tokens expanded) and start the request in cache slot ``slot``."""
         slot = request_checks.slot(slot, self.rt.max_batch)
-        ids, pos, visual, mask, delta = self.prepare(input_ids, images, fit)
-        return self._prefill(ids, pos, visual, mask, delta, slot)
+        return self.run(self.parse(input_ids, images, fit), slot)
 
     def _prefill(self, ids, pos, visual, mask, delta, slot):
         rt = self.rt

@@ -666,6 +666,27 @@ def test_wrong_world_size_a_dead_rank_and_serve_fail_fast_with_one_line(qwen3_ep
     assert "rank 0:" in err and "a rank died" in err and "\n" not in err
 
 
+def test_an_image_prefill_message_carries_the_parsed_request_bit_for_bit():
+    """runtime/lockstep.py's MM_PREFILL payload: ids, M-RoPE positions, the rope delta, each image's grid and its
+    pixel values (every float32 bit pattern: signed zeros, subnormals, NaN) come back as rank 0 parsed them."""
+    from dayzero.runtime.lockstep import pack_parsed, unpack_parsed
+    from dayzero.runtime.multimodal import Parsed
+
+    g = torch.Generator().manual_seed(0)
+    px = [torch.randn(16, 24, generator=g), torch.randn(24, 24, generator=g)]
+    px[0][0, :4] = torch.tensor([-0.0, float("nan"), 1e-45, -float("inf")])
+    p = Parsed(torch.tensor([[5, 9, 9, 9, 9, 7]]), torch.arange(18).reshape(3, 1, 6), -3, px,
+               [(1, 4, 4), (1, 4, 6)])
+    q = unpack_parsed(pack_parsed(p))
+    assert torch.equal(q.ids, p.ids) and torch.equal(q.positions, p.positions) and q.delta == -3
+    assert q.grids == p.grids and len(q.pixels) == 2
+    for a, b in zip(q.pixels, px):
+        assert a.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    text = unpack_parsed(pack_parsed(Parsed(torch.tensor([[1, 2]]), torch.zeros(3, 1, 2, dtype=torch.int64), 0,
+                                            [], [])))
+    assert text.pixels == [] and text.ids.tolist() == [[1, 2]]
+
+
 def _serve_two_ranks(art: Path):
     """``dayzero serve ART`` on 2 gloo ranks as torchrun starts them; returns (processes, HTTP port) once rank 0's
     /health answers 200."""
@@ -734,6 +755,79 @@ def test_torchrun_serve_steps_every_rank_and_ends_them_together(qwen3_ep2):
             for p in procs:
                 p.kill() if p.poll() is None else None
                 p.communicate()
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow
+def test_torchrun_serves_a_sharded_multimodal_artifact(tiny_compiled, tmp_path_factory):
+    """Tiny Qwen3-VL-MoE --tp 2 served under torchrun (2 gloo ranks): a chat with an image and a text completion
+    at once give the single-device artifact's greedy tokens (rank 0 parses the image; every rank runs the vision
+    program and the prefill, then steps the batched decode with each request's rope delta); the startup probe's
+    image request passed; a bad image is a 400 on rank 0 alone and the ranks go on; Ctrl-C on rank 0 ends both."""
+    import base64
+    import io
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from PIL import Image
+
+    from dayzero.runtime import load
+
+    _, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_vl_moe", tp=2)
+    assert json.loads((art / "report.json").read_text())["mesh"]["world"] == 2
+    rt = load(single)
+    a = (np.indices((64, 64)).sum(0) * 5 % 256).astype(np.uint8)
+    img = Image.fromarray(np.stack([a, a[::-1], 255 - a], -1))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": uri}},
+               {"type": "text", "text": " this"}]
+    text = rt.tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": " this"}]}],
+        tokenize=False, add_generation_prompt=True)
+    ids = rt.tokenizer(text, add_special_tokens=False)["input_ids"]
+    want_image = rt.generate(ids, 8, images=[img])
+    rt.reset()
+    want_text = rt.generate([5, 17, 99, 3, 42], 8)
+    chat = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    plain = {"prompt": [5, 17, 99, 3, 42], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    procs, port = _serve_two_ranks(art)  # healthy: the startup probe's text and image requests passed
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda a: _post(port, *a), [("/v1/chat/completions", chat),
+                                                               ("/v1/completions", plain)]))
+        assert [c for c, _ in got] == [200, 200], got
+        assert got[0][1]["choices"][0]["token_ids"] == want_image
+        assert got[1][1]["choices"][0]["token_ids"] == want_text
+        bad = dict(chat, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+        code, err = _post(port, "/v1/chat/completions", bad)
+        assert code == 400 and "image" in err["error"]["message"], err
+        code, again = _post(port, "/v1/chat/completions", chat)
+        assert code == 200 and again["choices"][0]["token_ids"] == want_image
+        procs[0].send_signal(signal.SIGINT)
+        code, err = _ended(procs[0])
+        assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+        code, err = _ended(procs[1])
+        assert code == 0 and not err.strip(), err[-2000:]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
 
 
 @pytest.mark.slow
