@@ -788,6 +788,8 @@ def test_torchrun_serves_a_sharded_multimodal_artifact(tiny_compiled, tmp_path_f
 
     _, single, art = _sharded(tiny_compiled, tmp_path_factory, "qwen3_vl_moe", tp=2)
     assert json.loads((art / "report.json").read_text())["mesh"]["world"] == 2
+    qkv = json.loads((art / "weights.json").read_text())["tensors"]["model.visual.blocks.0.attn.qkv.weight"]
+    assert qkv["shard"] == {"group": "tp", "dim": 0, "parts": 2, "blocks": 3}  # the vision heads split too
     rt = load(single)
     a = (np.indices((64, 64)).sum(0) * 5 % 256).astype(np.uint8)
     img = Image.fromarray(np.stack([a, a[::-1], 255 - a], -1))
