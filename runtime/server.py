@@ -343,7 +343,7 @@ def completion_prompt(rt, prompt, vocab: int) -> list[int]:
 class Server:
     """An artifact served over HTTP: ``app`` (FastAPI); ``load()`` readies it (the CLI runs it in a thread)."""
 
-    def __init__(self, artifact, model: str | None = None, max_queue: int = 64, prefill_chunk: int = 64,
+    def __init__(self, artifact, model: str | None = None, max_queue: int = 64, prefill_chunk: int | None = None,
                  timeout: float | None = None, validate=None, load_progress=None, open_runtime=None,
                  max_body: int = MAX_BODY, keepalive: float = KEEPALIVE_S):
         self.artifact = Path(artifact)

@@ -87,6 +87,19 @@ def test_prefill_goes_to_the_fewest_tokens_left_first(tiny_compiled):
     assert metrics.prefilled_by == {long_r.id: 100, short_r.id: 5}
 
 
+def test_the_prefill_budget_defaults_to_the_artifacts_compiled_chunk(tiny_compiled):
+    """Without --prefill-chunk an iteration prefills as many prompt tokens as one call of the compiled prefill
+    program takes (the shared artifact: 128), not a fixed 64 that would split every longer prompt of a
+    --prefill-chunk 512 artifact into 8 calls."""
+    _, art, _ = tiny_compiled("qwen3_moe")
+    rt = load(art)
+    eng = Engine(rt)
+    assert rt.prefill_chunk == 128 and eng.prefill_chunk == 128
+    r = eng.submit(Request(_prompt(100, 4), lambda ev: None, max_tokens=2, ignore_eos=True))
+    _step(eng)
+    assert r.prefilled == 100  # in one iteration
+
+
 def test_errors_name_the_flag_that_bounds_the_request(tiny_compiled):
     _, art, _ = tiny_compiled("qwen3_moe")
     rt = load(art)

@@ -423,8 +423,9 @@ def demo_cmd(out, prompt, images, as_json, then_serve, host, port):
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="requests waiting for a slot; beyond it a request gets HTTP 429")
-@click.option("--prefill-chunk", default=64, show_default=True, type=int,
-              help="prompt tokens prefilled per engine iteration (long prompts in chunks, decoding goes on)")
+@click.option("--prefill-chunk", default=None, type=int,
+              help="prompt tokens prefilled per engine iteration, all requests together (long prompts in chunks, "
+                   "decoding goes on) [default: the artifact's compiled --prefill-chunk]")
 @click.option("--timeout", type=float, default=None, help="seconds a request may take (HTTP 408 after)")
 @click.option("--max-body", default="64M", show_default=True, metavar="BYTES",
               help="largest request body (a count such as 8M; k = 10^3, M = 10^6): larger gets HTTP 413; a "
