@@ -578,7 +578,8 @@ def test_ep2_artifact_matches_single_device_and_binds_only_its_shard(qwen3_ep2, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,axis", [("gpt_oss", "ep"), ("deepseek_v32", "ep"), ("deepseek_v32", "tp"),
-                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp"), ("deepseek_v4", "tp")])
+                                        ("qwen3_moe", "tp"), ("gpt_oss", "tp"), ("deepseek_v4", "tp"),
+                                        ("deepseek_v4", "ep")])
 def test_sharded_artifacts_of_other_architectures_match_single_device(model, axis, tiny_compiled,
                                                                       tmp_path_factory, tmp_path):
     """gpt-oss (stacked expert tensors with biases, layout kn), DeepSeek-V3.2 (MLA + DSA, a dense layer, shared
