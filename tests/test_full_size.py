@@ -3,7 +3,7 @@
 make-full writes the checkpoint as published (hidden 2880, 32 MXFP4 experts per layer, vocabulary 201088, bf16
 elsewhere: 3.27 GB); it compiles without materialising weights; its compiled memory is what
 ``dayzero plan --target host`` says from config.json alone (weights, KV, workspace within 2%) and the memory
-resident after load is within 5% of that plan; compared with upstream in streamed mode (one module at a time:
+resident after load is within 5% of that plan (2% above it); compared with upstream in streamed mode (one module at a time:
 the fp32 upstream model is never built), every layer and the logits match; it generates, greedy decode agreeing
 with the prefill's argmax.
 
@@ -29,6 +29,7 @@ def test_full_width_gpt_oss_two_layers_compiles_loads_matches_upstream_and_gener
     from click.testing import CliRunner
 
     from dayzero.runtime import load
+    from dayzero.runtime.executor import return_freed_heap
     from dayzero.tools.cli import main
     from dayzero.tools.driver import compile_model
     from dayzero.tools.make_full import make_full
@@ -44,11 +45,14 @@ def test_full_width_gpt_oss_two_layers_compiles_loads_matches_upstream_and_gener
         assert 0.98 <= plan[k]["measured_over_plan"] <= 1.02, (k, plan[k])
 
     gc.collect()
+    return_freed_heap()  # what compiling freed, so that only the load's own bytes count
     proc = psutil.Process()
     before = proc.memory_info().rss
     rt = load(art)
     grown = proc.memory_info().rss - before
-    assert 0.95 <= grown / plan["total"]["plan"] <= 1.05, (grown, plan["total"])
+    # the arena, and no more: the load's transient buffers go back to the OS (they were 4% more, and 5.2% once
+    # in the suite, before the runtime trimmed the heap)
+    assert 0.95 <= grown / plan["total"]["plan"] <= 1.02, (grown, plan["total"])
 
     prompt = [200005, 17360, 200008, 3575, 306, 261, 1899, 13]
     out = rt.generate(prompt, max_new_tokens=3)
