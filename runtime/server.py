@@ -17,8 +17,9 @@ generated ``token_ids`` beside the text (as vLLM's ``return_token_ids`` does), w
 need.
 
 Long prompts (a 1M-token prompt is ~7 MB of JSON and an hour of prefill here): a large body is parsed and its
-prompt checked in a worker thread, not on the event loop; until a request's first token, the handler watches its
-client (one that went away is aborted: its slot and blocks are back within an engine iteration), and a streaming
+prompt checked in a worker thread, not on the event loop; until a request's first token (a non-streaming one: until
+its last), the handler watches its client (one that went away is aborted: its slot and blocks are back within an
+engine iteration; a streaming one's is seen at its next write), and a streaming
 request whose first token takes longer than ``keepalive`` seconds gets its response headers then and an SSE
 comment line every ``keepalive`` seconds (``: prefill N/M``), so clients and proxies see a live connection.
 """
@@ -56,7 +57,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 MAX_BODY = 64_000_000  # bytes (--max-body 64M): a 1M-token prompt is ~7 MB of JSON as token ids
 OFF_LOOP_BYTES = 256 * 2**10  # bodies above this are parsed (and their prompts checked) in a worker thread
 KEEPALIVE_S = 15.0  # an SSE comment this often while a streaming request's prefill runs
-WATCH_S = 0.2  # how often a request still waiting for its first token checks that its client is there
+WATCH_S = 0.2  # how often a request waiting for events (a streaming one: its first) checks its client is there
 
 
 class Stream:
@@ -488,6 +489,8 @@ class Server:
             text, tokens = [], []
             ev = None
             batch = first
+            loop = asyncio.get_running_loop()
+            watch = loop.time() + WATCH_S
             while ev is None:
                 for e in batch:
                     if e.kind == "token":
@@ -496,8 +499,15 @@ class Server:
                     else:
                         ev = e
                         break
-                if ev is None:
-                    batch = await events.next()
+                if ev is None:  # decoding: a client that went away is aborted here too, not at the end
+                    batch = await self._first_events(request, req, events, None)
+                    if batch is not None and loop.time() >= watch:  # tokens keep coming: look between them
+                        watch = loop.time() + WATCH_S
+                        if await request.is_disconnected():
+                            batch = None
+                    if batch is None:
+                        self.engine.abort(req)
+                        return Response(status_code=499)
         finally:
             if not req.finished:
                 self.engine.abort(req)
@@ -514,8 +524,9 @@ class Server:
                 "model": self.model, "choices": [choice], "usage": usage}
 
     async def _first_events(self, request, req: Request, events: Stream, wait: float | None) -> list[Event] | None:
-        """The request's first events; [] when none came within ``wait`` seconds (None: no limit); None when the
-        client disconnected first (the request is aborted: its slot and blocks go back within an iteration)."""
+        """The request's next events (its first ones, or, non-streaming, the next while it decodes); [] when none
+        came within ``wait`` seconds (None: no limit); None when the client disconnected first (the request is
+        aborted: its slot and blocks go back within an iteration)."""
         loop = asyncio.get_running_loop()
         deadline = None if wait is None else loop.time() + wait
         while True:

@@ -242,6 +242,34 @@ def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_s
     assert slow_server.engine.kv_blocks()[0] == 0
 
 
+def test_a_non_streaming_client_gone_while_decoding_is_aborted(slow_server):
+    """A non-streaming client that closes its connection after its first tokens (decode made slow: 0.05 s a
+    step) is aborted then, not after its max_tokens: its slot and blocks are back while it still had tokens to go."""
+    port, engine = slow_server.port, slow_server.engine
+    real = engine.rt.decode
+
+    def slow(*a, **kw):
+        time.sleep(0.05)
+        return real(*a, **kw)
+    engine.rt.decode = slow  # a lone request steps through rt.decode (engine._decode)
+    aborted = Http(port).metric('dayzero_requests_finished_total{reason="abort"}')
+    base = Http(port).metric("dayzero_generated_tokens_total")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True}),
+              {"Content-Type": "application/json"})  # 100 steps: ~5 s
+    deadline = time.monotonic() + 30
+    while Http(port).metric("dayzero_generated_tokens_total") - base < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    while Http(port).metric('dayzero_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the server never saw the disconnect"
+        time.sleep(0.02)
+    assert Http(port).metric("dayzero_generated_tokens_total") - base < 50  # ended well before its 100 tokens
+    assert Http(port).metric("dayzero_kv_blocks_used") == 0 and Http(port).metric("dayzero_requests_running") == 0
+
+
 def test_a_body_over_max_body_is_413_and_the_server_goes_on(slow_server):
     status, r = Http(slow_server.port).request("POST", "/v1/completions", {"prompt": [1] * 400_000, "max_tokens": 1})
     assert status == 413 and "--max-body of 1000000 bytes" in r["error"]["message"], r
