@@ -33,9 +33,10 @@ permutes, expands, slices / cats / reductions over other axes, cache index_put, 
 over the head batch) and hold an attention op (sdpa, bmm, softmax over positions). Each tensor's head axis may
 hold its heads in blocks (``_view_axis``): a fused q/k/v projection's [T, 3*H*D] columns, heads merged with the
 batch; a rank's part is its heads of every block. The walk ends at a projection (column-split per head: a fused
-one's rows are the rank's heads of each block, shard attr (group, dim, parts, blocks)), a KV cache (split, with its writes back), a per-head weight (gpt-oss's and V4's sinks,
-V4's grouped o_a_proj: split on that axis), a buffer made from nothing or a folded constant with equal blocks
-(one block), or a tensor whose head extent is 1, broadcast over the heads: MLA's shared latent KV head and
+one's rows are the rank's heads of each block, shard attr (group, dim, parts, blocks)), a KV cache (split, with
+its writes back), a per-head weight (gpt-oss's and V4's sinks, V4's grouped o_a_proj: split on that axis), a
+buffer made from nothing or a folded constant with equal blocks (one block), or a tensor whose head extent is 1,
+broadcast over the heads: MLA's shared latent KV head and
 DeepSeek-V4's single K=V head, the masks (the DSA indexer's top-k mask among them: the indexer stays whole, so its
 top-k is identical on every rank), rotary tables. Those are computed whole on every rank. Anything else (a node
 that mixes heads, a head count tp does not divide, a split value read outside the block, a pattern op) leaves that

@@ -117,9 +117,9 @@ class Engine:
     def __init__(self, rt, max_queue: int = 64, prefill_chunk: int | None = None,
                  metrics: EngineMetrics | None = None, on_iteration: Callable[[], None] | None = None):
         """``prefill_chunk``: prompt tokens prefilled per iteration, all requests together (default: the artifact's
-        compiled prefill chunk, the most one prefill call takes). ``on_iteration()`` is called from the engine thread after every iteration (and once more when the engine
-        stops on an error), after the iteration's events were emitted: a consumer that buffers events hands them on
-        there, in one go."""
+        compiled prefill chunk, the most one prefill call takes). ``on_iteration()`` is called from the engine
+        thread after every iteration (and once more when the engine stops on an error), after the iteration's events
+        were emitted: a consumer that buffers events hands them on there, in one go."""
         if not rt.stateful:
             raise UserError(f"{rt.path}: the artifact has no decode program, it cannot serve generation")
         if prefill_chunk is None:

@@ -3,9 +3,9 @@
 make-full writes the checkpoint as published (hidden 2880, 32 MXFP4 experts per layer, vocabulary 201088, bf16
 elsewhere: 3.27 GB); it compiles without materialising weights; its compiled memory is what
 ``dayzero plan --target host`` says from config.json alone (weights, KV, workspace within 2%) and the memory
-resident after load is within 5% of that plan (2% above it); compared with upstream in streamed mode (one module at a time:
-the fp32 upstream model is never built), every layer and the logits match; it generates, greedy decode agreeing
-with the prefill's argmax.
+resident after load is within 5% below and 2% above that plan; compared with upstream in streamed mode (one module
+at a time: the fp32 upstream model is never built), every layer and the logits match; it generates, greedy decode
+agreeing with the prefill's argmax.
 
 The cost is the point of the test and is in the writing and moving of bytes (measured on a loaded 2-core host:
 make-full 2.5 min, compile 2.2 min, load 45 s, streamed compare 4-5 min; the test 554 s, peak RSS 6.6 GB with
