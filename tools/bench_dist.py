@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-MODELS = ("qwen3_moe", "gpt_oss")
+MODELS = ("qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4")
 
 
 def _free_port() -> int:
