@@ -628,16 +628,31 @@ def test_a_bf16_checkpoint_sharded_keeps_its_slices_bf16_and_matches_single_devi
 
 
 @pytest.mark.slow
-def test_torchrun_runs_the_sharded_artifact(qwen3_ep2):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_runs_the_sharded_artifact(qwen3_ep2, nodes):
+    """One torchrun with 2 processes, and two torchrun agents of one process each meeting through the c10d
+    rendezvous (the README's multi-node command, both "nodes" on 127.0.0.1): rank 0 prints the single-device
+    tokens, the other rank prints nothing."""
     _, single, art = qwen3_ep2
     sys.path.insert(0, str(HERE))
     import _dist_worker as w
 
     ids = ",".join(map(str, w.PROMPT))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "dayzero", "run",
-                          str(art), "--input-ids", ids, "--max-new-tokens", str(w.NEW_TOKENS), "--json"],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = ["-m", "dayzero", "run", str(art), "--input-ids", ids, "--max-new-tokens", str(w.NEW_TOKENS), "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nodes == 1:
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *run],
+                             capture_output=True, text=True, timeout=300, env=env)
+    else:
+        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "dayzero",
+                 *run]
+        procs = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+        res = subprocess.CompletedProcess(agent, 0, "".join(o for o, _ in outs), "")
     assert res.returncode == 0, (res.stdout[-1000:], res.stderr[-2000:])
     _, want_tokens, _ = _single(single)
     assert res.stdout.count('"tokens"') == 1, res.stdout[-2000:]  # rank 0 prints, the others do not
