@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from filelock import FileLock
@@ -37,6 +38,15 @@ def pytest_configure(config):
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state, whatever ran before it in its worker: a test drawing
+    unseeded inputs sees the same numbers in any order and under any -n (an unseeded draw against a tight
+    tolerance failed once in one order and passed in another)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
 
 
 @pytest.fixture(autouse=True, scope="session")
