@@ -67,6 +67,17 @@ def test_scatter_src_dim0():
     _check("scatter.src", [x, idx, src], {"dim": 0})
 
 
+@pytest.mark.parametrize("writers", [1, 3, 12])  # inline (one row per slice, a few), and the table of hits
+def test_scatter_src_one_row_per_slice_and_duplicates(writers):
+    """A decode step's row write (keys.scatter_(2, positions, row): one index entry per slice along dim) and
+    duplicate targets, where the last writer wins as in ATen's serial CPU loop."""
+    x = rnd(3, 2, 16, 4)
+    idx = torch.randint(0, 16, (3, 2, writers, 4), generator=g)
+    idx[0, 0, -1] = idx[0, 0, 0]  # a duplicate target within one slice
+    _check("scatter.src", [x, idx, rnd(3, 2, writers, 4)], {"dim": 2})
+    _check("scatter.value", [x, idx], {"dim": 2, "value": 7.0})
+
+
 def test_scatter_add_duplicates():
     x = rnd(3, 6)
     idx = torch.randint(0, 6, (3, 10), generator=g)

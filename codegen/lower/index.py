@@ -103,6 +103,9 @@ def _slice_scatter(ctx, ins, attrs, outs):
     return te.compute(ctx.shape(outs[0].shape), body, name="T")
 
 
+UNROLLED_WRITERS = 8  # scatter: at most this many index entries along dim are tested inline, per output element
+
+
 def _scatter_hit(ctx, x, index, dim, mode):
     """For every position of x: the position k along ``dim`` of the index entry that writes it.
 
@@ -140,8 +143,20 @@ def _scatter(ctx, ins, attrs, outs):
     nd = len(x.shape)
     dim = norm_dim(attrs["dim"], nd)
     cd = outs[0].dtype
-    hit = _scatter_hit(ctx, x, index, dim, "last")
     val = None if src is not None else const(attrs["value"], cd)
+    n = index.shape[dim]
+    if isinstance(n, tvm.tirx.IntImm) and int(n) <= UNROLLED_WRITERS:
+        # a few writers per slice (a decode step's one row): each output element tests them in order, the last
+        # hit wins; no [x]-sized table of hits written and read back (3 such scatters, one per layer, were
+        # 1 ms of a batch-8 DeepSeek-V4 decode step)
+        def unrolled(*i):
+            out = cast(x[i], cd)
+            for k in range(int(n)):
+                hit, at = _writes(x, index, dim, i, tvm.tirx.const(k, IDX))
+                out = tvm.tirx.if_then_else(hit, val if src is None else cast(src[at], cd), out)
+            return out
+        return te.compute(ctx.shape(outs[0].shape), unrolled, name="T")
+    hit = _scatter_hit(ctx, x, index, dim, "last")
 
     def body(*i):
         h = hit[i]
