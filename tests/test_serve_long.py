@@ -213,6 +213,20 @@ def test_sse_keepalive_comments_while_a_long_prefill_runs(slow_server):
     assert lines[-1] == "data: [DONE]"
 
 
+def _hang_up_after(c: http.client.HTTPConnection, port: int, metric: str, reaches: float, aborted: float) -> None:
+    """Close connection ``c`` once ``metric`` reaches ``reaches``, then wait until the server has aborted one more
+    request than ``aborted`` (30 s in all)."""
+    deadline = time.monotonic() + 30
+    while Http(port).metric(metric) < reaches:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    while Http(port).metric('dayzero_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the server never saw the disconnect"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_server, stream):
     """The client closes its connection while its prompt is still prefilling (streaming: after the keepalive
@@ -228,15 +242,7 @@ def test_a_client_gone_during_its_prefill_is_aborted_and_its_blocks_freed(slow_s
     if stream:
         r = c.getresponse()
         assert r.status == 200 and r.readline().startswith(b": prefill")
-    deadline = time.monotonic() + 30
-    while Http(port).metric("dayzero_prefilled_tokens_total") - base < 16:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    c.sock.shutdown(socket.SHUT_RDWR)
-    c.close()
-    while Http(port).metric('dayzero_requests_finished_total{reason="abort"}') == aborted:
-        assert time.monotonic() < deadline, "the server never saw the disconnect"
-        time.sleep(0.02)
+    _hang_up_after(c, port, "dayzero_prefilled_tokens_total", base + 16, aborted)
     assert Http(port).metric("dayzero_prefilled_tokens_total") - base < 120  # ended during its prefill
     assert Http(port).metric("dayzero_kv_blocks_used") == 0 and Http(port).metric("dayzero_requests_running") == 0
     assert slow_server.engine.kv_blocks()[0] == 0
@@ -257,15 +263,7 @@ def test_a_non_streaming_client_gone_while_decoding_is_aborted(slow_server):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     c.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True}),
               {"Content-Type": "application/json"})  # 100 steps: ~5 s
-    deadline = time.monotonic() + 30
-    while Http(port).metric("dayzero_generated_tokens_total") - base < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    c.sock.shutdown(socket.SHUT_RDWR)
-    c.close()
-    while Http(port).metric('dayzero_requests_finished_total{reason="abort"}') == aborted:
-        assert time.monotonic() < deadline, "the server never saw the disconnect"
-        time.sleep(0.02)
+    _hang_up_after(c, port, "dayzero_generated_tokens_total", base + 3, aborted)
     assert Http(port).metric("dayzero_generated_tokens_total") - base < 50  # ended well before its 100 tokens
     assert Http(port).metric("dayzero_kv_blocks_used") == 0 and Http(port).metric("dayzero_requests_running") == 0
 
