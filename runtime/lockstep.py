@@ -238,7 +238,7 @@ class _Multimodal:
     here, then every rank runs it. What would run programs on rank 0 alone is refused (the other ranks would not
     join its collectives): requests go through ``prefill`` and the Lockstep's ``decode`` / ``decode_batch``."""
 
-    _RANK0_ONLY = ("encode", "prepare", "inputs", "run", "_prefill", "generate", "generate_batch")
+    _RANK0_ONLY = ("encode", "features", "prepare", "inputs", "run", "_prefill", "generate", "generate_batch")
 
     def __init__(self, lockstep: Lockstep, mm):
         self._lockstep, self._mm = lockstep, mm

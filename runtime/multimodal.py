@@ -140,8 +140,12 @@ class Multimodal:
     def encode(self, image, fit: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """One image -> (features [rows, tokens, hidden] from the compiled vision program, grid)."""
         pv, grid = self.preprocess(image, fit)
-        feats = self.rt.programs[self.grids[grid]].run([pv])[0]
-        return feats, grid
+        return self.features(pv, grid), grid
+
+    def features(self, pixels: torch.Tensor, grid) -> torch.Tensor:
+        """One preprocessed image -> its features [rows, tokens, hidden]: the compiled vision program of its
+        grid. Every image a request carries is encoded here."""
+        return self.rt.programs[self.grids[tuple(grid)]].run([pixels])[0]
 
     # -- the text/image join ------------------------------------------------------------------------------------
     def _expand(self, ids: torch.Tensor, grids: list) -> torch.Tensor:
@@ -200,7 +204,7 @@ class Multimodal:
         """-> (ids [1, n], position_ids [3, 1, n], visual [rows, n, hidden], image mask [1, n], rope delta): the
         vision programs run on ``p``'s images."""
         ids, n = p.ids, p.ids.shape[1]
-        feats = [self.rt.programs[self.grids[tuple(g)]].run([pv])[0] for pv, g in zip(p.pixels, p.grids)]
+        feats = [self.features(pv, g) for pv, g in zip(p.pixels, p.grids)]
         visual = torch.zeros(self.rows, n, self.hidden)
         mask = torch.zeros(1, n, dtype=torch.int64)
         if feats:  # upstream scatters image features only when images are given (get_placeholder_mask)

@@ -224,12 +224,11 @@ def test_compare_with_an_image_localises_a_vision_divergence(tiny_compiled, tmp_
     from dayzero.runtime.multimodal import Multimodal
 
     ckpt, art, _ = tiny_compiled("qwen3_vl_moe")
-    encode = Multimodal.encode
+    features = Multimodal.features  # where every image of a request is encoded
 
-    def off(self, image, fit=False):
-        feats, grid = encode(self, image, fit)
-        return feats + 0.01, grid
-    monkeypatch.setattr(Multimodal, "encode", off)
+    def off(self, pixels, grid):
+        return features(self, pixels, grid) + 0.01
+    monkeypatch.setattr(Multimodal, "features", off)
     res = compare(str(ckpt), art, seq_len=5, images=[_png(tmp_path / "a.png", 64, 64, 2)])
     assert not res["ok"] and res["stage"] == "vision" and not res["vision"]["ok"]
     assert abs(res["vision"]["max_abs_diff"] - 0.01) < 1e-3 and res["first_divergence"]["source"] == "vision"
