@@ -237,7 +237,7 @@ def _quot(x, y):
     else None."""
     if isinstance(x, int) and isinstance(y, int):
         return x // y if y and x % y == 0 else None
-    q = sympy.cancel(sympy.sympify(x) / sympy.sympify(y))
+    q = sympy.cancel(x / y)  # extents are ints or expressions of the graph's symbols (never text): x or y is one
     if q.is_Integer:
         return int(q)
     num, den = sympy.fraction(q)
