@@ -341,6 +341,36 @@ def completion_prompt(rt, prompt, vocab: int) -> list[int]:
 
 # -- the server ---------------------------------------------------------------------------------------------------
 
+class _Watch:
+    """A request's client, looked at every ``WATCH_S`` while its handler waits for the request's events (also when
+    events keep coming, as a decoding request's do): a client that went away has its request aborted (its slot and
+    blocks go back within an iteration)."""
+
+    def __init__(self, request, engine, req: Request):
+        self.request, self.engine, self.req = request, engine, req
+        self.loop = asyncio.get_running_loop()
+        self.due = self.loop.time() + WATCH_S
+
+    async def events(self, events: Stream, wait: float | None = None) -> list[Event] | None:
+        """The request's next events; [] when none came within ``wait`` seconds (None: no limit); None when the
+        client disconnected first (the request is aborted)."""
+        deadline = None if wait is None else self.loop.time() + wait
+        while True:
+            now = self.loop.time()
+            if now >= self.due:
+                self.due = now + WATCH_S
+                if await self.request.is_disconnected():
+                    self.engine.abort(self.req)
+                    return None
+            if deadline is not None and now >= deadline:
+                return []
+            step = self.due - now if deadline is None else min(self.due, deadline) - now
+            try:
+                return await asyncio.wait_for(events.next(), step)
+            except TimeoutError:
+                pass
+
+
 class Server:
     """An artifact served over HTTP: ``app`` (FastAPI); ``load()`` readies it (the CLI runs it in a thread)."""
 
@@ -476,8 +506,10 @@ class Server:
             return self._error(400, str(e))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        # until the first token (a long prompt's prefill): watch the client, abort the request if it went away
-        first = await self._first_events(request, req, events, self.keepalive if body.get("stream") else None)
+        # until the first token (a long prompt's prefill), and to the last one of a non-streaming request: watch the
+        # client, abort the request if it went away
+        watch = _Watch(request, self.engine, req)
+        first = await watch.events(events, self.keepalive if body.get("stream") else None)
         if first is None:
             return Response(status_code=499)  # nobody reads it
         if body.get("stream"):
@@ -489,8 +521,6 @@ class Server:
             text, tokens = [], []
             ev = None
             batch = first
-            loop = asyncio.get_running_loop()
-            watch = loop.time() + WATCH_S
             while ev is None:
                 for e in batch:
                     if e.kind == "token":
@@ -500,13 +530,8 @@ class Server:
                         ev = e
                         break
                 if ev is None:  # decoding: a client that went away is aborted here too, not at the end
-                    batch = await self._first_events(request, req, events, None)
-                    if batch is not None and loop.time() >= watch:  # tokens keep coming: look between them
-                        watch = loop.time() + WATCH_S
-                        if await request.is_disconnected():
-                            batch = None
+                    batch = await watch.events(events)
                     if batch is None:
-                        self.engine.abort(req)
                         return Response(status_code=499)
         finally:
             if not req.finished:
@@ -522,24 +547,6 @@ class Server:
                       "token_ids": tokens}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model, "choices": [choice], "usage": usage}
-
-    async def _first_events(self, request, req: Request, events: Stream, wait: float | None) -> list[Event] | None:
-        """The request's next events (its first ones, or, non-streaming, the next while it decodes); [] when none
-        came within ``wait`` seconds (None: no limit); None when the client disconnected first (the request is
-        aborted: its slot and blocks go back within an iteration)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if wait is None else loop.time() + wait
-        while True:
-            step = WATCH_S if deadline is None else min(WATCH_S, max(0.0, deadline - loop.time()))
-            try:
-                return await asyncio.wait_for(events.next(), step)
-            except TimeoutError:
-                pass
-            if await request.is_disconnected():
-                self.engine.abort(req)
-                return None
-            if deadline is not None and loop.time() >= deadline:
-                return []
 
     async def _sse(self, req: Request, first: list[Event], events: Stream, rid: str, created: int, chat: bool):
         """Server-sent events, one per token; the events that arrived since the last write go out as one write."""
