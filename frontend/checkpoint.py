@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dayzero import InternalError, UserError
+from dayzero.frontend.trace_cache import cached_recipes
 from dayzero.passes.ir.formats import E8M0_NAN, FP8_BLOCK_SIZE
 
 ID_BASE = 2 ** 40  # far above any value an initialiser writes, exact in float64
@@ -316,7 +317,8 @@ def first_nonfinite(ckpt: Checkpoint, keys) -> str | None:
 Run = tuple[int, str, int, int]  # (dst offset, checkpoint key, src offset, length), in elements
 
 
-def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None) -> tuple[dict[str, list[Run]], set[str]]:
+def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None,
+                  cache: Path | None = None) -> tuple[dict[str, list[Run]], set[str]]:
     """Recipes for every module tensor transformers fills from the checkpoint.
 
     ``load_model(dir, dtype)`` must load the upstream model from a checkpoint dir (it is called on a stand-in
@@ -328,11 +330,19 @@ def learn_recipes(ckpt: Checkpoint, load_model, shapes: dict | None = None) -> t
     those tensors are learned again from a second stand-in whose ids start at 2**20 (exact in float32 while the
     checkpoint has under 15M elements), else matched by name and shape.
 
+    ``cache``: the trace cache's folder (``trace_cache.cached_recipes``; None: learned each time).
+
     A checkpoint of more than ``LEARN_ELEMENTS`` elements (a full-size model: its stand-in would be 8 bytes per
     element) is learned on its narrow twin instead (``_learn_narrow``)."""
-    if sum(_numel(i.shape) for i in ckpt.tensors.values()) > LEARN_ELEMENTS:
-        return _learn_narrow(ckpt, load_model, shapes)
-    return _learn_direct(ckpt, load_model, shapes)
+    def learn(into: dict):
+        if sum(_numel(i.shape) for i in ckpt.tensors.values()) > LEARN_ELEMENTS:
+            return _learn_narrow(ckpt, load_model, into)
+        return _learn_direct(ckpt, load_model, into)
+    loader = f"{load_model.__module__}.{getattr(load_model, '__qualname__', type(load_model).__qualname__)}"
+    recipes, missing, learned_shapes = cached_recipes(cache, ckpt, loader, learn)
+    if shapes is not None:
+        shapes.update(learned_shapes)
+    return recipes, missing
 
 
 def _learn_direct(ckpt, load_model, shapes: dict | None) -> tuple[dict[str, list[Run]], set[str]]:
@@ -773,7 +783,7 @@ class _Dequantised:
             self.tensors[g.name] = TensorInfo(g.name, "", "float32", g.shape)
 
 
-def learn_recipes_low_precision(ckpt: Checkpoint, load_model):
+def learn_recipes_low_precision(ckpt: Checkpoint, load_model, cache: Path | None = None):
     """``learn_recipes`` for a checkpoint with low-precision tensors.
 
     Returns (recipes of the parameters stored in full precision, {param: LowPrecParam}, missing). A parameter
@@ -781,10 +791,10 @@ def learn_recipes_low_precision(ckpt: Checkpoint, load_model):
     row, an input-major parameter assembled from several keys) is a UserError naming it: dayzero never falls back to a silent full-precision copy."""
     groups = low_precision_groups(ckpt)
     if not groups:
-        recipes, missing = learn_recipes(ckpt, load_model)
+        recipes, missing = learn_recipes(ckpt, load_model, cache=cache)
         return recipes, {}, missing
     shapes: dict = {}
-    recipes, missing = learn_recipes(_Dequantised(ckpt, groups), load_model, shapes)
+    recipes, missing = learn_recipes(_Dequantised(ckpt, groups), load_model, shapes, cache=cache)
     dense, lowp = {}, {}
     for param, runs in recipes.items():
         used = {key for _, key, _, _ in runs}

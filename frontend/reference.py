@@ -26,6 +26,7 @@ from safetensors import safe_open
 from dayzero import UserError
 from . import hf, lowprec
 from .checkpoint import Checkpoint, _Dequantised, learn_recipes, low_precision_groups
+from .trace_cache import cache_root
 
 
 CHUNK_ELEMENTS = 1 << 25  # decoded at a time: 128 MB of fp32
@@ -97,7 +98,7 @@ class StreamedUpstream:
             raise UserError(f"{directory}: transformers cannot build model_type "
                             f"{self.ckpt.config.get('model_type')!r}: {str(e).splitlines()[0]}") from None
         view = _Dequantised(self.ckpt, self.groups) if self.groups else self.ckpt
-        self.recipes, _ = learn_recipes(view, hf.load_for_recipes)
+        self.recipes, _ = learn_recipes(view, hf.load_for_recipes, cache=cache_root())
         # tied parameters: the recipe may be under any of the names of one tensor
         self._alias: dict[str, list[str]] = {}
         by_id: dict[int, list[str]] = {}

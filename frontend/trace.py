@@ -63,9 +63,10 @@ def trace_model(model: Any, max_seq: int = DEFAULT_MAX_SEQ, image_grids=None,
         ckpt = Checkpoint(model)
         from dayzero.frontend import vision
         if vision.is_multimodal(ckpt.config):  # image + text (Qwen3-VL-MoE): frontend/vision.py
-            return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend)
+            return vision.trace_frontend(ckpt, max_seq, image_grids, Frontend, cache_root(trace_cache))
         # low-precision experts (quantization_config mxfp4 / fp8) stay in their stored form: see lowprec
-        recipes, lowp, missing = learn_recipes_low_precision(ckpt, hf.load_for_recipes)
+        recipes, lowp, missing = learn_recipes_low_precision(ckpt, hf.load_for_recipes,
+                                                               cache_root(trace_cache))
         for p in lowp.values():
             recipes[p.data_name], recipes[p.scale_name] = list(p.data_runs), list(p.scale_runs)
         check_coverage(ckpt, recipes, missing, hf.meta_model(ckpt)[0])  # before the (slow) trace

@@ -12,6 +12,12 @@ Those make the key (sha256). The entry is ``<root>/<key>.json``: the graphs in t
 input like any file: it is size-bounded, parsed, its key and layout fields checked; one that fails any check is
 ignored with a warning and the model is traced again (and the entry rewritten). Writes are atomic.
 
+The same folder keeps each checkpoint layout's weight recipes (``checkpoint.learn_recipes``: which checkpoint
+elements fill which parameter, transformers' loader run on a stand-in of element ids, a few seconds a compile): they
+depend on the config, the checkpoint's header (tensor names, dtypes, shapes), the loader and the same versions and
+code, never on a weight value. A recipe entry is checked against the header it is read for (every run inside its
+key and its parameter) before anything uses it.
+
 root: the compile option (``--trace-cache DIR``), else ``$DAYZERO_TRACE_CACHE``, else
 ``~/.cache/dayzero/traces``; ``off`` disables the cache.
 """
@@ -203,3 +209,75 @@ def cached_graph(root: Path | None, config: dict, name: str, trace: Callable[[],
     except OSError as e:
         warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
     return t
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_recipes(doc: dict, tensors: dict) -> tuple[dict, set, dict]:
+    """(recipes, missing, shapes) of a recipe entry, each run checked against the checkpoint header ``tensors``
+    (name -> TensorInfo) and its parameter's shape; ValueError on anything else."""
+    recipes, missing, shapes = doc.get("recipes"), doc.get("missing"), doc.get("shapes")
+    if not (isinstance(recipes, dict) and isinstance(missing, list) and isinstance(shapes, dict)):
+        raise ValueError("recipes, missing or shapes of the wrong type")
+    if not all(isinstance(m, str) for m in missing):
+        raise ValueError("missing is not a list of names")
+    out_shapes = {}
+    for name, shape in shapes.items():
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"shape of {name!r} is not a list of sizes")
+        out_shapes[name] = tuple(shape)
+    out = {}
+    for name, runs in recipes.items():
+        if name not in out_shapes or not isinstance(runs, list):
+            raise ValueError(f"recipe of {name!r}: no shape, or not a list of runs")
+        size, checked = _numel(out_shapes[name]), []
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 4 and type(run[0]) is int and isinstance(run[1], str)
+                    and type(run[2]) is int and type(run[3]) is int):
+                raise ValueError(f"recipe of {name!r}: a run is not [dst, key, src, length]")
+            dst, key, src, n = run
+            info = tensors.get(key)
+            if info is None or min(dst, src) < 0 or n < 1 or dst + n > size or src + n > _numel(info.shape):
+                raise ValueError(f"recipe of {name!r}: run {run} outside its parameter or key")
+            checked.append((dst, key, src, n))
+        out[name] = checked
+    return out, set(missing), out_shapes
+
+
+def cached_recipes(root: Path | None, ckpt, loader: str, learn: Callable[[dict], tuple[dict, set]]) -> tuple:
+    """``learn(shapes)`` -> (recipes, missing) (filling ``shapes``) through the cache at ``root`` (None: straight
+    through); returns (recipes, missing, shapes). ``ckpt`` gives the config and the header (``tensors``) that make
+    the key with ``loader``, the qualified name of the loader function. Only successful learns are kept."""
+    if root is None:
+        shapes: dict = {}
+        recipes, missing = learn(shapes)
+        return recipes, missing, shapes
+    header = sorted((k, i.dtype, list(i.shape)) for k, i in ckpt.tensors.items())
+    key = trace_key(ckpt.config, graph="recipes", loader=loader, header=header)
+    path = root / f"{key}.json"
+    try:
+        if path.stat().st_size > MAX_ENTRY_BYTES:
+            raise ValueError("over the size limit")
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("key") != key:
+            raise ValueError("not an entry for this key")
+        return _check_recipes(doc, ckpt.tensors)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError) as e:
+        warnings.warn(f"trace cache entry {path} ignored ({str(e)[:200]}); learning the recipes again",
+                      TraceCacheWarning, stacklevel=2)
+    shapes = {}
+    recipes, missing = learn(shapes)
+    doc = {"format": FORMAT, "key": key, "recipes": {n: [list(r) for r in runs] for n, runs in recipes.items()},
+           "missing": sorted(missing), "shapes": {n: [int(d) for d in s] for n, s in shapes.items()}}
+    try:
+        _write_doc(path, doc)
+    except OSError as e:
+        warnings.warn(f"trace cache {root} not written: {e}", TraceCacheWarning, stacklevel=2)
+    return recipes, missing, shapes

@@ -250,19 +250,19 @@ def load_for_recipes(directory, dtype):
     return model.eval()
 
 
-def trace_frontend(ckpt, max_seq: int, image_grids, frontend_cls):
+def trace_frontend(ckpt, max_seq: int, image_grids, frontend_cls, cache=None):
     """``trace_model`` for a multimodal checkpoint: prefill/decode + one vision program per declared grid.
 
     Weights the checkpoint holds are read through recipes (as for text models); everything else the programs
     read (rotary inverse frequencies, the per-grid interpolation / position tables) comes from the traced CPU
-    model and is carried by the artifact."""
+    model and is carried by the artifact. ``cache``: the trace cache's folder, for the weight recipes."""
     from dayzero.frontend.checkpoint import learn_recipes
 
     grids = [parse_grid(g) if isinstance(g, str) else tuple(int(x) for x in g)
              for g in (image_grids or DEFAULT_IMAGE_GRIDS)]
     if len(set(grids)) != len(grids):
         raise UserError("--image-grid: a grid is declared twice")
-    recipes, _ = learn_recipes(ckpt, load_for_recipes)
+    recipes, _ = learn_recipes(ckpt, load_for_recipes, cache=cache)
     res = trace_multimodal(ckpt, max_seq, grids)
     traces = res["traces"]
     own = {}

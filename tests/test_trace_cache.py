@@ -190,3 +190,84 @@ def test_one_more_graph_has_its_own_entry(tmp_path):
     with pytest.warns(trace_cache.TraceCacheWarning, match="ignored"):
         get()
     assert len(calls) == 2 and structurally_equal(get().graph, first.graph) and len(calls) == 2
+
+
+class _Loader:
+    """A stand-in for transformers' loader (``learn_recipes``' ``load_model``): parameter w is keys a and b end to
+    end, v is key c transposed; counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, directory, dtype):
+        import torch
+        from safetensors.torch import load_file
+
+        self.calls += 1
+        t = load_file(f"{directory}/model.safetensors")
+        m = torch.nn.Module()
+        m.register_buffer("w", torch.cat([t["a"], t["b"]]).to(dtype))
+        m.register_buffer("v", t["c"].t().contiguous().to(dtype))
+        return m
+
+
+def _header(c_dtype="float32"):
+    import types
+
+    from dayzero.frontend.checkpoint import TensorInfo
+
+    tensors = {"a": TensorInfo("a", "", "float32", (2, 3)), "b": TensorInfo("b", "", "float32", (1, 3)),
+               "c": TensorInfo("c", "", c_dtype, (2, 4))}
+    return types.SimpleNamespace(dir="ckpt", config={"model_type": "t"}, tensors=tensors)
+
+
+def _learn(root, loader, ckpt=None):
+    from dayzero.frontend.checkpoint import learn_recipes
+
+    shapes: dict = {}
+    recipes, missing = learn_recipes(ckpt or _header(), loader, shapes, cache=root)
+    return recipes, missing, shapes
+
+
+def test_weight_recipes_are_kept_beside_the_traces(tmp_path):
+    """The recipes (which checkpoint elements fill which parameter: the loader run on a stand-in of element ids)
+    are read back instead of running the loader again, for the same config, header and loader; another header
+    (a dtype) is another entry."""
+    loader = _Loader()
+    cold = _learn(tmp_path, loader)
+    assert cold[0]["w"] == [(0, "a", 0, 6), (6, "b", 0, 3)]  # a then b, end to end
+    assert cold[0]["v"][:2] == [(0, "c", 0, 1), (1, "c", 4, 1)] and cold[2] == {"w": (3, 3), "v": (4, 2)}
+    assert _learn(tmp_path, loader) == cold and loader.calls == 1
+    _learn(tmp_path, loader, _header("bfloat16"))
+    assert loader.calls == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    assert _learn(None, loader) == cold and loader.calls == 3  # the cache off: learned each time
+
+
+@pytest.mark.parametrize("damage", ["past-key", "past-parameter", "unknown-key", "negative", "run-type",
+                                    "shape-type", "no-shape", "truncated"])
+def test_a_damaged_recipe_entry_is_refused_and_learned_again(tmp_path, damage):
+    """A recipe entry is untrusted input: every run must lie inside its checkpoint key and its parameter before
+    anything reads through it; one that does not is refused with a warning, learned again and rewritten."""
+    loader = _Loader()
+    cold = _learn(tmp_path, loader)
+    path, doc = _entry(tmp_path)
+    runs = doc["recipes"]["w"]
+    if damage == "past-key":
+        runs[1][3] = 4  # b holds 3 elements
+    elif damage == "past-parameter":
+        runs[0][0] = 4  # w holds 9: 4 + 6 runs past it
+    elif damage == "unknown-key":
+        runs[0][1] = "../../etc/passwd"
+    elif damage == "negative":
+        runs[0][2] = -1
+    elif damage == "run-type":
+        runs[0] = [0, "a", 0, "6"]
+    elif damage == "shape-type":
+        doc["shapes"]["w"] = [3, -3]
+    elif damage == "no-shape":
+        del doc["shapes"]["w"]
+    path.write_text(json.dumps(doc)[:100] if damage == "truncated" else json.dumps(doc))
+    with pytest.warns(trace_cache.TraceCacheWarning, match="ignored"):
+        assert _learn(tmp_path, loader) == cold
+    assert loader.calls == 2
+    assert _learn(tmp_path, loader) == cold and loader.calls == 2  # rewritten: a hit again
