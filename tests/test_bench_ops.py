@@ -32,3 +32,17 @@ def test_bench_ops_covers_each_family_at_model_shapes():
         assert f"dequant_linear_bf16_2880x2880_T{t}" in names  # fp32 x, a bf16 weight as a checkpoint stores it
     assert "softmax_16x201088" in names and "softmax_512x4096" in names and "rms_norm_512x7168" in names
     assert any(n.startswith("bmm_") for n in names)
+
+
+def test_bench_text_output_gives_each_result_and_its_baselines(capsys):
+    """The benches' text form (``echo_bench``): a header, then one line per result with its baselines scaled;
+    ``--json`` prints the object instead, nothing else."""
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    out = {"results": [{"case": "decode", "dayzero": 2e-3, "baselines": {"torch": 3e-3, "relax": 2.5e-3}}]}
+    echo_bench(out, False, lambda r: f"{r['case']} {r['dayzero'] * 1e3:.1f} ms ({baselines_text(r, 1e3, '.1f', 'ms')})",
+               "header")
+    assert capsys.readouterr().out.splitlines() == ["header", "decode 2.0 ms (torch 3.0 ms, relax 2.5 ms)"]
+    echo_bench(out, True, lambda r: "unused", "header")
+    assert json.loads(capsys.readouterr().out) == out
+    assert baselines_text({"baselines": {"eager": 0.5}}) == "eager 0.5"

@@ -26,6 +26,26 @@ BENCH_MODEL = "qwen3_moe"  # the tuning bench's model and e2e's first (the demo'
 E2E_MODELS = ("qwen3_moe", "gpt_oss", "deepseek_v32", "deepseek_v4")
 
 
+def echo_bench(out: dict, as_json: bool, line, header: str | None = None) -> None:
+    """A bench's output: its JSON object (``--json``), else ``header`` and ``line(result)`` for each result."""
+    import json
+
+    import click
+
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    if header:
+        click.echo(header)
+    for r in out["results"]:
+        click.echo(line(r))
+
+
+def baselines_text(r: dict, scale: float = 1.0, spec: str = ".4g", unit: str = "") -> str:
+    """A result's baselines as ``name value[ unit], ...`` (values times ``scale``, formatted by ``spec``)."""
+    return ", ".join(f"{k} {v * scale:{spec}}{' ' + unit if unit else ''}" for k, v in r["baselines"].items())
+
+
 def machine_info() -> dict:
     from dayzero.targets.host import host_cpu
 

@@ -30,7 +30,6 @@ the indexer's 64K / 4K (linear: ~16 expected).
 
 from __future__ import annotations
 
-import json
 
 import click
 
@@ -221,12 +220,10 @@ def run_bench(quick: bool = False) -> dict:
 def attention_command(as_json: bool, quick: bool):
     """DSA decode at 1K-64K context (attention part and indexer part apart) and prefill at 1K/8K vs torch."""
     out = run_bench(quick)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    click.echo(f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s; {out['machine']['what']}")
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in r["baselines"].items())
-        click.echo(f"{r['case']:20s} {r['part']:18s} {r['dayzero'] * 1e6:10.1f} us  ({base})")
-    for k, v in out["ratios"].items():
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    echo_bench(out, as_json, lambda r: f"{r['case']:20s} {r['part']:18s} {r['dayzero'] * 1e6:10.1f} us  "
+                                       f"({baselines_text(r, 1e6, '.1f', 'us')})",
+               f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s; {out['machine']['what']}")
+    for k, v in ({} if as_json else out["ratios"]).items():
         click.echo(f"{k}: {v:.2f}")

@@ -18,7 +18,6 @@ Cases (out x in, real expert shapes: gpt-oss 2880x2880, DeepSeek-V3 2048x7168 bo
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -289,17 +288,15 @@ def run_bench(quick: bool = False) -> dict:
 def dequant_command(as_json: bool, quick: bool):
     """MXFP4 dequant-GEMV (decode) and dequant-GEMM (prefill) vs torch and the machine's read bandwidth."""
     out = run_bench(quick=quick)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    m = out["machine"]
-    click.echo(f"read bandwidth {m['read_bandwidth_GBps']} GB/s, target {m['target']}")
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in r["baselines"].items())
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    def line(r):
         extra = (f"{r['achieved_GBps']:.1f} GB/s = {r['fraction_of_bandwidth']:.0%} of bw, "
                  f"{r['speedup_vs_torch_eager']:.1f}x eager" if "achieved_GBps" in r
                  else f"{r['gflops']:.0f} GFLOP/s, {r['ratio_vs_torch_matmul']:.2f}x torch")
-        click.echo(f"{r['case']:40s} {r['dayzero'] * 1e3:8.3f} ms  ({base})  {extra}")
+        return f"{r['case']:40s} {r['dayzero'] * 1e3:8.3f} ms  ({baselines_text(r, 1e3, '.3f', 'ms')})  {extra}"
+    m = out["machine"]
+    echo_bench(out, as_json, line, f"read bandwidth {m['read_bandwidth_GBps']} GB/s, target {m['target']}")
 
 
 if __name__ == "__main__":

@@ -181,9 +181,7 @@ def dist_command(as_json, models, axes, prefill, repeat, work):
     """--ep 2 and --tp 2 on 2 gloo ranks vs 1 rank: prefill and decode step times, collective bytes vs the experts'
     arithmetic, per-rank weight and KV bytes vs half."""
     out = bench_dist(models or MODELS, prefill, repeat, work, axes or AXES)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v:.4g}" for k, v in r["baselines"].items())
-        click.echo(f"{r['case']:36s} {r['dayzero']:10.4g} {r['unit']:5s} ({base}; bound {r['bound']:.4g})")
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    echo_bench(out, as_json, lambda r: f"{r['case']:36s} {r['dayzero']:10.4g} {r['unit']:5s} "
+                                       f"({baselines_text(r)}; bound {r['bound']:.4g})")

@@ -295,11 +295,11 @@ def full_command(as_json, model, layers, work, contexts, batches, prefills, step
         raise UserError("--layers and --steps must be >= 1, --prefill-budget > 0, --eager-max-gb >= 0")
     out = bench_full(model, layers, Path(work), counts(contexts, "--contexts"), counts(batches, "--batches"),
                      counts(prefills, "--prefill"), steps, prefill_budget, eager_max_gb, int8=int8)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    click.echo(f"{model} x{layers} layers, read bandwidth {out['machine']['read_bandwidth_GBps']} GB/s")
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["baselines"].items())
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    def line(r):
         bound = f", {r['fraction_of_bound']:.0%} of the bound" if r.get("bound") else ""
-        click.echo(f"{r['case']:24s} {r['dayzero'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.1f} tok/s{bound} {base}")
+        return (f"{r['case']:24s} {r['dayzero'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.1f} tok/s{bound} "
+                f"{baselines_text(r, 1e3, '.1f', 'ms')}")
+    echo_bench(out, as_json, line,
+               f"{model} x{layers} layers, read bandwidth {out['machine']['read_bandwidth_GBps']} GB/s")

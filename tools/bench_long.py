@@ -205,10 +205,10 @@ def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefi
     if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0:
         raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive")
     out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v:.4g}" for k, v in r["baselines"].items())
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    def line(r):
+        base = baselines_text(r)
         extra = " ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r.get("split_s", {}).items())
-        click.echo(f"{r['case']:48s} {r['dayzero']:12.4g} {r['unit']:5s} {extra} {('(' + base + ')') if base else ''}")
+        return f"{r['case']:48s} {r['dayzero']:12.4g} {r['unit']:5s} {extra} {('(' + base + ')') if base else ''}"
+    echo_bench(out, as_json, line)

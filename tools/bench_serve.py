@@ -248,10 +248,10 @@ def serve_command(as_json, models, concurrency, requests, max_tokens, max_batch,
     if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
         raise UserError("--concurrency levels, --requests and --max-tokens must be at least 1")
     out = bench_serve(models or MODELS, levels, requests, max_tokens, max_batch, work=work)
-    if as_json:
-        click.echo(json.dumps(out, indent=1))
-        return
-    for r in out["results"]:
-        base = ", ".join(f"{k} {v:.4g}" for k, v in r["baselines"].items())
-        click.echo(f"{r['case']:40s} {r['dayzero']:10.4g} {r['unit']:5s} {('(' + base + ')') if base else ''}"
-                   + (f" target {r['target']:g}" if "target" in r else ""))
+    from dayzero.tools.bench import baselines_text, echo_bench
+
+    def line(r):
+        base = baselines_text(r)
+        return (f"{r['case']:40s} {r['dayzero']:10.4g} {r['unit']:5s} {('(' + base + ')') if base else ''}"
+                + (f" target {r['target']:g}" if "target" in r else ""))
+    echo_bench(out, as_json, line)

@@ -392,34 +392,44 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return XP[order[p] // k, ko * L + l] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
 
     @T.macro(hygienic=True)
-    def gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wb, LUT, p_lo, p_hi, e, n0, Q):
-        """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB) (``expert_gemm_tiles``).
-        FP8 (``staged``): with >= MB tokens the block is decoded once into ``wb`` and the MB tiles read it."""
+    def expert_block(src, row, w_of, W, WS, Bias, out, acc, wb, LUT, p_lo, p_hi, e, n0, n_out, k_in, groups, Q):
+        """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB) (``expert_gemm_tiles``):
+        src(p, ko, l) the input element, row(p) the token of sorted position p (integer tiles), w_of the weight
+        element (``gu_w`` / ``d_w``). FP8 (``staged``): with >= MB tokens the block is decoded once into ``wb``
+        and the MB tiles read it."""
         if q8 is not None and Q[2] is not None:  # integer tiles (the dense kernel has no flat weight views)
-            q8_tiles(G, Q[0], Q[1], p_lo, p_hi, n0, Q[2], WGUS, GU, GH, e, Q[3], Q[4], Q[5], Q[6], Q[7],
-                     lambda p: order[p] // k, lambda n: bias(BGU, e, n0 + n))
+            q8_tiles(out, Q[0], Q[1], p_lo, p_hi, n0, Q[2], WS, n_out, groups, e, Q[3], Q[4], Q[5], Q[6], Q[7],
+                     row, lambda n: bias(Bias, e, n0 + n))
         else:
             if p_hi - p_lo >= MB:
-                stage(wb, WGU, WGUS, LUT, gu_w, e, n0, H)
-            tiles(G, acc, p_lo, p_hi, n0, H, lambda p, ko, l: gu_src(X, XP, order, p, ko, l),
-                  lambda n: bias(BGU, e, n0 + n),
-                  lambda n, ko, l: gu_w(staged_buf(wb), WGU, WGUS, LUT, e, n0, n, ko, l),
-                  lambda n, ko, l: gu_w(None, WGU, WGUS, LUT, e, n0, n, ko, l),
-                  lambda n, ko: prefetch(WGU, WGUS, e, T.min(n0 + NB + n, GU - 1), ko * L))
+                stage(wb, W, WS, LUT, w_of, e, n0, k_in)
+            tiles(out, acc, p_lo, p_hi, n0, k_in, src, lambda n: bias(Bias, e, n0 + n),
+                  lambda n, ko, l: w_of(staged_buf(wb), W, WS, LUT, e, n0, n, ko, l),
+                  lambda n, ko, l: w_of(None, W, WS, LUT, e, n0, n, ko, l),
+                  lambda n, ko: prefetch(W, WS, e, T.min(n0 + NB + n, n_out - 1), ko * L))
 
     @T.macro(hygienic=True)
-    def d_block(A, WD, WDS, BD, D, acc2, wb, LUT, p_lo, p_hi, e, n0, Q):
-        if q8 is not None and Q[2] is not None:
-            q8_tiles(D, Q[0], Q[1], p_lo, p_hi, n0, Q[2], WDS, H, GI, e, Q[3], Q[4], Q[5], Q[6], Q[7],
-                     lambda p: p, lambda n: bias(BD, e, n0 + n))
-        else:
-            if p_hi - p_lo >= MB:
-                stage(wb, WD, WDS, LUT, d_w, e, n0, I)
-            tiles(D, acc2, p_lo, p_hi, n0, I, lambda p, ko, l: A[p, ko * L + l],
-                  lambda n: bias(BD, e, n0 + n),
-                  lambda n, ko, l: d_w(staged_buf(wb), WD, WDS, LUT, e, n0, n, ko, l),
-                  lambda n, ko, l: d_w(None, WD, WDS, LUT, e, n0, n, ko, l),
-                  lambda n, ko: prefetch(WD, WDS, e, T.min(n0 + NB + n, H - 1), ko * L))
+    def grouped_gemm(gate_up, parts, n_out, k_in, groups, ins, W, WS, Bias, out, LUT, offs, Q):
+        """One grouped GEMM over the routed experts (gate/up on ins = (X, XP, order); down on ins = (A,)): chunk
+        c of ``parts`` owns n-blocks [c*nb, (c+1)*nb) of every expert, so each thread streams contiguous rows of
+        each routed expert and the split does not depend on the routing (decode with 4 experts keeps every core
+        busy). Q: the integer tiles' buffers after acc8 and swv."""
+        for c in par(parts):
+            acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
+            wb = T.alloc_buffer((NB, k_in if staged else 1), f32)
+            acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
+            swv = T.alloc_buffer((NB * groups if q8 is not None else 1,), f32, scope="local")
+            for e in range(E):
+                for nbi in range(n_out // NB // parts):
+                    if gate_up:
+                        expert_block(lambda p, ko, l: gu_src(ins[0], ins[1], ins[2], p, ko, l),
+                                     lambda p: ins[2][p] // k, gu_w, W, WS, Bias, out, acc, wb, LUT, offs[e],
+                                     offs[e + 1], e, (c * (n_out // NB // parts) + nbi) * NB, n_out, k_in, groups,
+                                     (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]))
+                    else:
+                        expert_block(lambda p, ko, l: ins[0][p, ko * L + l], lambda p: p, d_w, W, WS, Bias, out,
+                                     acc, wb, LUT, offs[e], offs[e + 1], e, (c * (n_out // NB // parts) + nbi) * NB,
+                                     n_out, k_in, groups, (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]))
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok, FL):
@@ -456,18 +466,9 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # 1. counting sort of assignments by expert
         for _s in one():
             sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k)
-        # 2. gate/up grouped GEMM over the routed experts: chunk c owns n-blocks [c*NBC, (c+1)*NBC) of every
-        # expert, so each thread streams contiguous rows of each routed expert and the split does not depend on
-        # the routing (decode with 4 experts keeps every core busy)
-        for c in par(PGU):
-            acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            wbg = T.alloc_buffer((NB, H if staged else 1), f32)
-            acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
-            swv = T.alloc_buffer((NB * GH if q8 is not None else 1,), f32, scope="local")
-            for e in range(E):
-                for nbi in range(GU // NB // PGU):
-                    gu_block(X, XP, order, WGU, WGUS, BGU, G, acc, wbg, LUT, offs[e], offs[e + 1], e,
-                             (c * (GU // NB // PGU) + nbi) * NB, (acc8, swv, flat(FL, 0), LUT8, QXL, QXH, CX, SXX))
+        # 2. gate/up grouped GEMM over the routed experts
+        grouped_gemm(True, PGU, GU, H, GH, (X, XP, order), WGU, WGUS, BGU, G, LUT, offs,
+                     (flat(FL, 0), LUT8, QXL, QXH, CX, SXX))
         # 3. activation
         for p in par(n_tok * k):
             for io in range(I // L):
@@ -475,16 +476,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                     A[p, io * L + l] = act_value(act, G, p, k_of(io, l))
             if q8 is not None:
                 q8.quantise_row(lambda g, h, j: A[p, g * 32 + h * 16 + j], QAL, QAH, CA, SXA, p, GI)
-        # 4. down grouped GEMM, same structure
-        for c in par(PD):
-            acc2 = T.alloc_buffer((MB, NB, L), f32, scope="local")
-            wbd = T.alloc_buffer((NB, I if staged else 1), f32)
-            acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
-            swv = T.alloc_buffer((NB * GI if q8 is not None else 1,), f32, scope="local")
-            for e in range(E):
-                for nbi in range(H // NB // PD):
-                    d_block(A, WD, WDS, BD, D, acc2, wbd, LUT, offs[e], offs[e + 1], e,
-                            (c * (H // NB // PD) + nbi) * NB, (acc8, swv, flat(FL, 1), LUT8, QAL, QAH, CA, SXA))
+        # 4. down grouped GEMM
+        grouped_gemm(False, PD, H, I, GI, (A,), WD, WDS, BD, D, LUT, offs, (flat(FL, 1), LUT8, QAL, QAH, CA, SXA))
         # 5. weighted combine in token order
         combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec)
 

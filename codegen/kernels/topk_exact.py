@@ -141,6 +141,15 @@ def _sort_heap(e: _Emit, first: str, last0: str) -> None:
         _pop_heap(e, first, last, last)
 
 
+def _swap_first_case(e, first, cases, otherwise) -> None:
+    """``if c0: swap(first, p0) elif c1: swap(first, p1) ... else: swap(first, otherwise)`` for cases (c, p)."""
+    for i, (cond, pick) in enumerate(cases):
+        with e.block(f"{'if' if i == 0 else 'elif'} {cond}:"):
+            _swap(e, first, pick)
+    with e.block("else:"):
+        _swap(e, first, otherwise)
+
+
 def _partition_pivot(e: _Emit, first: str, last: str, cut: str) -> None:
     """cut = std::__unguarded_partition_pivot(first, last): median of (first+1, mid, last-1) to first, then the
     unguarded partition of [first+1, last) around it."""
@@ -150,18 +159,9 @@ def _partition_pivot(e: _Emit, first: str, last: str, cut: str) -> None:
     e(f"{c} = {last} - 1")
     lt = lambda x, y: _less(f"V[{x}]", f"V[{y}]")  # noqa: E731
     with e.block(f"if {lt(a, b)}:"):
-        with e.block(f"if {lt(b, c)}:"):
-            _swap(e, first, b)
-        with e.block(f"elif {lt(a, c)}:"):
-            _swap(e, first, c)
-        with e.block("else:"):
-            _swap(e, first, a)
-    with e.block(f"elif {lt(a, c)}:"):
-        _swap(e, first, a)
-    with e.block(f"elif {lt(b, c)}:"):
-        _swap(e, first, c)
+        _swap_first_case(e, first, [(lt(b, c), b), (lt(a, c), c)], a)
     with e.block("else:"):
-        _swap(e, first, b)
+        _swap_first_case(e, first, [(lt(a, c), a), (lt(b, c), c)], b)
     lo, hi, go = e.reg("up_lo"), e.reg("up_hi"), e.reg("up_go")
     e(f"{lo} = {first} + 1")
     e(f"{hi} = {last}")

@@ -64,19 +64,19 @@ def _transpose(ctx, ins, attrs, outs):
     return te.compute(ctx.shape(outs[0].shape), lambda *i: x[tuple(i[perm[k]] for k in range(nd))], name="T")
 
 
+def _reindexed(ctx, x, out, index):
+    """out[i] = x[index(i)] (``index``: the output index as a list -> x's index as a list)."""
+    return te.compute(ctx.shape(out.shape), lambda *i: x[tuple(index(list(i)))], name="T")
+
+
 @lowering("slice.Tensor", "slice_copy.Tensor")
 def _slice(ctx, ins, attrs, outs):
     x = ins[0]
     nd = len(x.shape)
     dim = norm_dim(attrs["dim"], nd)
     start = normalize_start(ctx, attrs.get("start"), x.shape[dim])
-    step = attrs.get("step", 1) or 1
-
-    def body(*i):
-        idx = list(i)
-        idx[dim] = start + i[dim] * tvm.tirx.const(step, IDX)
-        return x[tuple(idx)]
-    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+    step = tvm.tirx.const(attrs.get("step", 1) or 1, IDX)
+    return _reindexed(ctx, x, outs[0], lambda i: i[:dim] + [start + i[dim] * step] + i[dim + 1:])
 
 
 @lowering("select.int")
@@ -88,11 +88,7 @@ def _select(ctx, ins, attrs, outs):
     ix = ctx.dim(index) if isinstance(index, sympy.Basic) else tvm.tirx.const(index, IDX)
     if isinstance(index, int) and index < 0:
         ix = x.shape[dim] + ix
-
-    def body(*i):
-        idx = list(i[:dim]) + [ix] + list(i[dim:])
-        return x[tuple(idx)]
-    return te.compute(ctx.shape(outs[0].shape), body, name="T")
+    return _reindexed(ctx, x, outs[0], lambda i: i[:dim] + [ix] + i[dim:])
 
 
 @lowering("cat")

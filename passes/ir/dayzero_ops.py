@@ -48,6 +48,8 @@ def _state_index_put(ins, a):
 
 # a paged cache (passes/paged_kv.py): attr paged = block size, attr length = logical rows, the block table last
 PAGED = ("paged", OPT_TENSOR)
+# the MLA attentions' leading arguments: queries, the latent cache and its rotary keys, kv_b_proj, positions
+_MLA_CACHE = (("q", TENSOR), ("latent", TENSOR), ("rope_k", TENSOR), ("w_kv", TENSOR), ("qpos", TENSOR))
 
 # the routed experts' common arguments
 _ROUTING = (("x", TENSOR), ("topk_ids", TENSOR), ("topk_weights", TENSOR))
@@ -195,15 +197,13 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
           doc="attention over selected cache rows (DSA): q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int "
               "[S], idx int [B,S,k] (selected rows, shared by the heads); attr scale; reads rows idx[b,s,:] <= "
               "qpos[s] only; out [B,Hq,S,Dv]"),
-    OpDef("mla_sparse_attention", args=(("q", TENSOR), ("latent", TENSOR), ("rope_k", TENSOR), ("w_kv", TENSOR),
-                                        ("qpos", TENSOR), ("idx", TENSOR), ("scale", ATTR), ("nope", ATTR), PAGED),
+    OpDef("mla_sparse_attention", args=(*_MLA_CACHE, ("idx", TENSOR), ("scale", ATTR), ("nope", ATTR), PAGED),
           reference=by_token("mla_sparse_attention", mla_sparse_reference),
           doc="DSA over an MLA latent cache with the up-projection absorbed: q [B,H,S,nope+Dr], latent [B,1,L,R], "
               "rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R] (kv_b_proj), qpos int [S], idx int [B,S,k]; attrs scale, "
               "nope; = sparse_attention over K = [latent W_uk^T | rope_k], V = latent W_uv^T (mla_expand), but "
               "reads only the k selected latent rows; out [B,H,S,Dv]"),
-    OpDef("mla_attention", args=(("q", TENSOR), ("latent", TENSOR), ("rope_k", TENSOR), ("w_kv", TENSOR),
-                                 ("qpos", TENSOR), ("scale", ATTR), ("nope", ATTR), PAGED),
+    OpDef("mla_attention", args=(*_MLA_CACHE, ("scale", ATTR), ("nope", ATTR), PAGED),
           reference=by_token("mla_attention", mla_dense_reference),
           doc="causal MLA over a latent cache with the up-projection absorbed (DeepSeek-V3, Kimi-K2: MLA without "
               "an indexer): q [B,H,S,nope+Dr], latent [B,1,L,R], rope_k [B,1,L,Dr], w_kv [H*(nope+Dv), R], qpos "
