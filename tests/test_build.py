@@ -1,13 +1,18 @@
 """codegen/build.py: kernels compiled as several modules in threads, joined by import, written as one library
-whose objects are emitted in parallel: the same bytes as TVM's own export, every kernel callable."""
+whose objects are emitted in parallel: the same bytes as TVM's own export, every kernel callable; on a CPU target
+each kernel its own object, kept in the kernel cache and linked again without compiling."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
+import pytest
 import tvm
 from tvm import te
 
-from dayzero.codegen.build import export_library
+from dayzero.codegen import build
+from dayzero.codegen.build import KernelCacheWarning, build_library, export_library
 
 
 def _scale(name: str, k: float):
@@ -40,3 +45,71 @@ def test_a_single_module_goes_through_tvms_export(tmp_path):
     y = tvm.runtime.tensor(np.zeros(16, "float32"))
     tvm.runtime.load_module(str(tmp_path / "one.so"))["one"](tvm.runtime.tensor(np.ones(16, "float32")), y)
     assert (y.numpy() == 2.0).all()
+
+
+def _programs(*kernels):
+    """Stand-in programs whose kernel k scales by k (``schedule_kernel`` is replaced by ``_scheduled``)."""
+    return [types.SimpleNamespace(kernels=dict(ks), symbols=()) for ks in kernels]
+
+
+def _scheduled(k, target, db, symbols):
+    return tvm.IRModule({"main": _scale("main", k)})
+
+
+def _runs(path, scales):
+    m = tvm.runtime.load_module(str(path))
+    x = tvm.runtime.tensor(np.arange(16, dtype="float32"))
+    for name, k in scales.items():
+        y = tvm.runtime.tensor(np.zeros(16, "float32"))
+        m[name](x, y)
+        np.testing.assert_array_equal(y.numpy(), np.arange(16, dtype="float32") * k)
+
+
+def test_the_kernel_cache_compiles_each_kernel_once(tmp_path, monkeypatch):
+    """Programs sharing a kernel compile it once; a second build takes every object from the cache and links the
+    same library byte for byte; a kernel whose body changed is the only one compiled again."""
+    monkeypatch.setattr(build, "schedule_kernel", _scheduled)
+    progs = _programs({"a": 1.0, "b": 2.0}, {"b": 2.0, "c": 3.0})
+    cache = tmp_path / "kernels"
+    cold, s1 = build_library(progs, {"kind": "llvm"}, cache=cache)
+    export_library(cold, tmp_path / "cold.so")
+    assert (s1["kernels"], s1["cached_kernels"]) == (3, 0) and len(list(cache.glob("*.o"))) == 3
+    warm, s2 = build_library(progs, {"kind": "llvm"}, cache=cache)
+    export_library(warm, tmp_path / "warm.so")
+    assert s2["cached_kernels"] == 3 and (tmp_path / "warm.so").read_bytes() == (tmp_path / "cold.so").read_bytes()
+    _runs(tmp_path / "warm.so", {"a": 1.0, "b": 2.0, "c": 3.0})
+    changed, s3 = build_library(_programs({"a": 1.0, "b": 2.0}, {"c": 5.0}), {"kind": "llvm"}, cache=cache)
+    export_library(changed, tmp_path / "changed.so")
+    assert s3["cached_kernels"] == 2
+    _runs(tmp_path / "changed.so", {"a": 1.0, "b": 2.0, "c": 5.0})
+    nocache, s4 = build_library(progs, {"kind": "llvm"}, cache=None)
+    export_library(nocache, tmp_path / "nocache.so")
+    assert s4["cached_kernels"] == 0 and (tmp_path / "nocache.so").read_bytes() == (tmp_path / "cold.so").read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["object-bytes", "object-truncated", "record-json", "record-key", "no-object"])
+def test_a_damaged_kernel_cache_entry_is_compiled_again(tmp_path, monkeypatch, damage):
+    """An object whose size or sha256 is not its record's, or a record that does not parse or is for another
+    key, is refused with a warning and the kernel compiled again (and the entry rewritten)."""
+    monkeypatch.setattr(build, "schedule_kernel", _scheduled)
+    progs, cache = _programs({"a": 1.0}), tmp_path / "kernels"
+    export_library(build_library(progs, {"kind": "llvm"}, cache=cache)[0], tmp_path / "cold.so")
+    (obj,), (record,) = cache.glob("*.o"), cache.glob("*.json")
+    if damage == "object-bytes":
+        data = bytearray(obj.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        obj.write_bytes(bytes(data))
+    elif damage == "object-truncated":
+        obj.write_bytes(obj.read_bytes()[:100])
+    elif damage == "record-json":
+        record.write_text("{not json")
+    elif damage == "record-key":
+        record.write_text(record.read_text().replace(record.stem, "0" * 64))
+    else:
+        obj.unlink()
+    with pytest.warns(KernelCacheWarning, match="ignored"):
+        again, stats = build_library(progs, {"kind": "llvm"}, cache=cache)
+    assert stats["cached_kernels"] == 0
+    export_library(again, tmp_path / "again.so")
+    assert (tmp_path / "again.so").read_bytes() == (tmp_path / "cold.so").read_bytes()
+    assert build_library(progs, {"kind": "llvm"}, cache=cache)[1]["cached_kernels"] == 1  # rewritten

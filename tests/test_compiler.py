@@ -59,3 +59,19 @@ def test_compile_reports_every_phase_in_seconds(tmp_path):
     assert s["graph_steps_s"] + s["lower_s"] <= s["passes_s"]
     assert s["schedule_s"] + s["compile_s"] <= s["codegen_s"]
     assert sum(s[p] for p in phases) <= s["total_s"]
+
+
+def test_a_second_compile_takes_every_kernel_from_the_kernel_cache(tmp_path):
+    """Compiling the same model again (another output, the same compile cache) compiles no kernel: every object
+    comes from ``<cache>/kernels`` and kernels.so is the same bytes; with the cache off every kernel compiles."""
+    from dayzero.tools import examples
+    from dayzero.tools.driver import compile_model
+
+    model, cache = examples.tiny_projection(), str(tmp_path / "cache")
+    first = compile_model(model, tmp_path / "a", max_seq=16, trace_cache=cache)["build"]
+    second = compile_model(model, tmp_path / "b", max_seq=16, trace_cache=cache)["build"]
+    off = compile_model(model, tmp_path / "c", max_seq=16, trace_cache="off")["build"]
+    assert first["cached_kernels"] == 0 and second["cached_kernels"] == second["kernels"] == first["kernels"] > 0
+    assert off["cached_kernels"] == 0
+    so = [(tmp_path / d / "kernels.so").read_bytes() for d in "abc"]
+    assert so[0] == so[1] == so[2]

@@ -130,8 +130,9 @@ def compile_options(fn):
         click.option("--tuning-dir", type=click.Path(file_okay=False), default=None,
                      help="tuning database (default $DAYZERO_TUNING_DIR or ~/.cache/dayzero/tuning)"),
         click.option("--trace-cache", default=None, metavar="DIR|off",
-                     help="where traces are kept, so compiling the same config again skips torch.export "
-                          "(default $DAYZERO_TRACE_CACHE or ~/.cache/dayzero/traces; off: trace every time)"),
+                     help="the compile cache: traces, weight recipes and compiled kernels, so compiling the same "
+                          "config again skips torch.export and every kernel compiled before (default "
+                          "$DAYZERO_TRACE_CACHE or ~/.cache/dayzero/traces; off: trace and compile every time)"),
         click.option("--compute-dtype", default=None, metavar="fp32|bf16|fp8_e4m3|SPEC",
                      help="dtype MXFP4 experts are converted to and computed in (or a target spec, e.g. h200, "
                           "whose compute_dtype is taken); default: the target's (host: fp32)"),

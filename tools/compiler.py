@@ -38,6 +38,7 @@ from dayzero.codegen.program import Program, build_program, program_json
 from dayzero.codegen.tuner import tune_kernels
 from dayzero.frontend.checkpoint import bound_tensors, first_nonfinite
 from dayzero.frontend.trace import DEFAULT_MAX_SEQ, Frontend, batched_decode_input, trace_model
+from dayzero.frontend.trace_cache import cache_root
 from dayzero.passes import expert_workspace as ew
 from dayzero.passes.compressed_attention import compressed_attention
 from dayzero.passes.dequant import dequant
@@ -385,8 +386,8 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
     """Compile MODEL into the artifact directory OUT; returns the report, whose ``seconds`` are the phases in order:
     trace_s (torch.export, or the trace cache), passes_s (graph_steps_s + lower_s: every program's GRAPH_STEPS,
     then its kernels as TIR), [tune_s], codegen_s (schedule_s + compile_s: each distinct kernel scheduled, then
-    TVM's lowering to LLVM IR), plan_s (memory), write_s (LLVM's machine code for kernels.so, the link, the JSON
-    and weight files) and total_s."""
+    compiled to machine code, or taken from the kernel cache), plan_s (memory), write_s (the link of kernels.so,
+    the JSON and weight files) and total_s."""
     times: dict[str, Any] = {}
     t_start = time.perf_counter()
     writer = artifact.ArtifactWriter(out)  # refuses an OUT that is not a previous artifact before any work
@@ -403,7 +404,9 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
                                               options.tune_minutes)
         times["tune_s"] = time.perf_counter() - t0
     with _timed(times, "codegen_s"):
-        lib, build_stats = build_library(ps.programs, options.target_dict, db)
+        compile_cache = cache_root(options.trace_cache)
+        lib, build_stats = build_library(ps.programs, options.target_dict, db,
+                                         compile_cache / "kernels" if compile_cache is not None else None)
     times.update(schedule_s=build_stats["schedule_s"], compile_s=build_stats["compile_s"])
     with _timed(times, "plan_s"):
         layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)
