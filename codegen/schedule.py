@@ -99,7 +99,7 @@ def _hand_rule(k: Kernel, target, db, symbols) -> tvm.IRModule | None:
     """The kernel table's schedule rule for the kernel's op, when it takes this kernel."""
     entry = KERNELS.get(k.op)
     rule = entry.schedule if entry is not None else None
-    return rule(k, target) if rule is not None else None
+    return rule(k, target, symbols) if rule is not None else None
 
 
 def _tuned(k: Kernel, target, db, symbols) -> tvm.IRModule | None:

@@ -261,6 +261,35 @@ def test_kernel_matches_torch(fmt, case, T):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("N", [200, 36, 44, 6])
+def test_few_token_gemm_matches_torch_for_every_batch_up_to_its_bound(fmt, N):
+    """A symbolic T bounded by one token vector (``t_max``: a batched decode step) takes the few-token tile: one
+    token vector x the most weight rows dividing N (on AVX2 200: 8, 36: 12, 44: 4; 6: none, the usual tile);
+    every T up to the bound and beyond it (the tile loop covers any T) matches torch."""
+    from dayzero.codegen.kernels.dequant import gemm
+
+    K = 300
+    p = dict(fmt=fmt, N=N, K=K, T=None, t_max=8)
+    if fmt == "bf16":
+        wt = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+        ws, w = [wt], wt.float()
+    else:
+        ws, w = _weights(fmt, p)
+    host = host_target_dict()
+    rows, tvec, lanes = gemm._gemm_tile(host, 8, N)
+    assert (tvec == 1 and N % rows == 0 and rows >= 4) if N != 6 else tvec > 1
+    assert gemm.token_tile(host, 8, N) == tvec * lanes and gemm.token_tile(host) > lanes
+    assert '"xt"' in str(kl.kernel(p, host, scheduled=False))
+    f = kl.build(p, host)
+    for t in [1, 2, 5, 8, 11]:
+        x = torch.randn(t, K, generator=torch.Generator().manual_seed(t))
+        y = torch.empty(t, N)
+        f(x, *ws, y)
+        want = x.double() @ w.double().t()
+        assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, N, t)
+
+
 @pytest.mark.parametrize("fmt,case", [("int4", "nk_axis1_zp"), ("int4", "kn_axis0_signed"), ("fp8", "edges"),
                                       ("mxfp4", "plain"), ("bf16", "plain")])
 @pytest.mark.parametrize("T", [2, None])

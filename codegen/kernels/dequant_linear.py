@@ -20,7 +20,9 @@ Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, 
 int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
 each packed byte read once from memory); a symbolic T gets the prefill GEMM (an [OT, K] weight tile decoded
 once into an L2-resident buffer and reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on
-AVX-512); one compiled kernel for every T). The CPU schedules are ``dequant/``'s (``gemv.fp8_gemv_cpu`` /
+AVX-512); one compiled kernel for every T); a symbolic T of at most one vector of tokens (``t_max``, the
+program's bound on it: a batched decode step's requests, --max-batch) gets the GEMM's few-token tile instead (one
+token vector x 8-16 weight rows: 8 requests no longer padded to 24/64 tokens). The CPU schedules are ``dequant/``'s (``gemv.fp8_gemv_cpu`` /
 ``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` / ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
 
 In the kernel table (``codegen/kernels/table.py``): ``prim_func`` gives the unscheduled kernel carrying its
@@ -126,7 +128,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
         y = te.compute((T, N), lambda t, o: te.sum(xpad[t, k_] * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
     else:
         Tv = te.var("T")
-        tt = gemm.token_tile(target)
+        tt = gemm.token_tile(target, p.get("t_max"), N)
         Tp = (Tv + (tt - 1)) // tt * tt
         x = te.placeholder((Tv, K), "float32", name="x")
         xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
@@ -143,7 +145,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if T is not None:
         gemv.fp8_gemv_cpu(sch, K, rows=decode.gemv_rows(T, N) if p["fmt"] == "bf16" else 4)
     else:
-        gemm.gemm_cpu(sch, N, K, "fp8", target)
+        gemm.gemm_cpu(sch, N, K, "fp8", target, p.get("t_max"))
     return mark_scheduled(sch)
 
 
@@ -179,7 +181,10 @@ def prim_func(node) -> tirx.PrimFunc:
     return kernel(p, _host(), scheduled=False).with_attr("dayzero.dequant_linear", json.dumps(p, sort_keys=True))
 
 
-def schedule_rule(k, target: tvm.target.Target):
+def schedule_rule(k, target: tvm.target.Target, symbols: dict | None = None):
+    """The kernel rebuilt for ``target``; a symbolic T bounded by ``symbols`` (name -> (lo, hi)) gives the
+    bound as ``t_max``: a batched decode step (T = the requests, at most --max-batch) takes the GEMM's
+    few-token tile (``gemm._gemm_tile``)."""
     attrs = k.func.attrs
     if attrs is None or "dayzero.dequant_linear" not in attrs:
         return None
@@ -191,6 +196,10 @@ def schedule_rule(k, target: tvm.target.Target):
                                   for key in ("mcpu", "mtriple", "num-cores") if key in ex}}
     else:
         raise UserError(f"dequant_linear kernels have no schedule for target kind {target.kind.name}")
-    f = kernel(json.loads(str(attrs["dayzero.dequant_linear"])), tgt)
+    p = json.loads(str(attrs["dayzero.dequant_linear"]))
+    t = k.node.inputs[0].shape[0] if k.node is not None else None
+    if p["T"] is None and getattr(t, "is_Symbol", False) and t.name in (symbols or {}):
+        p["t_max"] = int(symbols[t.name][1])
+    f = kernel(p, tgt)
     return tvm.IRModule({"main": f.with_attr("global_symbol", attrs["global_symbol"])})
 

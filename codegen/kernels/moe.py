@@ -592,7 +592,7 @@ def prim_func(node) -> tvm.tirx.PrimFunc | None:
     return _build(p, "llvm").with_attr("dayzero.moe_params", json.dumps(p, sort_keys=True))
 
 
-def schedule_rule(kernel, target: tvm.target.Target):
+def schedule_rule(kernel, target: tvm.target.Target, symbols: dict | None = None):
     """The kernel table's schedule rule: the same kernel written for the target (CPU: parallel + AVX-512 lanes; CUDA:
     phases bound to blocks)."""
     attrs = kernel.func.attrs

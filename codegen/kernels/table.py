@@ -27,7 +27,8 @@ from dayzero.targets import capabilities as cap
 from . import attention, compressed_attention, dequant_linear, expert_workspace, indexer, moe, state
 
 Compute = Callable[[Node], "tvm.tirx.PrimFunc"]
-ScheduleRule = Callable[..., "tvm.IRModule | None"]  # (codegen.program.Kernel, tvm.target.Target)
+# (codegen.program.Kernel, tvm.target.Target, the program's symbol bounds {name: (lo, hi)})
+ScheduleRule = Callable[..., "tvm.IRModule | None"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def param_kernel(params: Callable[[Node], dict], build: Callable[[dict, str], "t
         p = params(node)
         return build(p, "llvm").with_attr(key, json.dumps(p, sort_keys=True))
 
-    def rule(kernel, target: tvm.target.Target):
+    def rule(kernel, target: tvm.target.Target, symbols: dict | None = None):
         attrs = kernel.func.attrs
         if attrs is None or key not in attrs:
             return None

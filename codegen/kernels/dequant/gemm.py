@@ -98,28 +98,37 @@ def fp8_block_gemm(out_features: int, in_features: int, *, num_experts: int | No
     return mark_scheduled(sch)
 
 
-def _gemm_tile(target: dict) -> tuple[int, int, int]:
+def _gemm_tile(target: dict, few_tokens: int | None = None, rows_of: int | None = None) -> tuple[int, int, int]:
     """(weight rows, token vectors, lanes) of the GEMM register tile: rows x tvec accumulator vectors of V lanes,
     plus tvec activation loads and one broadcast weight, within the vector registers: 4 x 4 zmm on AVX-512,
-    4 x 3 ymm on AVX2 (16 registers; a 4 x 4 ymm tile of 16 accumulators spills)."""
-    if is_cuda(target) or has_feature(target, "avx512f"):
-        return 4, 4, 16
-    return 4, 3, 8
+    4 x 3 ymm on AVX2 (16 registers; a 4 x 4 ymm tile of 16 accumulators spills).
+
+    ``few_tokens`` (the most tokens a call takes, when that is at most one vector: a batched decode step): one
+    token vector and more weight rows instead (16 zmm / 12 ymm accumulators, or the largest of 8 and 4 that
+    divides ``rows_of``, the output rows), so a step of B <= V tokens computes V tokens, not 64 or 24."""
+    V = 16 if is_cuda(target) or has_feature(target, "avx512f") else 8
+    if few_tokens is not None and few_tokens <= V and not is_cuda(target):
+        for rows in ((16, 12, 8, 4) if V == 16 else (12, 8, 4)):
+            if rows_of is None or rows_of % rows == 0:
+                return rows, 1, V
+    return (4, 4, 16) if V == 16 else (4, 3, 8)
 
 
-def token_tile(target: dict) -> int:
-    """Tokens per GEMM tile: the register tile's token vectors x lanes (64 on AVX-512, 24 on AVX2)."""
-    _, tvec, V = _gemm_tile(target)
+def token_tile(target: dict, few_tokens: int | None = None, rows_of: int | None = None) -> int:
+    """Tokens per GEMM tile: the register tile's token vectors x lanes (64 on AVX-512, 24 on AVX2; one vector
+    for ``few_tokens``)."""
+    _, tvec, V = _gemm_tile(target, few_tokens, rows_of)
     return tvec * V
 
 
-def gemm_cpu(sch, O: int, K: int, fmt: str, target: dict):
+def gemm_cpu(sch, O: int, K: int, fmt: str, target: dict, few_tokens: int | None = None):
     """yt tile loops: o_outer (parallel, OT rows) / t_outer / o_mid / k... / o_inner(rows) / t (tvec x V lanes).
 
     The decoded [OT, K] weight tile (``wd`` / ``wdec``) is made once per o_outer and reused for every token tile;
-    OT keeps it within about half of a 512 KiB L2 so the token tile's activations fit beside it."""
-    orows, tvec, V = _gemm_tile(target)
-    ot = max(orows, min(64, (256 * 1024) // (4 * K) // orows * orows))
+    OT keeps it within about half of a 512 KiB L2 so the token tile's activations fit beside it. ``few_tokens``:
+    see ``_gemm_tile``."""
+    orows, tvec, V = _gemm_tile(target, few_tokens, O)
+    ot = max(orows, min(64, (256 * 1024) // (4 * K)) // orows * orows)  # a multiple of orows
     while O % ot and ot > orows:
         ot -= orows
     if O % ot:
