@@ -74,7 +74,7 @@ from tvm.script import tirx as T
 
 from dayzero import InternalError
 from dayzero.codegen.kernels.dequant import decode as dequant_decode
-from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent_biases,
+from dayzero.codegen.kernels.moe import (L, MB, NB, act_value, combine_in_token_order, drop_absent,
                                          expert_gemm_tiles, no_prefetch, optional, parallel_chunks, sort_by_expert)
 from dayzero.codegen.tvmscript import parsed_shallow
 from dayzero.passes.ir.dayzero_ops import WORKSPACE_META_HEAD as META_HEAD
@@ -242,7 +242,7 @@ def workspace_func(E: int, H: int, GU: int, I: int, k: int, *, act, gate_up_bias
         body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), LAYER, WS, META, Y,
              n_tok)
 
-    return drop_absent_biases(kernel, gate_up_bias, down_bias)
+    return drop_absent(kernel, gate_up_bias, down_bias)
 
 
 def params(node) -> dict:

@@ -41,8 +41,8 @@ iteration, measured slower). ``kn`` uses the same loop nest reading the transpos
 not tuned). CUDA: the same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90,
 not tuned.
 
-Bias variants: one TVMScript signature per weight format with every argument; ``drop_absent_biases`` removes the
-bias parameters a node does not have (its argument list is its inputs).
+Variants: one TVMScript signature (``_func``) with every argument; ``drop_absent`` removes the bias parameters a
+node does not have (its argument list is its inputs) and, for dense weights, the scale parameters.
 
 Threads: T.parallel runs on TVM's pool, whose default on x86 is hardware_concurrency / 2; on a host with one thread
 per core set TVM_NUM_THREADS to the core count (``tools/bench_moe.py`` does) or the kernel runs on half the cores.
@@ -481,38 +481,22 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         # 5. weighted combine in token order
         combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec)
 
-    @T.prim_func
-    def dense(x_h: T.handle, ids_h: T.handle, w_h: T.handle, wgu_h: T.handle, bgu_h: T.handle, wd_h: T.handle,
-              bd_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n_tok = T.int64()
-        X = T.match_buffer(x_h, (n_tok, H), x_dtype)
-        IDS = T.match_buffer(ids_h, (n_tok, k), ids_dtype)
-        WR = T.match_buffer(w_h, (n_tok, k), w_dtype)
-        WGU = T.match_buffer(wgu_h, wgu_shape, wt_dtype)
-        BGU = T.match_buffer(bgu_h, (E, GU), wt_dtype)
-        WD = T.match_buffer(wd_h, wd_shape, wt_dtype)
-        BD = T.match_buffer(bd_h, (E, H), wt_dtype)
-        Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
-        body(X, IDS, WR, WGU, None, optional(gate_up_bias, BGU), WD, None, optional(down_bias, BD), Y, n_tok, None)
-
     if mx:
         gu_st = (((E, GU, H // 32, 16), "uint8"), ((E, GU, H // 32), "uint8"))
         d_st = (((E, H, I // 32, 16), "uint8"), ((E, H, I // 32), "uint8"))
-        return _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
-                            gate_up_bias, down_bias)
-    if f8:
+    elif f8:
         def scale_shape(shape, blk):
             return (E, -(-shape[1] // blk[0]), -(-shape[2] // blk[1]))
         gu_st = ((wgu_shape, "float8_e4m3fn"), (scale_shape(wgu_shape, gate_up_block), "float32"))
         d_st = ((wd_shape, "float8_e4m3fn"), (scale_shape(wd_shape, down_block), "float32"))
-        return _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
-                            gate_up_bias, down_bias)
-    return drop_absent_biases(dense, gate_up_bias, down_bias)
+    else:  # dense: the weights as they are, no scales (the scale parameters are dropped)
+        gu_st, d_st = ((wgu_shape, wt_dtype), None), ((wd_shape, wt_dtype), None)
+    return _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, wt_dtype, out_dtype,
+                 gate_up_bias, down_bias)
 
 
 def flat(FL, i: int):
-    """The i-th flat weight view the stored kernels pass (``_stored_func``), None for the dense kernel."""
+    """The i-th flat weight view the stored kernels pass (``_func``), None for the dense kernel."""
     return None if FL is None else FL[i]
 
 
@@ -521,26 +505,31 @@ def optional(present: bool, buf):
     return buf if present else None
 
 
-def drop_absent_biases(func: tvm.tirx.PrimFunc, gate_up_bias: bool, down_bias: bool) -> tvm.tirx.PrimFunc:
-    """FUNC, written with every argument and a body that reads the biases through ``optional``, without the bias
-    parameters (buffers named BGU and BD) the variant does not take: one TVMScript signature serves the four bias
-    variants, whose argument lists are the node's inputs (absent biases are not inputs)."""
-    drop = {name for name, on in (("BGU", gate_up_bias), ("BD", down_bias)) if not on}
+def drop_absent(func: tvm.tirx.PrimFunc, gate_up_bias: bool, down_bias: bool, scales: bool = True
+                ) -> tvm.tirx.PrimFunc:
+    """FUNC, written with every argument and a body that reads the optional ones through ``optional``, without the
+    parameters the variant does not take: the biases (buffers named BGU and BD) a node lacks, and without
+    ``scales`` the scale tensors (GS and DS: dense weights). One TVMScript signature serves every variant, whose
+    argument lists are the node's inputs (absent biases are not inputs)."""
+    drop = {name for name, on in (("BGU", gate_up_bias), ("BD", down_bias), ("GS", scales), ("DS", scales))
+            if not on}
     keep = [p for p in func.params if p.name not in drop]
     if len(func.params) - len(keep) != len(drop):
-        raise InternalError(f"expert kernel: bias parameters {sorted(drop)} not found in {func.params}")
+        raise InternalError(f"expert kernel: parameters {sorted(drop)} not found in {func.params}")
     return tvm.tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
 
 
-def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype,
-                 gate_up_bias: bool, down_bias: bool) -> tvm.tirx.PrimFunc:
-    """The kernel with expert matrices as stored: (data, scales) in place of each weight, each given as
-    ((shape, dtype), (shape, dtype)): MXFP4 (blocks, scales) or FP8 (weight, block scales)."""
-    ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = gu_st, d_st
+def _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, out_dtype,
+          gate_up_bias: bool, down_bias: bool) -> tvm.tirx.PrimFunc:
+    """The kernel's one signature: each expert matrix given as ((shape, dtype), (shape, dtype) or None): as stored,
+    MXFP4 (blocks, scales) or FP8 (weight, block scales), read with flat views for the integer tiles; or dense
+    (weight, None), whose scale parameters are dropped with the absent biases (``drop_absent``)."""
+    stored = gu_st[1] is not None
+    ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = [(m, s or ((1,), "float32")) for m, s in (gu_st, d_st)]
     gub_n, db_n = math.prod(gub), math.prod(db)
 
     @T.prim_func
-    def stored(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
+    def func(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
                db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
@@ -556,10 +545,10 @@ def _stored_func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         GBF = T.decl_buffer((gub_n,), gubt, data=GB.data)  # flat views: the integer tiles' byte vectors
         DBF = T.decl_buffer((db_n,), dbt, data=DB.data)
-        body(X, IDS, WR, GB, GS, optional(gate_up_bias, BGU), DB, DS, optional(down_bias, BD), Y, n_tok,
-             (GBF, DBF))
+        body(X, IDS, WR, GB, optional(stored, GS), optional(gate_up_bias, BGU), DB, optional(stored, DS),
+             optional(down_bias, BD), Y, n_tok, (GBF, DBF) if stored else None)
 
-    return drop_absent_biases(stored, gate_up_bias, down_bias)
+    return drop_absent(func, gate_up_bias, down_bias, stored)
 
 
 def params(node) -> dict:
