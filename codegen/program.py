@@ -116,6 +116,14 @@ def _safe(op: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in op)
 
 
+def kernel_name(op: str, key: str) -> str:
+    """A kernel's symbol: its op and a digest of its key (op, attributes, input and output types), so the same
+    kernel has the same name in every compile (the kernel cache keys on the scheduled function, name included: a
+    name numbered by position changed whenever an earlier kernel was added or removed, and a sharded or otherwise
+    varied compile of a model found almost none of its kernels in the cache)."""
+    return f"{_safe(op)}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def make_prim_func(n: Node, name: str, bind: dict[str, int] | None = None) -> tvm.tirx.PrimFunc:
     """The node's kernel: a hand-written PrimFunc (``codegen/kernels/table.py``) or the TE compute of its lowering.
 
@@ -151,6 +159,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
     prog = Program(name, [tuple(s) for s in g.symbols])
     buf_of: dict[int, list[int]] = {}  # node id -> buffer id per output
     by_key: dict[str, Kernel] = shared if shared is not None else {}
+    names = {k.name: key for key, k in by_key.items()}
 
     def new_buffer(t: TensorType, zone: str, **kw) -> int:
         b = BufferInfo(len(prog.buffers), t.dtype, t.shape, zone, **kw)
@@ -195,7 +204,10 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
         key = _kernel_key(n)
         kernel = by_key.get(key)
         if kernel is None:
-            kname = f"k{len(by_key):03d}_{_safe(n.op)}"
+            kname = kernel_name(n.op, key)
+            if kname in names:
+                raise InternalError(f"two kernels named {kname}: {names[kname]!r} and {key!r}")
+            names[kname] = key
             kernel = by_key[key] = Kernel(kname, n.op, make_prim_func(n, kname), key, str(n.span), node=n)
         kname = kernel.name
         prog.kernels[kname] = kernel

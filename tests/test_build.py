@@ -113,3 +113,30 @@ def test_a_damaged_kernel_cache_entry_is_compiled_again(tmp_path, monkeypatch, d
     export_library(again, tmp_path / "again.so")
     assert (tmp_path / "again.so").read_bytes() == (tmp_path / "cold.so").read_bytes()
     assert build_library(progs, {"kind": "llvm"}, cache=cache)[1]["cached_kernels"] == 1  # rewritten
+
+
+def _chain(*ops: str):
+    """A graph x -> op -> op ... of element-wise ops on [5, 16] fp32, as the frontend writes them."""
+    from dayzero.passes.ir.node import Graph, Node, TensorType
+
+    t = TensorType("float32", (5, 16))
+    x = Node.make("input", (), {"name": "x"}, [t])
+    y = x
+    for op in ops:
+        y = Node.make(op, (y,), {}, [t])
+    return Graph("prefill", (x,), (y,))
+
+
+def test_a_kernel_is_named_after_what_it_computes_not_where_it_comes():
+    """A kernel's name (its symbol, part of its kernel-cache key) comes from its op and types alone: a compile of
+    the same model with one more kernel in front (a sharded or otherwise varied compile) names every other kernel
+    as before, so the cache hands them back; distinct kernels are named apart, equal ones share one name."""
+    from dayzero.codegen.program import build_program
+
+    a = build_program(_chain("relu", "neg", "exp"))
+    b = build_program(_chain("sigmoid", "relu", "neg", "exp"))
+    names = lambda p: {k.op: name for name, k in p.kernels.items()}  # noqa: E731
+    assert len(a.kernels) == 3 and len(b.kernels) == 4
+    assert {op: names(b)[op] for op in names(a)} == names(a)
+    assert len(set(names(b).values())) == 4
+    assert len(build_program(_chain("relu", "relu", "relu")).kernels) == 1
