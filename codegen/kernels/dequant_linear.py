@@ -47,6 +47,10 @@ from dayzero.targets.capabilities import dequant_linear_int4_problem
 
 OPS = ("dequant_linear_int4", "dequant_linear_mxfp4", "dequant_linear_fp8", "dequant_linear_bf16")
 GEMV_MAX_T = 64
+# the most static tokens the bf16 / FP8 GEMV takes: its T accumulators per row lose to the GEMM's few-token tile
+# past 8 (2880 x 2880, znver4, ms: bf16 T=8 3.5 vs 4.3, T=16 6.9 vs 4.2, T=64 31.8 vs 12.4; FP8 T=8 2.2 vs 3.2,
+# T=12 5.3 vs 3.5)
+GEMV_MAX_T_DECODED = 8
 
 _u8 = functools.partial(tirx.const, dtype="uint8")
 _f32 = functools.partial(tirx.const, dtype="float32")
@@ -120,8 +124,9 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     else:
         wd = _bf16_wd(*ws, N, K) if p["fmt"] == "bf16" else _fp8_wd(*ws, N, K)
     if T is not None:
+        rows, acc = gemv.gemv_tile(p["fmt"], T, N, K)
         x = te.placeholder((T, K), "float32", name="x")
-        kp = -(-K // 16) * 16
+        kp = -(-K // (16 * acc)) * 16 * acc
         xpad = te.compute((T, kp), lambda t, k: tirx.if_then_else(k < K, x[t, tirx.min(k, K - 1)], _f32(0.0)),
                           name="xpad")
         k_ = te.reduce_axis((0, kp), "k")
@@ -143,7 +148,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     if decode.is_cuda(target):
         return cuda_rules(sch, target)
     if T is not None:
-        gemv.fp8_gemv_cpu(sch, K, rows=decode.gemv_rows(T, N) if p["fmt"] == "bf16" else 4)
+        gemv.fp8_gemv_cpu(sch, K, rows, acc)
     else:
         gemm.gemm_cpu(sch, N, K, "fp8", target, p.get("t_max"))
     return mark_scheduled(sch)
@@ -163,11 +168,15 @@ def build(p: dict, target: dict):
 
 # ------------------------------------------------------------------------------------------ registration
 def params(node) -> dict:
-    """The kernel parameters of a dequant_linear_* node (its attrs plus T: a static int, or None when symbolic)."""
+    """The kernel parameters of a dequant_linear_* node (its attrs plus T: a static int that takes the GEMV, or None:
+    the GEMM, which takes any T; a static T past the GEMV's limit gives the GEMM its bound ``t_max``)."""
     t = node.inputs[0].shape[0]
     p = {k: v for k, v in node.attr.items()}
     p["fmt"] = node.op.rsplit("_", 1)[1]
-    p["T"] = int(t) if isinstance(t, int) and t <= GEMV_MAX_T else None
+    limit = GEMV_MAX_T_DECODED if p["fmt"] in ("bf16", "fp8") else GEMV_MAX_T
+    p["T"] = int(t) if isinstance(t, int) and t <= limit else None
+    if isinstance(t, int) and p["T"] is None:
+        p["t_max"] = int(t)
     return p
 
 

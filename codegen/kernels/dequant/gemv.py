@@ -271,16 +271,31 @@ def _loops_by_iter(sch, block, above) -> dict:
     return out
 
 
-def fp8_gemv_cpu(sch, K: int, rows: int = 4):
+def gemv_tile(fmt: str, T: int, N: int, K: int) -> tuple[int, int]:
+    """(output rows per parallel task, accumulator vectors per row) of ``fp8_gemv_cpu``.
+
+    A bf16 row at T = 1 whose activations fit well within L1 (4 K <= 16 KiB: gpt-oss's 2880, 4096) streams one
+    row at a time with two accumulators: the weight is then one sequential read (gpt-oss's LM head, 201088 x 2880,
+    at 25 GB/s against 17.5 with 8 interleaved rows on znver4, whose read bandwidth is ~30 GB/s; ``dayzero bench
+    ops`` times the 32768-row slice); a wider x (7168: 28 KiB) falls out of L1 when re-read per row (11.5 GB/s),
+    so there the rows of ``gemv_rows`` share each x load. FP8 (its scales decoded per element): 4 rows."""
+    if fmt == "bf16" and T == 1 and 4 * K <= 16 * 1024:
+        return 1, 2
+    return (gemv_rows(T, N) if fmt == "bf16" else 4), 1
+
+
+def fp8_gemv_cpu(sch, K: int, rows: int = 4, acc: int = 1):
     """The GEMV ``y[t, o] = sum_k xpad[t, k] * wd[o, k]`` over a per-element decode stage ``wd`` (FP8 with its
-    scales ``sc``, or a bf16 upcast): ``rows`` output rows per parallel task, 16 lanes of partial sums over k."""
+    scales ``sc``, or a bf16 upcast): ``rows`` output rows per parallel task, ``acc`` vectors of 16 lanes of partial
+    sums over k per row (independent FMA chains; xpad's length must be a multiple of 16 acc)."""
     by = sch.get_sblock("y")
     t, o, k = sch.get_loops(by)
     T, O = int(sch.get(t).extent), int(sch.get(o).extent)
     rows = rows if O % rows == 0 else (2 if O % 2 == 0 else 1)
-    nko = -(-K // 16)
-    ko, kl = sch.split(k, [nko, 16])
-    rf = sch.rfactor(kl, 2)  # y_rf[t, o, l] = sum_ko: 16 lanes of partial sums per (t, o)
+    W = 16 * acc
+    nko = -(-K // W)
+    ko, kl = sch.split(k, [nko, W])
+    rf = sch.rfactor(kl, 2)  # y_rf[t, o, l] = sum_ko: W lanes of partial sums per (t, o)
     sch.compute_inline(sch.get_sblock("wd"))
     if has_block(sch, "sc"):  # a bf16 weight has no scales
         sch.compute_inline(sch.get_sblock("sc"))
@@ -291,14 +306,16 @@ def fp8_gemv_cpu(sch, K: int, rows: int = 4):
     sch.parallel(oyo)
     sch.compute_at(rf, oyo)
     # compute_at lays the new loops out in block-iter order (lane, t, o, ko), dropping unit extents
-    own = dict(zip([n for n, ext in (("l", 16), ("t", T), ("o", rows), ("ko", nko)) if ext > 1],
+    own = dict(zip([n for n, ext in (("l", W), ("t", T), ("o", rows), ("ko", nko)) if ext > 1],
                    sch.get_loops(rf)[1:]))
-    order = [own[n] for n in ("ko", "o", "t", "l") if n in own]
+    la, lv = sch.split(own["l"], [acc, 16])
+    order = [own[n] for n in ("ko", "o", "t") if n in own] + [la, lv]
     sch.reorder(*order)
-    sch.vectorize(own["l"])
+    sch.vectorize(lv)
     for n in ("o", "t"):
         if n in own:
             sch.unroll(own[n])
+    sch.unroll(la)
     init = sch.decompose_reduction(rf, order[0])
     sch.vectorize(sch.get_loops(init)[-1])
     bx = sch.get_sblock("xpad")
