@@ -17,13 +17,16 @@ separate add) with W decoded from its storage as it is read, never materialised 
             fp32 copy, which is what a decode GEMV is bound by); W[n, k] = float(weight[n, k]), exact
 
 Argument order: x fp32 [T, K], the weight's stored tensors as above, y fp32 [T, N]. A node whose T is a static
-int <= 64 gets the decode GEMV (T unrolled, parallel over 4-row groups of n, 16 lanes of partial sums over k,
-each packed byte read once from memory); a symbolic T gets the prefill GEMM (an [OT, K] weight tile decoded
-once into an L2-resident buffer and reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on
-AVX-512); one compiled kernel for every T); a symbolic T of at most one vector of tokens (``t_max``, the
-program's bound on it: a batched decode step's requests, --max-batch) gets the GEMM's few-token tile instead (one
-token vector x 8-16 weight rows: 8 requests no longer padded to 24/64 tokens). The CPU schedules are ``dequant/``'s (``gemv.fp8_gemv_cpu`` /
-``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` / ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not hand-tuned).
+int gets the decode GEMV up to ``GEMV_MAX_T`` (64; bf16 / FP8 up to ``GEMV_MAX_T_DECODED``, 8): T unrolled,
+parallel over groups of rows (``gemv.gemv_tile``), lanes of partial sums over k, each packed byte read once from
+memory. Any other T gets the prefill GEMM: an [OT, K] weight tile decoded once into an L2-resident buffer and
+reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on AVX-512), one compiled kernel for
+every T. When T is bounded by one vector of tokens (``t_max``: a static T, or the program's bound on a symbolic
+one, e.g. a batched decode step's requests, --max-batch) the GEMM takes its few-token tile instead (one token
+vector x 8-16 weight rows: 8 requests are not padded to 24/64 tokens). The CPU schedules are ``dequant/``'s
+(``gemv.fp8_gemv_cpu`` / ``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` /
+``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not
+hand-tuned).
 
 In the kernel table (``codegen/kernels/table.py``): ``prim_func`` gives the unscheduled kernel carrying its
 parameters, and ``schedule_rule`` rebuilds it scheduled for the real target (as ``moe.py`` does). What the int4

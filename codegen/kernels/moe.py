@@ -530,7 +530,7 @@ def _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, 
 
     @T.prim_func
     def func(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
-               db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
+             db_h: T.handle, ds_h: T.handle, bd_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int64()
         X = T.match_buffer(x_h, (n_tok, H), x_dtype)
