@@ -4,7 +4,17 @@
         -> frontend (torch.export) -> Graph IR -> passes -> codegen (TVM) -> artifact dir -> runtime
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# TVM's CPU thread pool pins the thread that starts it (the caller runs task 0) to the first core, and every thread
+# or process started from it afterwards inherits that one core: torch's OpenMP pool, an eager reference in the same
+# process, the server's threads, a CLI's subprocesses. Measured on a 2-core host after loading an artifact: a
+# 2000x2000 torch matmul took 2x as long (1742 vs 842 ms for 10), and three test workers shared core 0 while core
+# 1 idled. Unpinned, TVM's kernels run as fast (tiny DeepSeek-V4 prefill of 100 tokens: 3.6 ms both). Set before
+# any pool starts; a user's TVM_BIND_THREADS=1 is kept.
+_os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 
 def compile(model, out, **kwargs):  # noqa: A001 - the public name users expect

@@ -6,6 +6,11 @@ parallel, and a kernel whose work depends on a symbol carries both loops behind 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import tvm
@@ -104,3 +109,30 @@ def test_an_intermediate_shared_by_two_loops_stays_one_buffer_in_both_variants()
         y = torch.empty_like(x)
         lib(x, y)
         torch.testing.assert_close(y, torch.exp(x) * 2)
+
+
+_AFFINITY_CHILD = """
+import json, os, sys
+os.environ.pop("TVM_BIND_THREADS", None)
+import torch
+from dayzero.runtime import load
+before = sorted(os.sched_getaffinity(0))
+rt = load(sys.argv[1])
+rt.prefill(torch.tensor([[1, 2, 3]]))
+print(json.dumps([before, sorted(os.sched_getaffinity(0))]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a process allowed on two or more CPUs")
+def test_running_kernels_leaves_the_process_on_every_cpu_it_had(compiled_factory):
+    """TVM's pool pinned the thread that started it to one core; torch's threads, an eager reference and every
+    process started afterwards inherited that core (a torch matmul ran at half speed beside a loaded artifact, and
+    three test workers shared one of two cores). A fresh process: no pool has started before dayzero's import."""
+    art, _, _ = compiled_factory("tiny_dense")
+    env = {k: v for k, v in os.environ.items() if k != "TVM_BIND_THREADS"}
+    r = subprocess.run([sys.executable, "-c", _AFFINITY_CHILD, str(art)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after = json.loads(r.stdout.strip().splitlines()[-1])
+    assert after == before and len(before) >= 2
