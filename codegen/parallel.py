@@ -28,6 +28,8 @@ import tvm.sym
 import tvm_ffi
 from tvm.tirx import ForKind
 
+from dayzero import InternalError
+
 # innermost iterations each parallel task should get at least (see the module docstring for the measurement)
 MIN_TASK_WORK = 32768
 
@@ -129,13 +131,39 @@ def _fresh_copy(stmt, defined: dict, shared: dict) -> tuple:
     return tvm_ffi.structural_mutate(stmt, [(tvm.tirx.Var, on_var)]), list(used.values())
 
 
+def _renamed(b: tvm.tirx.PrimFunc, a: tvm.tirx.PrimFunc):
+    """``b``'s body over ``a``'s parameters: each parameter of ``b`` and each symbol of its shape replaced by
+    ``a``'s at the same position (two computes of one op, e.g. tiled for few tokens and for many, each with its
+    own ``T``), and every buffer whose shape names one of those symbols retyped over ``a``'s."""
+    from tvm.tirx.buffer import BufferType
+
+    if len(a.params) != len(b.params):
+        raise InternalError(f"either: {len(a.params)} and {len(b.params)} parameters")
+    to = {}
+    for pa, pb in zip(a.params, b.params):
+        to[pb.__chandle__()] = pa
+        for da, db in zip(getattr(pa, "shape", ()), getattr(pb, "shape", ())):
+            if isinstance(db, tvm.tirx.Var):
+                to[db.__chandle__()] = da
+
+    def on_var(v, mutator):
+        h = v.__chandle__()
+        if h not in to and isinstance(getattr(v, "ty", None), BufferType):
+            ty = tvm_ffi.structural_mutate(v.ty, [(tvm.tirx.Var, on_var)])
+            to[h] = v if ty.same_as(v.ty) else tvm.tirx.Var(v.name, ty)
+        return to.get(h, v)
+
+    return tvm_ffi.structural_mutate(b.body, [(tvm.tirx.Var, on_var)])
+
+
 def either(cond: tvm.tirx.PrimExpr, a: tvm.tirx.PrimFunc, b: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
-    """One kernel from two schedules of the same function (same parameters): ``a`` where ``cond`` holds at run
-    time, else ``b`` (a schedule for many rows and one for few, with a symbolic row count). ``b``'s own
-    variables and root allocations are copied fresh (the two branches may not share a binding)."""
+    """One kernel from two schedules of one op: ``a`` where ``cond`` (over ``a``'s parameters) holds at run
+    time, else ``b`` (a schedule for many rows and one for few, with a symbolic row count). ``b`` may be its own
+    function of the same signature: its parameters are renamed to ``a``'s (``_renamed``). ``b``'s own variables
+    and root allocations are copied fresh (the two branches may not share a binding)."""
     from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-    ra, rb = a.body.block, b.body.block
+    ra, rb = a.body.block, _renamed(b, a).block
     allocs = {x.__chandle__(): x for x in rb.alloc_buffers}
     b_body, fresh = _fresh_copy(rb.body, _defined_inside(rb.body), allocs)
     root = SBlock(ra.iter_vars, ra.reads, ra.writes, ra.name_hint, tvm.tirx.IfThenElse(cond, ra.body, b_body),

@@ -340,3 +340,30 @@ def test_kernels_compile_for_cuda_sm90(fmt, case, T):
     lib = tvm.compile(tvm.IRModule({"main": f}), target=tgt)
     src = lib.mod.imports[0].inspect_source() if lib.mod.imports else lib.mod.inspect_source()
     assert "threadIdx.x" in src and "__global__" in src
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_an_unbounded_symbolic_t_takes_the_few_token_tile_up_to_one_vector_and_the_wide_one_past_it(fmt):
+    """A symbolic T with no bound (a prefill's seq) carries both GEMM tiles, chosen at run time: a 5-token prompt
+    is not padded to a 64-token tile. Every T around the switch (one vector of tokens) and far past it matches
+    torch; the kernel branches on T against that vector."""
+    from dayzero.codegen.kernels.dequant import gemm
+
+    N, K = 48, 300
+    p = dict(fmt=fmt, N=N, K=K, T=None)
+    if fmt == "bf16":
+        wt = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+        ws, w = [wt], wt.float()
+    else:
+        ws, w = _weights(fmt, p)
+    host = host_target_dict()
+    lanes = gemm.token_tile(host, 1)
+    text = str(kl.kernel(p, host))
+    assert f"if T_1 > {lanes}:" in text
+    f = kl.build(p, host)
+    for t in [1, 3, lanes - 1, lanes, lanes + 1, 2 * lanes + 3, 130]:
+        x = torch.randn(t, K, generator=torch.Generator().manual_seed(t))
+        y = torch.empty(t, N)
+        f(x, *ws, y)
+        want = x.double() @ w.double().t()
+        assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, t)

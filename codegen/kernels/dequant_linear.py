@@ -23,7 +23,8 @@ memory. Any other T gets the prefill GEMM: an [OT, K] weight tile decoded once i
 reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on AVX-512), one compiled kernel for
 every T. When T is bounded by one vector of tokens (``t_max``: a static T, or the program's bound on a symbolic
 one, e.g. a batched decode step's requests, --max-batch) the GEMM takes its few-token tile instead (one token
-vector x 8-16 weight rows: 8 requests are not padded to 24/64 tokens). The CPU schedules are ``dequant/``'s
+vector x 8-16 weight rows: 8 requests are not padded to 24/64 tokens); a T that may be larger carries both
+tiles, the few-token one taken at run time up to one vector of tokens (``kernel``). The CPU schedules are ``dequant/``'s
 (``gemv.fp8_gemv_cpu`` / ``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` /
 ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not
 hand-tuned).
@@ -44,6 +45,7 @@ from tvm import te, tirx
 from dayzero import InternalError, UserError
 from dayzero.codegen.kernels.dequant import decode, gemm, gemv
 from dayzero.codegen.kernels.dequant.scheduling import cuda_rules, mark_scheduled
+from dayzero.codegen.parallel import either
 from dayzero.passes.ir.formats import FP8_BLOCK_SIZE
 from dayzero.passes.ir.reference_dequant import int4_storage
 from dayzero.targets.capabilities import dequant_linear_int4_problem
@@ -111,7 +113,21 @@ def _weight_placeholders(p: dict):
 
 
 def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
-    """The PrimFunc for params P (fmt, N, K, T = int or None, int4 geometry) on TARGET (a target dict)."""
+    """The PrimFunc for params P (fmt, N, K, T = int or None, int4 geometry) on TARGET (a target dict).
+
+    A symbolic T with no bound within one token vector (``t_max``) gets both CPU GEMM tiles in one kernel, chosen
+    at run time (``parallel.either``): the few-token tile up to one vector of tokens (a short prompt, a chunk's
+    tail), the 64-token tile past it (2880 x 2880 bf16, znver4: T <= 16 10.7 -> 3.9 ms; T = 17..512 unchanged)."""
+    func = _kernel(p, target, scheduled)
+    lanes = gemm.token_tile(target, 1)
+    if not scheduled or p["T"] is not None or p["fmt"] == "mxfp4" or decode.is_cuda(target) or \
+            p.get("t_max", lanes + 1) <= lanes:
+        return func
+    few = _kernel({**p, "t_max": lanes}, target, scheduled)
+    return either(func.params[0].shape[0] > lanes, func, few)
+
+
+def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
     N, K, T = p["N"], p["K"], p["T"]
     if p["fmt"] == "mxfp4":
         if T is not None:  # the exact fp32 GEMV: the op's reference is exact, and no compile option chooses the
