@@ -44,6 +44,13 @@ class Kernels:
     lib: tvm.runtime.Module | None = None
     workspace: tempfile.TemporaryDirectory | None = None  # objects of kernels compiled without a cache
 
+    def close(self) -> None:
+        """Remove the workspace's objects now (once linked they are not needed), not when the object is
+        collected: a process ended by a signal (``demo --serve`` stopped with Ctrl-C) left them in /tmp."""
+        if self.workspace is not None:
+            self.workspace.cleanup()
+            self.workspace = None
+
 
 def kernel_key(func, target: tvm.target.Target) -> str:
     """sha256 of a scheduled kernel (its PrimFunc as TVM's JSON), the target and TVM's version."""

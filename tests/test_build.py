@@ -140,3 +140,27 @@ def test_a_kernel_is_named_after_what_it_computes_not_where_it_comes():
     assert {op: names(b)[op] for op in names(a)} == names(a)
     assert len(set(names(b).values())) == 4
     assert len(build_program(_chain("relu", "relu", "relu")).kernels) == 1
+
+
+@pytest.mark.slow
+def test_a_compile_leaves_no_kernel_objects_behind(tmp_path, monkeypatch):
+    """The objects of kernels compiled without a cache go with the compile that linked them, not when the
+    garbage collector gets to them: a checkpoint's compile keeps them in a reference cycle, and a caller ended by
+    a signal before a collection (``demo --serve``) left one folder of objects in the temporary directory per run."""
+    import gc
+    import tempfile
+
+    from dayzero.tools.driver import compile_model
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("qwen3_moe", tmp_path / "ckpt", seed=0)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    gc.disable()  # whether the cycle still holds the folder must not depend on when gc runs
+    try:
+        compile_model(str(ckpt), tmp_path / "art", max_seq=16, trace_cache="off")
+        assert (tmp_path / "art" / "kernels.so").is_file()
+        assert not list(tmp.glob("dayzero-kernels-*"))
+    finally:
+        gc.enable()

@@ -408,10 +408,13 @@ def compile_artifact(model: Any, out: str | Path, options: CompileOptions) -> di
         lib, build_stats = build_library(ps.programs, options.target_dict, db,
                                          compile_cache / "kernels" if compile_cache is not None else None)
     times.update(schedule_s=build_stats["schedule_s"], compile_s=build_stats["compile_s"])
-    with _timed(times, "plan_s"):
-        layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)
-    with _timed(times, "write_s"):
-        report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
+    try:
+        with _timed(times, "plan_s"):
+            layout = plan_programs(ps.programs, slots=options.max_batch if fe.decode is not None else 1)
+        with _timed(times, "write_s"):
+            report = write_artifact(writer, fe, options, ps, lib, build_stats, layout)
+    finally:
+        lib.close()
     times["total_s"] = time.perf_counter() - t_start
     report["seconds"] = times
     return report
