@@ -234,8 +234,12 @@ def _int4_args(p, seed=0):
 
 
 def _weights(fmt, p):
+    """(the kernel's weight arguments, the fp32 weight they stand for) of format FMT at P's N, K."""
     if fmt == "int4":
         return _int4_args(p)
+    if fmt == "bf16":
+        wt = torch.randn(p["N"], p["K"], generator=torch.Generator().manual_seed(4)).bfloat16()
+        return [wt], wt.float()
     data, scale = _stored(fmt, p["N"], p["K"], seed=3)
     ref = lowprec.dequant_mxfp4(data, scale) if fmt == "mxfp4" else lowprec.dequant_fp8_block(data, scale)
     return [data, scale], ref
@@ -310,11 +314,7 @@ def test_few_token_gemm_matches_torch_for_every_batch_up_to_its_bound(fmt, N):
 
     K = 300
     p = dict(fmt=fmt, N=N, K=K, T=None, t_max=8)
-    if fmt == "bf16":
-        wt = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
-        ws, w = [wt], wt.float()
-    else:
-        ws, w = _weights(fmt, p)
+    ws, w = _weights(fmt, p)
     host = host_target_dict()
     rows, tvec, lanes = gemm._gemm_tile(host, 8, N)
     assert (tvec == 1 and N % rows == 0 and rows >= 4) if N != 6 else tvec > 1
@@ -351,11 +351,7 @@ def test_an_unbounded_symbolic_t_takes_the_few_token_tile_up_to_one_vector_and_t
 
     N, K = 48, 300
     p = dict(fmt=fmt, N=N, K=K, T=None)
-    if fmt == "bf16":
-        wt = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
-        ws, w = [wt], wt.float()
-    else:
-        ws, w = _weights(fmt, p)
+    ws, w = _weights(fmt, p)
     host = host_target_dict()
     lanes = gemm.token_tile(host, 1)
     text = str(kl.kernel(p, host))
