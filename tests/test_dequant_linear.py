@@ -353,7 +353,7 @@ def test_an_unbounded_symbolic_t_takes_the_few_token_tile_up_to_one_vector_and_t
     p = dict(fmt=fmt, N=N, K=K, T=None)
     ws, w = _weights(fmt, p)
     host = host_target_dict()
-    lanes = gemm.token_tile(host, 1)
+    lanes = gemm.vector_lanes(host)
     text = str(kl.kernel(p, host))
     assert f"if T_1 > {lanes}:" in text
     f = kl.build(p, host)
@@ -363,3 +363,16 @@ def test_an_unbounded_symbolic_t_takes_the_few_token_tile_up_to_one_vector_and_t
         f(x, *ws, y)
         want = x.double() @ w.double().t()
         assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, t)
+
+
+def test_up_to_eight_tokens_take_eight_lane_vectors_on_avx512():
+    """The few-token tile's lanes: a batched step of at most 8 requests on AVX-512 uses 8-lane vectors (a
+    half-empty zmm costs a full one, and two ymm on Zen 4), 9..16 requests 16 lanes, AVX2 always 8; the weight
+    rows stay the most of 16 / 12 / 8 / 4 (AVX-512: 32 registers) or 12 / 8 / 4 (AVX2: 16) dividing N."""
+    from dayzero.codegen.kernels.dequant import gemm
+
+    avx512, avx2 = {"kind": "llvm", "mcpu": "skylake-avx512"}, {"kind": "llvm", "mcpu": "haswell"}
+    assert gemm.vector_lanes(avx512) == 16 and gemm.vector_lanes(avx2) == 8
+    assert gemm._gemm_tile(avx512, 8, 48) == (16, 1, 8) and gemm._gemm_tile(avx512, 1, 200) == (8, 1, 8)
+    assert gemm._gemm_tile(avx512, 9, 48) == (16, 1, 16) and gemm.token_tile(avx512, 16, 48) == 16
+    assert gemm._gemm_tile(avx2, 8, 48) == (12, 1, 8) and gemm._gemm_tile(avx512, None, 48) == (4, 4, 16)

@@ -119,7 +119,7 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
     at run time (``parallel.either``): the few-token tile up to one vector of tokens (a short prompt, a chunk's
     tail), the 64-token tile past it (2880 x 2880 bf16, znver4: T <= 16 10.7 -> 3.9 ms; T = 17..512 unchanged)."""
     func = _kernel(p, target, scheduled)
-    lanes = gemm.token_tile(target, 1)
+    lanes = gemm.vector_lanes(target)
     if not scheduled or p["T"] is not None or p["fmt"] == "mxfp4" or decode.is_cuda(target) or \
             p.get("t_max", lanes + 1) <= lanes:
         return func
