@@ -105,11 +105,18 @@ def _no_kernel(n: Node) -> bool:
     return not ops.get(n.op).inplace and all(t.is_empty for t in n.types)
 
 
-def _kernel_key(n: Node) -> str:
+def _kernel_key(n: Node, symbols: dict[str, tuple[int, int]]) -> str:
+    """op, attributes, input and output types; for a kernel whose schedule reads them (``KERNELS[op].bounded``),
+    the program's bounds on the symbols of those types."""
     ins = ";".join(f"{i.dtype}{list(map(str, i.shape))}" for i in n.inputs)
     outs = ";".join(f"{t.dtype}{list(map(str, t.shape))}" for t in n.types)
     attrs = ",".join(f"{k}={_value(v)}" for k, v in n.attrs)
-    return f"{n.op}|{attrs}|{ins}|{outs}"
+    key = f"{n.op}|{attrs}|{ins}|{outs}"
+    hand = KERNELS.get(n.op)
+    if hand is not None and hand.bounded:
+        used = set().union(*(t.free_symbols() for t in (*(i.type for i in n.inputs), *n.types)))
+        key += "|" + ",".join(f"{s}={list(symbols[s])}" for s in sorted(used) if s in symbols)
+    return key
 
 
 def _safe(op: str) -> str:
@@ -167,6 +174,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
         return b.id
 
     out_nodes = {id(o) for o in g.outputs}
+    bounds = g.symbol_bounds
     for n in g.nodes():
         if n.op == "input":
             bid = new_buffer(n.type, "io", name=n.attr["name"], input_kind=n.attr.get("kind"))
@@ -201,7 +209,7 @@ def build_program(g: Graph, name: str = "prefill", shared: dict[str, Kernel] | N
             prog.steps.append(Step("", args + outs, f"{n.op} at {n.span}", [], len(outs), n.span.layer,
                                    dict(n.attr, op=n.op)))
             continue
-        key = _kernel_key(n)
+        key = _kernel_key(n, bounds)
         kernel = by_key.get(key)
         if kernel is None:
             kname = kernel_name(n.op, key)

@@ -164,3 +164,33 @@ def test_a_compile_leaves_no_kernel_objects_behind(tmp_path, monkeypatch):
         assert not list(tmp.glob("dayzero-kernels-*"))
     finally:
         gc.enable()
+
+
+def _bf16_linear(max_seq: int):
+    """x [seq, 64] -> dequant_linear_bf16 (48 x 64) -> relu, with seq in [1, max_seq]."""
+    from dayzero.passes.ir.node import Graph, Node, TensorType
+    from dayzero.passes.ir.text import make_symbol
+
+    seq = make_symbol("seq")
+    x = Node.make("input", (), {"name": "x"}, [TensorType("float32", (seq, 64))])
+    w = Node.make("weight", (), {"name": "w"}, [TensorType("bfloat16", (48, 64))])
+    y = Node.make("dequant_linear_bf16", (x, w), {"N": 48, "K": 64}, [TensorType("float32", (seq, 48))])
+    return Graph("prefill", (x,), (Node.make("relu", (y,), {}, [TensorType("float32", (seq, 48))]),),
+                 (("seq", 1, max_seq),))
+
+
+def test_a_kernel_whose_schedule_reads_symbol_bounds_is_not_shared_across_different_bounds():
+    """dequant_linear's tile depends on the program's bound on T (a batched decode step of at most 8 requests
+    takes 8-lane vectors, a prefill of up to 512 tokens both tiles): two programs with other bounds get a kernel
+    each (they shared the first one's, and gpt-oss's batched decode ran the prefill chunk's tile); a kernel whose
+    schedule does not read them (relu) is still shared, and equal bounds share."""
+    from dayzero.codegen.program import build_program
+
+    shared = {}
+    rows = build_program(_bf16_linear(8), "decode_batch", shared)
+    chunk = build_program(_bf16_linear(512), "prefill", shared)
+    again = build_program(_bf16_linear(8), "decode_batch_again", shared)
+    lin = [{k for k in p.kernels if k.startswith("dequant_linear")} for p in (rows, chunk, again)]
+    relu = [{k for k in p.kernels if k.startswith("relu")} for p in (rows, chunk, again)]
+    assert len(lin[0]) == len(lin[1]) == 1 and lin[0] != lin[1] and lin[2] == lin[0]
+    assert relu[0] == relu[1] == relu[2] and len(relu[0]) == 1

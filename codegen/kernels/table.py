@@ -36,6 +36,10 @@ class Kernel:
     compute: Compute
     schedule: ScheduleRule | None
     supports: Callable[[str, Node], bool]
+    # the schedule rule reads the program's bounds on the node's symbols (dequant_linear: a batched decode step's
+    # T <= --max-batch takes another tile than a prefill's T <= the chunk), so they are part of the kernel's
+    # identity: two programs share the kernel only where those bounds agree
+    bounded: bool = False
 
 
 def param_kernel(params: Callable[[Node], dict], build: Callable[[dict, str], "tvm.tirx.PrimFunc"],
@@ -90,7 +94,7 @@ KERNELS: dict[str, Kernel] = {
     "moe_experts_mxfp4_ws": Kernel(expert_workspace.prim_func, None, lambda kind, node: (
         kind in cap.WORKSPACE_KINDS and cap.moe_experts_mxfp4_ws(*expert_workspace.geometry(node)))),
     # dense linear over stored low-precision weights (passes/dequant.py)
-    **{op: Kernel(dequant_linear.prim_func, dequant_linear.schedule_rule, _int4_supports)
+    **{op: Kernel(dequant_linear.prim_func, dequant_linear.schedule_rule, _int4_supports, bounded=True)
        for op in dequant_linear.OPS},
     # attention reading only the cache rows a query sees (passes/sparse_attention.py)
     **{op: Kernel(*_attention, _every_kind)
