@@ -124,7 +124,8 @@ def _safe(op: str) -> str:
 
 
 def kernel_name(op: str, key: str) -> str:
-    """A kernel's symbol: its op and a digest of its key (op, attributes, input and output types), so the same
+    """A kernel's symbol: its op and a digest of its key (``_kernel_key``: op, attributes, input and output types,
+    and the symbol bounds a ``bounded`` kernel's schedule reads), so the same
     kernel has the same name in every compile (the kernel cache keys on the scheduled function, name included: a
     name numbered by position changed whenever an earlier kernel was added or removed, and a sharded or otherwise
     varied compile of a model found almost none of its kernels in the cache)."""

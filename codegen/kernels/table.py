@@ -1,6 +1,6 @@
 """The kernel table: every op that has a hand-written kernel, in one explicit table.
 
-    KERNELS[op] = Kernel(compute, schedule, supports)
+    KERNELS[op] = Kernel(compute, schedule, supports, bounded)
 
 * ``compute(node) -> PrimFunc``: the kernel for the host CPU, built from the node's shapes and attrs (TE cannot
   express these: data-dependent loop bounds, in-place writes, weights decoded as they are read). It is either
@@ -9,6 +9,8 @@
   the same kernel rebuilt for the compile target; None when the kernel is not its own (then tuned / default).
 * ``supports(target_kind, node) -> bool``: whether the kernel takes this node on this target kind; the answers
   are ``targets/capabilities.py``'s, which the pattern passes ask before they create the op.
+* ``bounded``: ``schedule`` reads the program's bounds on the node's symbols, so they join the kernel's key
+  (``codegen/program.py``): programs share the kernel only where those bounds agree.
 
 Every other op is lowered from its TE compute (``codegen/lower``). An op here is declared in
 ``passes/ir/dayzero_ops.py`` like every dayzero op.
@@ -36,9 +38,7 @@ class Kernel:
     compute: Compute
     schedule: ScheduleRule | None
     supports: Callable[[str, Node], bool]
-    # the schedule rule reads the program's bounds on the node's symbols (dequant_linear: a batched decode step's
-    # T <= --max-batch takes another tile than a prefill's T <= the chunk), so they are part of the kernel's
-    # identity: two programs share the kernel only where those bounds agree
+    # see the module docstring (dequant_linear: a batched step's T <= --max-batch takes another tile than a prefill's)
     bounded: bool = False
 
 
