@@ -15,6 +15,14 @@ __version__ = "0.1.0"
 # 1 idled. Unpinned, TVM's kernels run as fast (tiny DeepSeek-V4 prefill of 100 tokens: 3.6 ms both). Set before
 # any pool starts; a user's TVM_BIND_THREADS=1 is kept.
 _os.environ.setdefault("TVM_BIND_THREADS", "0")
+# TVM's pool is sized once, when it starts, from TVM_NUM_THREADS (else OMP_NUM_THREADS, else half the CPUs on x86:
+# it assumes 2-way SMT), and ``runtime.config_threadpool`` cannot grow it past that size afterwards. On a host with
+# one thread per core every kernel therefore ran on one core of two (a 512 x 4096 softmax: 1.0 ms and 1.0 s of CPU
+# per s of wall; 0.45 ms and 2.0 on both). So the pool gets every CPU this process may use, unless the user sized
+# it (either variable); set before any pool starts.
+if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ:
+    _os.environ["TVM_NUM_THREADS"] = str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")
+                                         else (_os.cpu_count() or 1))
 
 
 def compile(model, out, **kwargs):  # noqa: A001 - the public name users expect

@@ -10,6 +10,7 @@ the planner guarantees). Argument lists are prepared once per distinct symbol bi
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 from functools import cached_property, lru_cache
@@ -32,6 +33,8 @@ from dayzero.passes.memory_plan import ALIGN, PER_REQUEST_ZONES
 
 from . import dist, request_checks, validate
 from .kv_pages import KVPages
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -306,15 +309,17 @@ def return_freed_heap() -> None:
 
 
 def use_all_cores() -> int:
-    """TVM's CPU thread pool starts with half the CPUs on x86 (it assumes 2-way SMT), so on a host with one
-    thread per core compiled kernels ran on one of two cores. Size it to every CPU this process may use, unless
-    the user set TVM_NUM_THREADS. Returns the thread count."""
+    """The number of threads TVM's CPU pool runs kernels on: every CPU this process may use, as dayzero's import
+    sized it (``dayzero/__init__.py``), or the user's TVM_NUM_THREADS / OMP_NUM_THREADS. A pool that some code
+    started before dayzero was imported keeps its size (``config_threadpool`` cannot grow a started pool past
+    it): logged, since kernels then run on fewer cores than asked."""
     import os
 
-    if "TVM_NUM_THREADS" in os.environ:
-        return int(tvm.get_global_func("runtime.NumThreads")())
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    tvm.get_global_func("runtime.config_threadpool")(0, n)  # 0: big cores (all of them on a homogeneous CPU)
+    n = int(tvm.get_global_func("runtime.NumThreads")())
+    want = os.environ.get("TVM_NUM_THREADS", "")
+    if want.isdigit() and n < int(want):
+        logger.warning("TVM's thread pool runs %d thread(s), not TVM_NUM_THREADS=%s: it started before dayzero "
+                       "was imported", n, want)
     return n
 
 

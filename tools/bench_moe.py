@@ -70,18 +70,6 @@ def _kernel(target: dict):
     return tvm.compile(tvm.IRModule({"main": f}), target=target)["main"]
 
 
-def _tvm_threads(target: dict) -> int:
-    """Run TVM's thread pool on every core of the target. Its default (no TVM_NUM_THREADS) halves
-    hardware_concurrency on x86 to skip hyper-threads, so on this 2-vCPU host (1 thread per core) the kernel ran on
-    ONE thread while torch used two. Must run before the first parallel kernel call creates the pool."""
-    import os
-
-    import tvm
-
-    os.environ.setdefault("TVM_NUM_THREADS", str(int(target.get("num-cores", os.cpu_count() or 1))))
-    return int(tvm.get_global_func("runtime.NumThreads")())
-
-
 def _mxfp4_weights(gen):
     import torch
 
@@ -266,12 +254,13 @@ def full_width_cases(target: dict, bw: float, quick: bool = False) -> list[dict]
 def run_bench(quick: bool = False, mxfp4_routes_only: bool = False, full_width_only: bool = False) -> dict:
     import torch
 
+    from dayzero.runtime.executor import use_all_cores
     from dayzero.targets.host import host_target_dict
     from dayzero.tools.bench import machine_info
     from dayzero.tools.bench_dequant import read_bandwidth
 
     target = host_target_dict()
-    tvm_threads = _tvm_threads(target)
+    tvm_threads = use_all_cores()
     if full_width_only:
         bw = read_bandwidth(256 << 20)
         m = machine_info()

@@ -44,8 +44,8 @@ not tuned.
 Variants: one TVMScript signature (``_func``) with every argument; ``drop_absent`` removes the bias parameters a
 node does not have (its argument list is its inputs) and, for dense weights, the scale parameters.
 
-Threads: T.parallel runs on TVM's pool, whose default on x86 is hardware_concurrency / 2; on a host with one thread
-per core set TVM_NUM_THREADS to the core count (``tools/bench_moe.py`` does) or the kernel runs on half the cores.
+Threads: T.parallel runs on TVM's pool, whose default on x86 is hardware_concurrency / 2; dayzero's import sizes it
+to every CPU of the process instead (``dayzero/__init__.py``), unless the user set TVM_NUM_THREADS / OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
