@@ -408,13 +408,18 @@ def _contiguous_along(block, var) -> bool:
 
 
 def _row_blocks(sch):
-    """(reduction blocks, output block, leading dims s) when the kernel is row reductions over its last axis
-    (``S.. R`` each, sum / max / min, reading rows contiguously; keepdim's unit dims allowed) feeding one
-    element-wise output block (``S^(s+1)``) over the same rows and row width; else None."""
+    """(reduction blocks, row maps, output block, leading dims s) when the kernel is row reductions over its last
+    axis (``S.. R`` each, sum / max / min, reading rows contiguously; keepdim's unit dims allowed) and row maps
+    (element-wise ``S^(s+1)`` blocks kept as buffers: softmax's exp) feeding one element-wise output block
+    (``S^(s+1)``) over the same rows and row width; else None."""
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
     if len(blocks) < 2:
         return None
-    *reds, out = blocks
+    *inner, out = blocks
+    maps = [b for b in inner if sch.get(b).init is None]
+    reds = [b for b in inner if sch.get(b).init is not None]
+    if not reds:
+        return None
     out_b = sch.get(out)
     s = len(out_b.iter_vars) - 1
     if s < 0 or out_b.init is not None or not isinstance(out_b.body, tvm.tirx.BufferStore):
@@ -440,7 +445,18 @@ def _row_blocks(sch):
                 or not ana.can_prove_equal(ivs[-1].dom.extent, width)
                 or not _contiguous_along(b, ivs[-1].var)):
             return None
-    return reds, out, s
+    for m in maps:
+        b = sch.get(m)
+        ivs = b.iter_vars
+        if (not isinstance(b.body, tvm.tirx.BufferStore) or len(sch.get_loops(m)) != len(ivs)
+                or len(ivs) != len(out_b.iter_vars)
+                or any(iv.iter_type != tvm.tirx.IterVar.DataPar for iv in ivs)
+                or not all(ana.can_prove_equal(a, c) for a, c in zip(rows_of(ivs[:-1]), rows))
+                or len(rows_of(ivs[:-1])) != len(rows)
+                or not ana.can_prove_equal(ivs[-1].dom.extent, width)
+                or not _contiguous_along(b, ivs[-1].var)):
+            return None
+    return reds, maps, out, s
 
 
 def fast_exp(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
@@ -512,7 +528,7 @@ def row_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule 
     found = _row_blocks(sch)
     if found is None:
         return None
-    reds, out, s = found
+    reds, maps, out, s = found
     width = sch.get(out).iter_vars[-1].dom.extent
     if not isinstance(width, tvm.tirx.IntImm):
         return None  # a symbolic row (attention's keys): dlight's rule
@@ -541,27 +557,33 @@ def row_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule 
     loops = sch.get_loops(out)
     row = sch.fuse(*loops[:s]) if s > 1 else (loops[0] if s else None)
     if split_rows:
-        return _split_row_schedule(sch, out, loops[-1], rfs, cores_rfs, cores, lanes)
+        return _split_row_schedule(sch, out, maps, rfs, cores_rfs, cores, lanes)
     unroll = ROW_OUT_UNROLL if width % (ROW_OUT_UNROLL * simd.lanes) == 0 else 1
-    _, unr, vec = sch.split(loops[-1], [None, unroll, simd.lanes])
-    sch.vectorize(vec)
-    sch.unroll(unr)
+
+    def vectorize_row(col):
+        _, unr, vec = sch.split(col, [None, unroll, simd.lanes])
+        sch.vectorize(vec)
+        sch.unroll(unr)
+    vectorize_row(loops[-1])
     if row is not None:  # a 1-D kernel (one row, serial): its blocks stay at the root, one after the other
         for b in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
             sch.compute_at(b, row)
         sch.parallel(row)
+    for m in maps:  # under the row, its buffer one row (compacted), written by vectors
+        vectorize_row(sch.get_loops(m)[-1])
     for rf in rfs:
         _vector_partials(sch, rf, row, lanes)
     return tvm.IRModule({"main": fast_exp(sch.mod["main"])})
 
 
-def _split_row_schedule(sch, out, col, rfs, cores_rfs, cores: int, lanes: int) -> tvm.IRModule:
+def _split_row_schedule(sch, out, maps, rfs, cores_rfs, cores: int, lanes: int) -> tvm.IRModule:
     """Few rows: per reduction, each core's vector partials (``rfs``) computed under its task of the per-core
-    partials (``cores_rfs``), the cores' results combined serially; the output's row in ``cores`` parallel
-    pieces of vectors."""
-    task, _, vec = sch.split(col, [cores, None, lanes])
-    sch.vectorize(vec)
-    sch.parallel(task)
+    partials (``cores_rfs``), the cores' results combined serially; the output's row and each row map's in
+    ``cores`` parallel pieces of vectors."""
+    for b in [*maps, out]:
+        task, _, vec = sch.split(sch.get_loops(b)[-1], [cores, None, lanes])
+        sch.vectorize(vec)
+        sch.parallel(task)
     cores_loops = []
     for rf, rf_core in zip(rfs, cores_rfs):
         core = sch.get_loops(rf_core)[-2]
@@ -724,9 +746,9 @@ def elementwise_rows(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModu
 
 
 def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule | None:
-    """dlight's CPU reduction rule (row reductions: softmax, norms). Not ``dl.cpu.GEMV``: it vectorises across
-    strided rows with a 256-step unroll, LLVM then spends 10-40 s on one small expert bmm, and the code is no
-    faster than parallel loops."""
+    """dlight's CPU reduction rule (row reductions: softmax, norms), ``exp`` as ``fast_exp`` (LLVM calls the
+    scalar ``expf`` per lane). Not ``dl.cpu.GEMV``: it vectorises across strided rows with a 256-step unroll, LLVM
+    then spends 10-40 s on one small expert bmm, and the code is no faster than parallel loops."""
     from tvm.s_tir import dlight as dl
 
     before = _work_at(mod["main"])
@@ -740,7 +762,7 @@ def dlight_reduction(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModu
     after = _work_at(out["main"])
     if before is not None and after is not None and after > 2 * before:
         return None  # a schedule may only reorder work: e.g. one row's reductions recomputed for every column
-    return out
+    return tvm.IRModule({"main": fast_exp(out["main"])})
 
 
 def _work_at(func: tvm.tirx.PrimFunc, symbol_size: int = 1024) -> int | None:

@@ -297,13 +297,33 @@ def test_row_reduction_splits_one_row_across_the_cores():
     mod = schedule_kernel(Kernel("k", node.op, func, "key", node=node), four, None)
     script = mod.script()
     assert "mx_rf_rf_local" in script and "se_rf_rf_local" in script
-    assert script.count("T.parallel(T.int64(4))") == 3
+    assert script.count("T.parallel(T.int64(4))") == 4  # the two reductions' cores, the exp row's, the output's
     lib = tvm.compile(mod, target=four)["main"]
     x = torch.randn(1, 1 << 17, generator=g)
     x[0, -100] = 30.0
     out = torch.empty_like(x)
     lib(x, out)
     torch.testing.assert_close(out, torch.softmax(x, -1), rtol=1e-5, atol=1e-7)
+
+
+def exps(script: str) -> int:
+    """exp calls in a kernel's TVMScript: ``T.exp`` or, after ``fast_exp``, its polynomial (one ``T.Let`` each)."""
+    return script.count("T.exp(") + script.count("T.Let(")
+
+
+@pytest.mark.parametrize("shape,rule", [((3, 4096), "row_reduction"), ((1, 1 << 17), "row_reduction"),
+                                        ((16, SEQ), "dlight_reduction")])
+def test_softmax_computes_each_exp_once(shape, rule):
+    """softmax's exp is read by the row sum and by the output: inlined into both, every element's exp (a
+    polynomial an element, most of the kernel's work) was computed twice. It is a stage of its own (a row of it
+    under the row loop), on every route."""
+    node = softmax_node(shape)
+    assert cpu_rules.cpu_default_rule(normalize(program.make_prim_func(node, "k")), TARGET)[0] == rule
+    lib, mod = compile_node(node)
+    script = mod.script()
+    assert exps(script) == script.count('T.sblock("E")') >= 1  # in the exp stage only (once per run-time variant)
+    for seq in (1, 7):
+        check_node(node, lib, seq, tol=1e-5)
 
 
 def test_row_reduction_returns_none_where_it_does_not_apply():

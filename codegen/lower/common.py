@@ -16,6 +16,9 @@ from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import TensorType
 
 IDX = "int64"
+# a compute stage annotated with this key stays a buffer of its own: a fused kernel does not inline it into its
+# readers (softmax's exp, read by the row sum and the output: inlined, each element's exp is computed twice)
+MATERIALIZE = "dayzero.materialize"
 
 
 class Ctx:

@@ -16,7 +16,7 @@ from tvm import te
 
 from dayzero.passes.ir import ops
 from dayzero.passes.ir.node import TensorType
-from .common import lowering_table
+from .common import MATERIALIZE, lowering_table
 
 LOWERINGS: dict = {}
 lowering = lowering_table(LOWERINGS)
@@ -75,12 +75,15 @@ def _reshape(ctx, x: te.Tensor, t: TensorType) -> te.Tensor:
 
 
 def inline_members(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
-    """Every spatial block of the composed kernel but the last (its output) inlined into its readers; reduction
-    blocks stay (their results are rows, computed once). A block TVM cannot inline stays a block."""
+    """Every spatial block of the composed kernel but the last (its output) and those marked MATERIALIZE inlined
+    into its readers; reduction blocks stay (their results are rows, computed once). A block TVM cannot inline stays a block."""
     sch = tvm.s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     for b in blocks[:-1]:
-        if all(iv.iter_type == tvm.tirx.IterVar.DataPar for iv in sch.get(b).iter_vars):
+        blk = sch.get(b)
+        if MATERIALIZE in blk.annotations:
+            continue
+        if all(iv.iter_type == tvm.tirx.IterVar.DataPar for iv in blk.iter_vars):
             try:
                 sch.compute_inline(b)
             except tvm.s_tir.schedule.ScheduleError:
