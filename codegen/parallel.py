@@ -15,7 +15,8 @@ iterations). A work count that depends on a symbol (``seq``) gives both variants
     if work(seq) >= threshold:  for i in T.parallel(n): body
     else:                       for i in T.serial(n): body
 
-so a 16-token prefill runs serial and a 4K-token one parallel, from one compiled kernel. Work whose count is not
+so a 16-token prefill runs serial and a 4K-token one parallel, from one compiled kernel; a loop whose work pays
+at every symbol's least value (1) stays parallel, with no branch (a 2880-wide projection pays at one token). Work whose count is not
 a function of the kernel's parameters and shapes (a loop whose extent depends on an enclosing loop, a ``while``)
 keeps the parallel loop the schedule wrote. Only whether to parallelise is decided here: TVM's launch always wakes every
 worker of the pool (num_task = 0), so capping the task count below the core count would not save the fork/join.
@@ -194,6 +195,14 @@ def _with_allocs(body, extra: list):
     return SBlockRealize(body.iter_values, body.predicate, block, body.span)
 
 
+def _at_least(w: tvm.tirx.PrimExpr, size: int) -> int:
+    """``w`` (a work count: sums and products of extents, so growing with each symbol) with every symbol at
+    ``size``; -1 where that does not fold to a number."""
+    w = tvm.sym.Analyzer().simplify(tvm_ffi.structural_mutate(
+        w, [(tvm.tirx.Var, lambda v, mutator: tvm.tirx.const(size, v.ty.dtype))]))
+    return w.value if isinstance(w, tvm.tirx.IntImm) else -1
+
+
 def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = MIN_TASK_WORK) -> tvm.tirx.PrimFunc:
     """Every parallel loop of ``func`` kept parallel, made serial, or both behind a run-time size check."""
     analyzer = tvm.sym.Analyzer()
@@ -220,6 +229,8 @@ def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = M
             return _serial(loop)
         if isinstance(w, tvm.tirx.IntImm):
             return loop if w.value >= min_task_work * 2 else _serial(loop)
+        if _at_least(w, 1) >= min_task_work * 2:  # pays at the symbols' least (1), so at every size: no branch
+            return loop
         inside = _uses(loop, root_allocs)
         # a root allocation used only by this loop (all its uses but the declaration) is private to the loop
         private = {h: b for h, b in root_allocs.items() if inside.get(h, 0) and inside[h] == uses[h] - 1}

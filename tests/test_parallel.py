@@ -79,6 +79,18 @@ def test_symbolic_work_chooses_at_run_time_and_both_variants_compute_the_op():
         torch.testing.assert_close(b, torch.exp(a) * 2)
 
 
+def test_symbolic_work_that_pays_at_one_row_stays_parallel_with_no_branch():
+    """Work growing with a symbol pays at every size when it pays at the symbol's least value (1): no run-time
+    check and no serial copy of the loop nest (a 2880-wide projection already pays at one token)."""
+    func = scheduled(exp2(te.var("n", "int64"), 2 * MIN_TASK_WORK))
+    assert ForKind.PARALLEL in loop_kinds(func) and "if " not in func.script()
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)["main"]
+    x = torch.randn(3, 2 * MIN_TASK_WORK)
+    y = torch.empty_like(x)
+    lib(x, y)
+    torch.testing.assert_close(y, torch.exp(x) * 2)
+
+
 @pytest.mark.parametrize("cores", [1, 2])
 def test_work_that_depends_on_an_enclosing_loop_keeps_the_schedules_choice(cores):
     """A triangular nest: the inner extent depends on the parallel loop's variable, so the work is not a function
