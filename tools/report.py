@@ -327,7 +327,7 @@ def plot_arena(artifact: str, png: str) -> dict:
     pjs = _read_json(pfile, "program.json").get("programs", {}) if os.path.isfile(pfile) else {}
     fig, axes = plt.subplots(1, len(progs), figsize=(11 * len(progs), 6.5), squeeze=False)
     drawn = {}
-    extra = iter(_FALLBACK_COLOURS * 4)
+    extra = iter(_FALLBACK_COLOURS * 4)  # zones without a colour of their own, in order (16 at most)
     colours = dict(ZONE_COLOURS)
     for ax, (name, m) in zip(axes[0], progs.items()):
         bufs = m["buffers"]
@@ -342,7 +342,7 @@ def plot_arena(artifact: str, png: str) -> dict:
         replicas = _state_replicas(pjs.get(name, {}), steps)
         slots = pjs.get(name, {}).get("memory", {}).get("state_slots", 1)
         for zone, rects in by_zone.items():
-            c = colours.setdefault(zone, next(extra))
+            c = colours[zone] if zone in colours else colours.setdefault(zone, next(extra))  # a new zone only
             ax.add_collection(PatchCollection(rects, facecolor=c, edgecolor="black", linewidth=0.25, alpha=0.8))
             if replicas.get(zone):  # the other request slots' copies of the per-request state, lighter
                 ax.add_collection(PatchCollection(replicas[zone], facecolor=c, edgecolor="black", linewidth=0.25,
