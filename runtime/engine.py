@@ -322,7 +322,7 @@ class Engine:
                 else:
                     n = min(budget, req.prompt_tokens - req.prefilled)
                     chunk = req.prompt[req.prefilled:req.prefilled + n]
-                    logits = self.rt.prefill(chunk, slot=req.slot, append=req.prefilled > 0)
+                    logits = self.rt.prefill(chunk, slot=req.slot, append=req.prefilled > 0, last=True)
                     req.prefilled += n
                     budget -= n
                     self.metrics.prefilled(req, n)

@@ -588,14 +588,17 @@ class Runtime:
         chunk = self.prefill_chunk
         if last:
             for k in range(0, n, chunk):
-                out = self._prefill_chunk(ids[:, k:k + chunk], slot)
+                out = self._prefill_chunk(ids[:, k:k + chunk], slot, last=True)
             return out[:, -1:]
         logits = [self._prefill_chunk(ids[:, k:k + chunk], slot) for k in range(0, n, chunk)]
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
-    def _prefill_chunk(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
-        """One prefill call: ``ids`` [1, n] (n <= prefill_chunk) at the positions after the slot's history."""
-        prog = self.programs["prefill"]
+    def _prefill_chunk(self, ids: torch.Tensor, slot: int, last: bool = False) -> torch.Tensor:
+        """One prefill call: ``ids`` [1, n] (n <= prefill_chunk) at the positions after the slot's history.
+        ``last``: only the last token's logits are wanted, [1, 1, V]: the ``prefill_last`` program computes the LM
+        head for that row alone (passes/last_position.py), where the artifact has it."""
+        name = "prefill_last" if last and "prefill_last" in self.programs else "prefill"
+        prog = self.programs[name]
         n = ids.shape[1]
         start = self.lengths.get(slot, 0)
         (padded, _), _ = prog.pad([ids, torch.zeros(n, dtype=torch.int64)])
@@ -605,8 +608,10 @@ class Runtime:
         if start + width > self.max_length:
             raise UserError(f"the request reached the cache budget of {self.max_length} tokens")
         padded_ids = torch.nn.functional.pad(ids, [0, width - n])
-        logits = self.run_program("prefill", [padded_ids, torch.arange(start, start + width)], slot,
-                                  start + n)[0][:, :n]
+        inputs = [padded_ids, torch.arange(start, start + width)]
+        if name == "prefill_last":
+            inputs.append(torch.tensor([n - 1]))  # the chunk's last real token (0 <= n - 1 < width)
+        logits = self.run_program(name, inputs, slot, start + n)[0][:, :n]
         self.lengths[slot] = start + n
         return logits.contiguous()
 

@@ -183,10 +183,11 @@ class Lockstep:
             finally:
                 self._last = time.monotonic()
 
-    def prefill(self, input_ids, slot: int = 0, append: bool = False) -> torch.Tensor:
+    def prefill(self, input_ids, slot: int = 0, append: bool = False, last: bool = False) -> torch.Tensor:
         ids = _ints(input_ids, "input_ids")
-        return self._call(PREFILL, int(slot), int(bool(append)), ids,
-                          lambda: self._rt.prefill(ids, slot=slot, append=bool(append)))
+        # every rank runs the same program (``last`` picks prefill_last, whose collectives differ): both flags go
+        return self._call(PREFILL, int(slot), int(bool(append)) | int(bool(last)) << 1, ids,
+                          lambda: self._rt.prefill(ids, slot=slot, append=bool(append), last=bool(last)))
 
     def decode(self, token_id, slot: int = 0) -> torch.Tensor:
         ids = _ints(token_id, "token_id")
@@ -278,7 +279,7 @@ def follow(rt, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
                 continue
             args = args.tolist()
             if op == PREFILL:
-                rt.prefill(args, slot=slot, append=bool(append))
+                rt.prefill(args, slot=slot, append=bool(append & 1), last=bool(append & 2))
             elif op == DECODE:
                 rt.decode(args[0], slot=slot)
             elif op == DECODE_BATCH:

@@ -139,8 +139,8 @@ def test_dump_ir_stateful_expert_route(lowprec_tiny, tmp_path):
     r = CliRunner().invoke(main, ["dump-ir", str(ckpt), str(tmp_path), "--max-seq", str(LOWPREC_MAX_SEQ), "--max-batch", "2",
                                   "--expert-route", "workspace"])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode", "decode_batch", "prefill"]
-    for prog in ("prefill", "decode", "decode_batch"):
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode", "decode_batch", "prefill", "prefill_last"]
+    for prog in ("prefill", "prefill_last", "decode", "decode_batch"):
         d = tmp_path / prog
         assert sorted(p.name for p in d.iterdir()) == _step_files()
         ir = {f: parse_graph((d / f).read_text()) for f in _step_files()}

@@ -292,8 +292,8 @@ def test_gpt_oss_bf16_workspace_with_cache(tmp_path):
     rep = json.loads((art / "report.json").read_text())
     assert rep["experts"]["compute_dtype"] == "bf16"
     # every program takes the workspace route, the batched decode step (decode_batch) included
-    assert rep["experts"]["routes"] == {"prefill": ["moe_experts_mxfp4_ws"], "decode": ["moe_experts_mxfp4_ws"],
-                                        "decode_batch": ["moe_experts_mxfp4_ws"]}
+    ws = ["moe_experts_mxfp4_ws"]
+    assert rep["experts"]["routes"] == {"prefill": ws, "prefill_last": ws, "decode": ws, "decode_batch": ws}
     zones = rep["programs"]["prefill"]["memory"]["zones"]
     # resident: MXFP4 experts as stored (4.25 bits per weight) + 6 bf16 slots + the bookkeeping, nothing else
     n_w = cfg["num_hidden_layers"] * Em * (2 * Im * Hm + Hm * Im)

@@ -42,7 +42,7 @@ def _prompt(n, seed):
 @pytest.mark.slow
 def test_greedy_generation_matches_upstream(served):
     rt, ref = served
-    assert rt.stateful and set(rt.programs) - {"decode_batch"} == {"prefill", "decode"}
+    assert rt.stateful and set(rt.programs) - {"decode_batch"} == {"prefill", "prefill_last", "decode"}
     prompt = _prompt(9, 1)
     assert rt.generate(prompt, NEW) == _upstream(ref, prompt, NEW)
 
@@ -128,12 +128,15 @@ def test_second_turn_reuses_the_cache(served):
     out1 = rt.generate(first, 6, slot=1)
     cached = rt.lengths[1]
     prefill_calls = []
-    orig = rt.programs["prefill"].run
-    rt.programs["prefill"].run = lambda inputs, *a, **k: prefill_calls.append(inputs[0].shape) or orig(inputs, *a, **k)
+    progs = [rt.programs[n] for n in ("prefill", "prefill_last") if n in rt.programs]  # generation: prefill_last
+    origs = [p.run for p in progs]
+    for p, orig in zip(progs, origs):
+        p.run = lambda inputs, *a, orig=orig, **k: prefill_calls.append(inputs[0].shape) or orig(inputs, *a, **k)
     try:
         out2 = rt.generate(second, 6, slot=1, append=True)
     finally:
-        rt.programs["prefill"].run = orig
+        for p, orig in zip(progs, origs):
+            p.run = orig
     assert cached == 7 + 5  # the prompt and the 5 tokens decoded (the 6th is written with the next turn)
     assert [s[-1] for s in prefill_calls] in ([6], [8])  # only the new turn (+ the pending token), maybe padded
     assert out2 == _upstream(ref, first + out1 + second, 6)

@@ -20,6 +20,7 @@ by one step and read by another). Nothing is written until every step before ``w
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.fold_empty import fold_empty
 from dayzero.passes.fuse import fuse
 from dayzero.passes.inplace_state import inplace_state
+from dayzero.passes.last_position import LAST_PROGRAM, last_position
 from dayzero.passes.ir.collective import Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
 from dayzero.passes.ir.node import Graph
@@ -65,6 +67,8 @@ from dayzero.targets.spec import COMPUTE_DTYPES, HOST_COMPUTE_DTYPE, load_target
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call (capped at max_seq): the prefill arena is sized by it
 DEFAULT_KV_BLOCK = 16  # tokens per KV-cache block (passes/paged_kv.py)
 DECODE_PROGRAMS = ("decode", "decode_batch")  # the programs --int8-activations applies to (prefill stays exact)
+
+logger = logging.getLogger(__name__)
 
 
 # ---- the options, validated once ------------------------------------------------------------------------------
@@ -342,6 +346,12 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
         return ""
 
     build("prefill", fe.traced.graph, cfg)
+    if fe.decode is not None and not fe.extra:  # generation's prefill: the last position's logits only
+        last, why = last_position(fe.traced.graph)
+        if last is not None:
+            build(LAST_PROGRAM, last, cfg)
+        else:
+            logger.info("no %s program: %s", LAST_PROGRAM, why)
     if fe.decode is not None:
         build("decode", fe.decode.graph, cfg)
     if fe.decode is not None and cfg:
