@@ -16,10 +16,11 @@ iterations). A work count that depends on a symbol (``seq``) gives both variants
     else:                       for i in T.serial(n): body
 
 so a 16-token prefill runs serial and a 4K-token one parallel, from one compiled kernel; a loop whose work pays
-at every symbol's least value (1) stays parallel, with no branch (a 2880-wide projection pays at one token). Work whose count is not
-a function of the kernel's parameters and shapes (a loop whose extent depends on an enclosing loop, a ``while``)
-keeps the parallel loop the schedule wrote. Only whether to parallelise is decided here: TVM's launch always wakes every
-worker of the pool (num_task = 0), so capping the task count below the core count would not save the fork/join.
+at every symbol's least value (1) stays parallel, with no branch (a 2880-wide projection pays at one token). Work
+whose count is not a function of the kernel's parameters and shapes (a loop whose extent depends on an enclosing
+loop, a ``while``) keeps the parallel loop the schedule wrote. Only whether to parallelise is decided here: TVM's
+launch always wakes every worker of the pool (num_task = 0), so capping the task count below the core count would
+not save the fork/join.
 """
 
 from __future__ import annotations

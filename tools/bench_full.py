@@ -19,7 +19,9 @@ Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound``
   the same count in dayzero's own storage (``arena_step_bytes``: each weight buffer at its arena dtype, fp32 where
   the host converts at load, bf16 where it keeps a bf16 checkpoint's matrix as stored; KV in fp32), and
   ``fraction_of_arena_bound`` the step against that: how far the kernels are from their own layout's bound.
-* ``prefill_<P>``: one prefill call of P tokens from an empty cache; ``tokens_per_s``; bound null (compute bound).
+* ``prefill_<P>``: one prefill call of P tokens from an empty cache, the last position's logits (as generation and
+  the server read them: the ``prefill_last`` program; eager with ``logits_to_keep=1``); ``tokens_per_s``; bound
+  null (compute bound).
 * ``torch_eager`` baselines: upstream's modeling code on the same checkpoint, fp32 (as ``dayzero compare``
   builds it), when its estimated size fits in ``--eager-max-gb`` after dayzero's runtime is freed; otherwise the
   result says ``torch_eager_skipped`` with the size it needed.
@@ -176,7 +178,7 @@ def _eager_baselines(ckpt: Path, values: int, cases: list, max_gb: float, ids_be
             if case["kind"] == "prefill":
                 ids = torch.randint(0, ids_below, (1, case["tokens"]), generator=torch.Generator().manual_seed(0))
                 t0 = time.perf_counter()
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
                 out[case["case"]] = time.perf_counter() - t0
             else:  # one request at the context: its prompt through upstream's cache, then timed steps
                 ids = torch.randint(0, ids_below, (1, max(1, case["context"] - 1)),
@@ -239,10 +241,11 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
         for _ in range(2):
             rt.reset()
             t0 = time.perf_counter()
-            rt.prefill(ids)
+            rt.prefill(ids, last=True)  # as generation and the server prefill: the last position's logits
             ts.append(time.perf_counter() - t0)
         results.append({"case": f"prefill_{p}", "unit": "s", "dayzero": min(ts), "baselines": {}, "bound": None,
-                        "bound_name": None, "tokens": p, "tokens_per_s": p / min(ts), **common})
+                        "bound_name": None, "tokens": p, "tokens_per_s": p / min(ts), "logits": "last position",
+                        **common})
     del rt
     gc.collect()
     smallest = min(contexts)

@@ -76,7 +76,8 @@ def _reshape(ctx, x: te.Tensor, t: TensorType) -> te.Tensor:
 
 def inline_members(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     """Every spatial block of the composed kernel but the last (its output) and those marked MATERIALIZE inlined
-    into its readers; reduction blocks stay (their results are rows, computed once). A block TVM cannot inline stays a block."""
+    into its readers; reduction blocks stay (their results are rows, computed once). A block TVM cannot inline
+    stays a block."""
     sch = tvm.s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     for b in blocks[:-1]:
