@@ -5,7 +5,8 @@ groups). Rank 0 serves HTTP and runs the engine (runtime/engine.py, unchanged) o
 for its Runtime: each call that runs programs or changes cache state (``prefill``, ``decode``, ``decode_batch``,
 ``reset``) is first sent to the other ranks, then run; the other ranks (:func:`follow`) run the same calls in the
 same order on their own Runtime and open no socket. The runtime is deterministic, so every rank takes the same KV
-blocks for the same calls; the calls' token ids, slots and append flags are all a step needs. A multimodal
+blocks for the same calls; the calls' token ids, slots and prefill flags (append; last, which runs the
+``prefill_last`` program, whose collectives differ) are all a step needs. A multimodal
 artifact's image request is parsed on rank 0 alone (runtime/multimodal.py ``parse``: the image files or bytes, the
 processor, the positions; a bad image fails there, before any rank hears of it), and the parsed request (ids,
 M-RoPE positions, rope delta, each image's grid and pixel values, bit for bit) goes out as one ``MM_PREFILL`` call
