@@ -56,7 +56,7 @@ import tvm.sym
 import tvm_ffi
 from tvm.ir.expr import Call, TensorLoad
 
-from .parallel import cores_of, either, work
+from .parallel import cores_of, either, work, work_at
 
 logger = logging.getLogger(__name__)
 
@@ -434,25 +434,15 @@ def _row_blocks(sch):
         return [iv.dom.extent for iv in ivs if not (isinstance(iv.dom.extent, tvm.tirx.IntImm)
                                                     and iv.dom.extent.value == 1)]
     rows, width = rows_of(out_b.iter_vars[:-1]), out_b.iter_vars[-1].dom.extent
-    for r in reds:
-        b = sch.get(r)
-        ivs = b.iter_vars
-        if (b.init is None or not isinstance(b.body, tvm.tirx.BufferStore) or len(sch.get_loops(r)) != len(ivs)
-                or ivs[-1].iter_type != tvm.tirx.IterVar.CommReduce
+    for blk_rv in inner:  # each over the output's rows and row width: a reduction of it, or a map (every dim)
+        b = sch.get(blk_rv)
+        ivs, reduces = b.iter_vars, b.init is not None
+        if (not isinstance(b.body, tvm.tirx.BufferStore) or len(sch.get_loops(blk_rv)) != len(ivs)
+                or ivs[-1].iter_type != (tvm.tirx.IterVar.CommReduce if reduces else tvm.tirx.IterVar.DataPar)
                 or any(iv.iter_type != tvm.tirx.IterVar.DataPar for iv in ivs[:-1])
+                or (not reduces and len(ivs) != len(out_b.iter_vars))
                 or len(rows_of(ivs[:-1])) != len(rows)
                 or not all(ana.can_prove_equal(a, c) for a, c in zip(rows_of(ivs[:-1]), rows))
-                or not ana.can_prove_equal(ivs[-1].dom.extent, width)
-                or not _contiguous_along(b, ivs[-1].var)):
-            return None
-    for m in maps:
-        b = sch.get(m)
-        ivs = b.iter_vars
-        if (not isinstance(b.body, tvm.tirx.BufferStore) or len(sch.get_loops(m)) != len(ivs)
-                or len(ivs) != len(out_b.iter_vars)
-                or any(iv.iter_type != tvm.tirx.IterVar.DataPar for iv in ivs)
-                or not all(ana.can_prove_equal(a, c) for a, c in zip(rows_of(ivs[:-1]), rows))
-                or len(rows_of(ivs[:-1])) != len(rows)
                 or not ana.can_prove_equal(ivs[-1].dom.extent, width)
                 or not _contiguous_along(b, ivs[-1].var)):
             return None
@@ -770,11 +760,7 @@ def _work_at(func: tvm.tirx.PrimFunc, symbol_size: int = 1024) -> int | None:
     they cannot be counted. (dlight's reduction rule put a one-row softmax's max and sum inside the loop over the
     row's columns: 201,088^2 iterations for a vocabulary, minutes a call.)"""
     w = work(func.body)
-    if w is None:
-        return None
-    w = tvm.sym.Analyzer().simplify(tvm_ffi.structural_mutate(
-        w, [(tvm.tirx.Var, lambda v, mutator: tvm.tirx.const(symbol_size, v.ty.dtype))]))
-    return w.value if isinstance(w, tvm.tirx.IntImm) else None
+    return None if w is None else work_at(w, symbol_size)
 
 
 def parallel_loops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

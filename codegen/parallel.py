@@ -196,12 +196,12 @@ def _with_allocs(body, extra: list):
     return SBlockRealize(body.iter_values, body.predicate, block, body.span)
 
 
-def _at_least(w: tvm.tirx.PrimExpr, size: int) -> int:
+def work_at(w: tvm.tirx.PrimExpr, size: int) -> int | None:
     """``w`` (a work count: sums and products of extents, so growing with each symbol) with every symbol at
-    ``size``; -1 where that does not fold to a number."""
+    ``size``; None where that does not fold to a number."""
     w = tvm.sym.Analyzer().simplify(tvm_ffi.structural_mutate(
         w, [(tvm.tirx.Var, lambda v, mutator: tvm.tirx.const(size, v.ty.dtype))]))
-    return w.value if isinstance(w, tvm.tirx.IntImm) else -1
+    return w.value if isinstance(w, tvm.tirx.IntImm) else None
 
 
 def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = MIN_TASK_WORK) -> tvm.tirx.PrimFunc:
@@ -230,7 +230,8 @@ def parallel_by_work(func: tvm.tirx.PrimFunc, cores: int, min_task_work: int = M
             return _serial(loop)
         if isinstance(w, tvm.tirx.IntImm):
             return loop if w.value >= min_task_work * 2 else _serial(loop)
-        if _at_least(w, 1) >= min_task_work * 2:  # pays at the symbols' least (1), so at every size: no branch
+        least = work_at(w, 1)
+        if least is not None and least >= min_task_work * 2:  # pays at the symbols' least (1): at every size
             return loop
         inside = _uses(loop, root_allocs)
         # a root allocation used only by this loop (all its uses but the declaration) is private to the loop
