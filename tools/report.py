@@ -342,7 +342,9 @@ def plot_arena(artifact: str, png: str) -> dict:
         replicas = _state_replicas(pjs.get(name, {}), steps)
         slots = pjs.get(name, {}).get("memory", {}).get("state_slots", 1)
         for zone, rects in by_zone.items():
-            c = colours[zone] if zone in colours else colours.setdefault(zone, next(extra))  # a new zone only
+            if zone not in colours:  # a fallback only for a zone without a colour of its own
+                colours[zone] = next(extra)
+            c = colours[zone]
             ax.add_collection(PatchCollection(rects, facecolor=c, edgecolor="black", linewidth=0.25, alpha=0.8))
             if replicas.get(zone):  # the other request slots' copies of the per-request state, lighter
                 ax.add_collection(PatchCollection(replicas[zone], facecolor=c, edgecolor="black", linewidth=0.25,
