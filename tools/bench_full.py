@@ -7,9 +7,10 @@ batch) --prefill-chunk (largest prefill) -> DIR/MODEL_LN/art_<max_seq>_<batch>_<
 
 Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound`` = its lower bound):
 
-* ``decode_b<B>_ctx<C>``: one decode step of B requests, each at context C (C - 1 tokens before it, at least 1). A
-  prompt is
-  prefilled for at most ``--prefill-budget`` seconds; the rest of it is skipped and the request's length set to
+* ``decode_b<B>_ctx<C>``: one decode step of B requests, each at context C (C - 1 tokens before it, at least 1).
+  Each request has its own random prompt and steps with its own token, so the requests route to different
+  experts as a real batch does (B identical requests reach the same k experts per layer: a fraction of the bytes
+  the bound counts, and the B-token tiles of a prefill instead of B decode tiles). A prompt is prefilled for at most ``--prefill-budget`` seconds; the rest of it is skipped and the request's length set to
   C - 1 (``bench_long.prefill_within``: a step's cost depends on the position, not on the cached values). Step
   time = the median of ``--steps`` steps after a warm-up (``decode`` at B = 1, ``decode_batch`` above).
   ``tokens_per_s`` = B / step. ``bound`` = bytes a step must read / the read bandwidth measured in this run, the
@@ -147,14 +148,15 @@ def _decode_step(rt, batch: int, steps: int) -> float:
     """Median seconds of ``steps`` decode steps of requests in slots [0, batch), after a warm-up step: one run of
     the batched decode program (each request one token), or B runs of ``decode`` where the artifact has none."""
     slots = list(range(batch))
+    tokens = [7 + 11 * s for s in slots]  # each request its own token (module docstring)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
         if batch > 1 and rt.has_batched_decode:
-            rt.decode_batch([7] * batch, slots)
+            rt.decode_batch(tokens, slots)
         else:
-            for s in slots:
-                rt.decode(7, slot=s)
+            for s, tok in zip(slots, tokens):
+                rt.decode(tok, slot=s)
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -224,9 +226,9 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     for c in contexts:
         for b in batches:
             rt.reset()
-            prompt = torch.randint(0, ids_below, (max(1, c - 1),),
-                                   generator=torch.Generator().manual_seed(c)).tolist()
-            prefilled = [prefill_within(rt, prompt, prefill_budget, slot=s)[0] for s in range(b)]
+            prefilled = [prefill_within(rt, torch.randint(0, ids_below, (max(1, c - 1),), generator=torch.Generator()
+                                                          .manual_seed(c + 7919 * s)).tolist(), prefill_budget,
+                                        slot=s)[0] for s in range(b)]
             t = _decode_step(rt, b, steps)
             need, arena = step_bytes(cb, cfg, b, c), arena_step_bytes(art, cb, cfg, b, c)
             results.append({
