@@ -126,6 +126,8 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     if p["op"] in ("mla_sparse_attention", "mla_attention"):
         return build_mla(p, kind)
     sparse = p["op"] == "sparse_attention"
+    if kind != "cuda" and not sparse and (p["S"] == 1 or p.get("per_token")):
+        return build_decode(p)
     Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep = Hq // Hkv
     S = _i(p["S"]) if p["S"] is not None else "S"
@@ -223,6 +225,127 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
            + "\n".join(lines) + "\n" + "\n".join(ind + b for b in body) + "\n")
     return from_source(src)
+
+
+DECODE_ROWS = 16  # cache rows per block of the decode kernel (one vector of scores per head)
+
+
+def _lanes(n: int) -> int:
+    """The widest vector (16, 8, 4, 2 or 1 fp32 lanes) dividing ``n``."""
+    return next(v for v in (16, 8, 4, 2, 1) if n % v == 0)
+
+
+def build_decode(p: dict) -> tvm.tirx.PrimFunc:
+    """cache_attention for one query a task, host CPU (decode: S == 1, the row-batched step's per-row queries,
+    or the batched step's per-token tables): a task is a (b, kv head g, query s) and runs the query of each of
+    the group's rep = Hq / Hkv heads, so every K/V row is read once for all of them; the rows go in blocks of
+    DECODE_ROWS (flash-decoding's blocked online softmax)::
+
+        for each block of rows j0 .. j0 + 15 in [lo, hi]:
+            sc[hh, jj] = q_hh . k[row(j0 + jj)]           D-vectors, one halving tree of adds per score
+            mn = max(m[hh], max_jj sc[hh, jj]);  corr = exp(m[hh] - mn)       once per block and head
+            pr[hh, :] = exp(sc[hh, :] - mn)               one 16-lane fast_exp per block and head
+            den[hh] = den[hh] corr + sum pr[hh, :];  acc[hh, :] = acc[hh, :] corr + sum_jj pr[hh, jj] v[row]
+
+    Rows past the block's end are never read (their scores are set to the lowest float). The one-row-at-a-time
+    form it replaces ran a scalar chain of D dependent FMAs and two scalar ``expf`` per row and head: at
+    gpt-oss-20b width (64 heads of 64, 8 KV heads) a full-attention layer at 4000 tokens took 7.9 ms."""
+    from dayzero.codegen.cpu_rules import fast_exp
+
+    Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
+    rep, RB, DL = Hq // Hkv, DECODE_ROWS, _lanes(D)
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    B = _i(p["B"]) if p["B"] is not None else "B"
+    rows = p.get("P", L)
+    f32 = "T.float32"
+    params_ = ["q_", "k_", "v_", "p_"] + (["sk_"] if p["sinks"] else []) + (["bt_"] if p.get("paged") else []) + ["o_"]
+    lines = header(p, "S", "B") + [
+        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
+        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
+        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
+        buffer("p", "p_", (B if p.get("per_row") else S,), p["pos_dtype"])] + table_decl(p)
+    if p["sinks"]:
+        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
+    lines.append(buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"]))
+    lines += task_loop(f"{B} * {_i(Hkv)} * {S}", "llvm")
+    W = p["window"]
+    at = "b" if p.get("per_row") else "s"
+    lo = f'T.max(T.Cast("int64", p[{at}]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
+    hi = f'T.min(T.Cast("int64", p[{at}]), {_i(L - 1)})'
+    row = cache_row(p, "j0 + jj", "s")
+    tree = []  # the score's lanes summed as a halving tree of vector adds
+    w = DL
+    while w > 2:
+        w //= 2
+        tree += [f"                for l in T.vectorized({_i(w)}):",
+                 f"                    part[l] = part[l] + part[l + {_i(w)}]"]
+    hsum = "part[0] + part[1]" if DL > 1 else "part[0]"
+    body = [f"b = t // {_i(Hkv)} // {S}", f"g = t // {S} % {_i(Hkv)}", f"s = t % {S}",
+            f'm = T.decl_buffer(({_i(rep)},), "float32")',
+            f'den = T.decl_buffer(({_i(rep)},), "float32")',
+            f'acc = T.decl_buffer(({_i(rep)}, {_i(Dv)}), "float32")',
+            f'qf = T.decl_buffer(({_i(rep)}, {_i(D)}), "float32")',
+            f'sc = T.decl_buffer(({_i(rep)}, {_i(RB)}), "float32")',
+            f'part = T.decl_buffer(({_i(DL)},), "float32")',
+            f'lo = T.decl_buffer(({_i(2)},), "int64")',
+            f"lo[0] = {lo}",
+            f"lo[1] = T.max({hi} - lo[0] + {_i(1)}, {_i(0)})",  # rows to read
+            f"for hh in range({_i(rep)}):",
+            f"    m[hh] = {NEG}",
+            f"    den[hh] = {f32}(0)",
+            f"    for d in T.vectorized({_i(Dv)}):",
+            f"        acc[hh, d] = {f32}(0)",
+            f"    for d in T.vectorized({_i(D)}):",
+            f'        qf[hh, d] = T.Cast("float32", q[b, g * {_i(rep)} + hh, s, d]) * {f32}({p["scale"]!r})',
+            f"for jb in range((lo[1] + {_i(RB - 1)}) // {_i(RB)}):",
+            f"    j0 = lo[0] + jb * {_i(RB)}",
+            f"    for jj in range({_i(RB)}):",
+            f"        if jb * {_i(RB)} + jj < lo[1]:",
+            f"            row = {row}",
+            f"            for hh in range({_i(rep)}):",
+            f"                for l in T.vectorized({_i(DL)}):",
+            f"                    part[l] = {f32}(0)",
+            f"                for dko in range({_i(D // DL)}):",
+            f"                    for l in T.vectorized({_i(DL)}):",
+            f'                        part[l] = part[l] + qf[hh, dko * {_i(DL)} + l] * T.Cast("float32", k[b, g, row, dko * {_i(DL)} + l])']
+    body += tree + [f"                sc[hh, jj] = {hsum}",
+             "        else:",
+             f"            for hh in range({_i(rep)}):",
+             f"                sc[hh, jj] = {NEG}",
+             f"    for hh in range({_i(rep)}):",
+             "        mx = T.decl_buffer((1,), \"float32\")",
+             "        mx[0] = m[hh]",
+             f"        for jj in range({_i(RB)}):",
+             "            mx[0] = T.max(mx[0], sc[hh, jj])",
+             "        corr = T.exp(m[hh] - mx[0])",
+             "        m[hh] = mx[0]",
+             f"        for jj in T.vectorized({_i(RB)}):",
+             "            sc[hh, jj] = T.exp(sc[hh, jj] - mx[0])",
+             "        den[hh] = den[hh] * corr",
+             f"        for jj in range({_i(RB)}):",
+             "            den[hh] = den[hh] + sc[hh, jj]",
+             f"        for d in T.vectorized({_i(Dv)}):",
+             "            acc[hh, d] = acc[hh, d] * corr",
+             f"    for jj in range({_i(RB)}):",
+             f"        if jb * {_i(RB)} + jj < lo[1]:",
+             f"            row = {row}",
+             f"            for hh in range({_i(rep)}):",
+             f"                for d in T.vectorized({_i(Dv)}):",
+             '                    acc[hh, d] = acc[hh, d] + sc[hh, jj] * T.Cast("float32", v[b, g, row, d])',
+             f"for hh in range({_i(rep)}):",
+             f"    h = g * {_i(rep)} + hh"]
+    if p["sinks"]:
+        body += ['    snk = T.Cast("float32", sk[h])',
+                 "    mn = T.max(m[hh], snk)",
+                 "    corr = T.exp(m[hh] - mn)",
+                 "    den[hh] = den[hh] * corr + T.exp(snk - mn)",
+                 f"    for d in T.vectorized({_i(Dv)}):",
+                 "        acc[hh, d] = acc[hh, d] * corr"]
+    body += [f"    for d in range({_i(Dv)}):",
+             f'        o[b, h, s, d] = T.Cast("{p["out_dtype"]}", acc[hh, d] / den[hh])']
+    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
+           + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
+    return fast_exp(from_source(src))
 
 
 def mla_params(n: Node) -> dict:
