@@ -118,20 +118,23 @@ def test_dense_kernel_matches_reference(S, start, W, sinks):
     torch.testing.assert_close(_run(p, ins), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("Hq,Hkv,D,Dv,start,W,sinks", [
-    (8, 1, 64, 64, 40, 0, True),    # gpt-oss's heads: 8 queries a KV head, D = 4 vectors of 16 lanes
-    (8, 2, 64, 32, 63, 24, False),  # a window that starts and ends inside 16-row blocks
-    (6, 2, 24, 16, 37, 0, False),   # D = 3 vectors of 8 lanes, 3 heads a group
-    (4, 4, 8, 8, 5, 3, True),       # no grouping, fewer rows than a block
+@pytest.mark.parametrize("S,Hq,Hkv,D,Dv,start,W,sinks", [
+    (1, 8, 1, 64, 64, 40, 0, True),    # gpt-oss's heads: 8 queries a KV head, D = 4 vectors of 16 lanes
+    (1, 8, 2, 64, 32, 63, 24, False),  # a window that starts and ends inside 16-row blocks
+    (1, 6, 2, 24, 16, 37, 0, False),   # D = 3 vectors of 8 lanes, 3 heads a group
+    (1, 4, 4, 8, 8, 5, 3, True),       # no grouping, fewer rows than a block
+    (21, 8, 1, 64, 64, 30, 0, True),   # prefill: 4 queries x 8 heads a task, the last block of queries partial
+    (19, 6, 2, 24, 16, 0, 5, False),   # prefill from row 0, a window: blocks a query sees none of
 ])
-def test_decode_kernel_at_model_head_dims(Hq, Hkv, D, Dv, start, W, sinks):
-    """The decode kernel (one task per KV head and query, the rows in blocks of 16) at head counts and widths
-    the other cases do not reach: several lane vectors per score, partial blocks, unread rows NaN."""
+def test_blocked_kernels_at_model_head_dims(S, Hq, Hkv, D, Dv, start, W, sinks):
+    """The blocked kernels (decode: one task per KV head and query; prefill: per KV head and block of queries;
+    the rows in blocks of 16) at head counts and widths the other cases do not reach: several lane vectors per
+    score, partial blocks, unread rows NaN."""
     g = torch.Generator().manual_seed(Hq * D + start)
-    p = _dense_params(1, 64, W, sinks, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv)
-    q = torch.randn(1, Hq, 1, D, generator=g)
+    p = _dense_params(S, 64, W, sinks, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv)
+    q = torch.randn(1, Hq, S, D, generator=g)
     k, v = torch.randn(1, Hkv, 64, D, generator=g), torch.randn(1, Hkv, 64, Dv, generator=g)
-    qpos = torch.tensor([start])
+    qpos = torch.arange(S) + start
     ins = [q, k, v, qpos] + ([torch.randn(Hq, generator=g)] if sinks else [])
     ref = ra.dense_reference(ins, {"scale": 0.25, "window": W, "sinks": sinks})
     hidden = ~ra.valid_positions(64, qpos, W).any(0)

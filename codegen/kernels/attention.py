@@ -126,8 +126,8 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     if p["op"] in ("mla_sparse_attention", "mla_attention"):
         return build_mla(p, kind)
     sparse = p["op"] == "sparse_attention"
-    if kind != "cuda" and not sparse and (p["S"] == 1 or p.get("per_token")):
-        return build_decode(p)
+    if kind != "cuda" and not sparse:
+        return build_decode(p) if p["S"] == 1 or p.get("per_token") else build_prefill(p)
     Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep = Hq // Hkv
     S = _i(p["S"]) if p["S"] is not None else "S"
@@ -343,6 +343,133 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
                  "        acc[hh, d] = acc[hh, d] * corr"]
     body += [f"    for d in range({_i(Dv)}):",
              f'        o[b, h, s, d] = T.Cast("{p["out_dtype"]}", acc[hh, d] / den[hh])']
+    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
+           + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
+    return fast_exp(from_source(src))
+
+
+PREFILL_QUERY_HEADS = 32  # query heads x queries per task of the prefill kernel (its tiles stay in L1)
+
+
+def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
+    """cache_attention for blocks of queries, host CPU (prefill: S symbolic or > 1, one block table): a task is a
+    (b, kv head g, block of QB queries) and runs the QB x rep query heads that read the group's rows (QB =
+    PREFILL_QUERY_HEADS / rep), over the union of their row ranges in blocks of DECODE_ROWS rows::
+
+        for each block of 16 rows j0 .. j0 + 15:
+            kt[d, jj] = k[row(j0 + jj), d]                      the block's keys, transposed once for every query
+            sc[u, :] = sum_d qf[u, d] * kt[d, :]                16 scores of query head u a vector: D FMAs
+            sc[u, jj] = lowest float where row j0 + jj is not visible to u's query (causal, window)
+            blocked online softmax as in ``build_decode``; pr = 0 for rows u may not see
+            acc[u, :] += sum_jj pr[u, jj] v[row(j0 + jj), :]    acc[u] in registers across the block's rows
+
+    The query-at-a-time form it replaces ran a scalar chain of D FMAs and two scalar ``expf`` per row, query and
+    head: gpt-oss-20b dims (64 heads, 8 KV heads, D 64), 512 queries from position 0: 275 ms a full-attention
+    layer (7.8 GFLOP/s)."""
+    from dayzero.codegen.cpu_rules import fast_exp
+
+    Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
+    rep, RB = Hq // Hkv, DECODE_ROWS
+    QB = max(1, PREFILL_QUERY_HEADS // rep)
+    U = QB * rep  # query heads a task: u = i * rep + hh
+    UB = next(v for v in (8, 4, 2, 1) if U % v == 0)
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    B = _i(p["B"]) if p["B"] is not None else "B"
+    rows = p.get("P", L)
+    f32 = "T.float32"
+    params_ = ["q_", "k_", "v_", "p_"] + (["sk_"] if p["sinks"] else []) + (["bt_"] if p.get("paged") else []) + ["o_"]
+    lines = header(p, "S", "B") + [
+        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
+        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
+        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
+        buffer("p", "p_", (S,), p["pos_dtype"])] + table_decl(p)
+    if p["sinks"]:
+        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
+    lines.append(buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"]))
+    nqb = f"({S} + {_i(QB - 1)}) // {_i(QB)}"
+    lines += task_loop(f"{B} * {_i(Hkv)} * ({nqb})", "llvm")
+    W = p["window"]
+
+    def lo(i):
+        return f'T.max(T.Cast("int64", p[T.min(s0 + {i}, {S} - {_i(1)})]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
+
+    def hi(i):
+        return f'T.min(T.Cast("int64", p[T.min(s0 + {i}, {S} - {_i(1)})]), {_i(L - 1)})'
+
+    body = [f"b = t // {_i(Hkv)} // ({nqb})", f"g = t // ({nqb}) % {_i(Hkv)}", f"s0 = t % ({nqb}) * {_i(QB)}",
+            f'm = T.decl_buffer(({_i(U)},), "float32")',
+            f'den = T.decl_buffer(({_i(U)},), "float32")',
+            f'acc = T.decl_buffer(({_i(U)}, {_i(Dv)}), "float32")',
+            f'qf = T.decl_buffer(({_i(U)}, {_i(D)}), "float32")',
+            f'sc = T.decl_buffer(({_i(U)}, {_i(RB)}), "float32")',
+            f'kt = T.decl_buffer(({_i(D)}, {_i(RB)}), "float32")',
+            f'ri = T.decl_buffer(({_i(RB)},), "int64")',
+            f'qr = T.decl_buffer(({_i(QB)}, {_i(2)}), "int64")',  # each query's rows [lo, hi]
+            f'rng = T.decl_buffer(({_i(3)},), "int64")',  # the task's first row, its row count, a block's rows
+            f"rng[0] = {_i(L)}",
+            f"rng[1] = {_i(-1)}",
+            f"for i in range({_i(QB)}):",
+            f"    qr[i, 0] = {lo('i')}",
+            f"    qr[i, 1] = T.if_then_else(s0 + i < {S}, {hi('i')}, {_i(-1)})",
+            f"    if s0 + i < {S}:",
+            "        rng[0] = T.min(rng[0], qr[i, 0])",
+            "        rng[1] = T.max(rng[1], qr[i, 1])",
+            f"    for hh in range({_i(rep)}):",
+            f"        m[i * {_i(rep)} + hh] = {NEG}",
+            f"        den[i * {_i(rep)} + hh] = {f32}(0)",
+            f"        for d in T.vectorized({_i(Dv)}):",
+            f"            acc[i * {_i(rep)} + hh, d] = {f32}(0)",
+            f"        for d in T.vectorized({_i(D)}):",
+            f'            qf[i * {_i(rep)} + hh, d] = T.if_then_else(s0 + i < {S}, T.Cast("float32", q[b, g * {_i(rep)} + hh, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p["scale"]!r}), {f32}(0))',
+            f"rng[1] = T.max(rng[1] - rng[0] + {_i(1)}, {_i(0)})",
+            f"for jb in range((rng[1] + {_i(RB - 1)}) // {_i(RB)}):",
+            f"    j0 = rng[0] + jb * {_i(RB)}",
+            f"    rng[2] = T.min(rng[1] - jb * {_i(RB)}, {_i(RB)})",
+            f"    for jj in range({_i(RB)}):",
+            f"        ri[jj] = T.if_then_else(jj < rng[2], {cache_row(p, 'j0 + jj')}, {_i(0)})",
+            f"        for d in range({_i(D)}):",
+            f'            kt[d, jj] = T.if_then_else(jj < rng[2], T.Cast("float32", k[b, g, ri[jj], d]), {f32}(0))',
+            f"    for ub in range({_i(U // UB)}):",  # UB query heads' score vectors at once: independent FMA chains
+            f"        for uu, jj in T.grid({_i(UB)}, {_i(RB)}):",
+            f"            sc[ub * {_i(UB)} + uu, jj] = {f32}(0)",
+            f"        for d in range({_i(D)}):",
+            f"            for uu in T.unroll({_i(UB)}):",
+            f"                for jj in T.vectorized({_i(RB)}):",
+            f"                    sc[ub * {_i(UB)} + uu, jj] = sc[ub * {_i(UB)} + uu, jj] + qf[ub * {_i(UB)} + uu, d] * kt[d, jj]",
+            f"    for u in range({_i(U)}):",
+            f"        i = u // {_i(rep)}",
+            f"        for jj in T.vectorized({_i(RB)}):",
+            f"            sc[u, jj] = T.if_then_else(j0 + jj >= qr[i, 0] and j0 + jj <= qr[i, 1], sc[u, jj], {NEG})",
+            '        mx = T.decl_buffer((1,), "float32")',
+            "        mx[0] = m[u]",
+            f"        for jj in range({_i(RB)}):",
+            "            mx[0] = T.max(mx[0], sc[u, jj])",
+            "        corr = T.exp(m[u] - mx[0])",
+            "        m[u] = mx[0]",
+            f"        for jj in T.vectorized({_i(RB)}):",
+            f"            sc[u, jj] = T.if_then_else(j0 + jj >= qr[i, 0] and j0 + jj <= qr[i, 1], T.exp(sc[u, jj] - mx[0]), {f32}(0))",
+            "        den[u] = den[u] * corr",
+            f"        for jj in range({_i(RB)}):",
+            "            den[u] = den[u] + sc[u, jj]",
+            f"        for d in T.vectorized({_i(Dv)}):",
+            "            acc[u, d] = acc[u, d] * corr",
+            f"        for jj in range(rng[2]):",
+            f"            for d in T.vectorized({_i(Dv)}):",
+            '                acc[u, d] = acc[u, d] + sc[u, jj] * T.Cast("float32", v[b, g, ri[jj], d])',
+            f"for i in range({_i(QB)}):",
+            f"    if s0 + i < {S}:",
+            f"        for hh in range({_i(rep)}):",
+            f"            u = i * {_i(rep)} + hh",
+            f"            h = g * {_i(rep)} + hh"]
+    if p["sinks"]:
+        body += ['            snk = T.Cast("float32", sk[h])',
+                 "            mn = T.max(m[u], snk)",
+                 "            corr = T.exp(m[u] - mn)",
+                 "            den[u] = den[u] * corr + T.exp(snk - mn)",
+                 f"            for d in T.vectorized({_i(Dv)}):",
+                 "                acc[u, d] = acc[u, d] * corr"]
+    body += [f"            for d in range({_i(Dv)}):",
+             f'                o[b, h, s0 + i, d] = T.Cast("{p["out_dtype"]}", acc[u, d] / den[u])']
     src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
            + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
     return fast_exp(from_source(src))
