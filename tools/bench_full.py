@@ -3,7 +3,10 @@ published formats: ``dayzero make-full``) compiled and loaded, decode and prefil
 
 Steps, each reused from ``--dir`` when already there (the checkpoint is GBs and takes minutes to write):
 make-full MODEL --layers N -> DIR/MODEL_LN/ckpt; compile --max-seq (largest context + steps) --max-batch (largest
-batch) --prefill-chunk (largest prefill) -> DIR/MODEL_LN/art_<max_seq>_<batch>_<chunk>; load.
+batch) --prefill-chunk (the largest prefill, at most PREFILL_CHUNK) -> DIR/MODEL_LN/art_<max_seq>_<batch>_<chunk>;
+load. A longer prompt is prefilled chunk by chunk, as generation and the server run it (a 4000-token chunk's arena
+held 4000 rows of every activation and of the full prefill's logits, 3.2 GB at gpt-oss's vocabulary: the 24-layer
+gpt-oss run was killed for memory).
 
 Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound`` = its lower bound):
 
@@ -43,6 +46,9 @@ from pathlib import Path
 import click
 
 MODELS = {"gpt_oss": "gpt_oss", "deepseek_v4": "deepseek_v4", "deepseek_v3_2": "deepseek_v32"}
+
+
+PREFILL_CHUNK = 512  # the most prompt tokens one prefill call takes (compile's default --prefill-chunk)
 
 
 def _artifact(model_type: str, layers: int, root: Path, max_seq: int, batch: int, chunk: int,
@@ -210,7 +216,8 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
 
     model_type = MODELS[model]
     max_seq = max(max(contexts) + steps + 2, max(prefills))
-    ckpt, art, made = _artifact(model_type, layers, root, max_seq, max(batches), max(prefills), overrides, int8)
+    ckpt, art, made = _artifact(model_type, layers, root, max_seq, max(batches), min(max(prefills), PREFILL_CHUNK),
+                                overrides, int8)
     cfg = json.loads((ckpt / "config.json").read_text())
     cb = checkpoint_bytes(ckpt)
     ids_below = min(1000, int(cfg["vocab_size"]))  # prompt token ids: random below this
