@@ -10,22 +10,23 @@ gpt-oss run was killed for memory).
 
 Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound`` = its lower bound):
 
-* ``decode_b<B>_ctx<C>``: one decode step of B requests, each at context C (C - 1 tokens before it, at least 1).
-  Each request has its own random prompt and steps with its own token, so the requests route to different
-  experts as a real batch does (B identical requests reach the same k experts per layer: a fraction of the bytes
-  the bound counts, and the B-token tiles of a prefill instead of B decode tiles). A prompt is prefilled for at most ``--prefill-budget`` seconds; the rest of it is skipped and the request's length set to
-  C - 1 (``bench_long.prefill_within``: a step's cost depends on the position, not on the cached values). Step
-  time = the median of ``--steps`` steps after a warm-up (``decode`` at B = 1, ``decode_batch`` above).
-  ``tokens_per_s`` = B / step. ``bound`` = bytes a step must read / the read bandwidth measured in this run, the
-  bytes in the checkpoint's own storage (``step_bytes``): every weight but the embedding table (B rows of it),
-  the routed experts that B tokens reach in expectation (E (1 - (1 - k/E)^B) per layer: top-k spread evenly), and
-  the KV rows of B requests at C (bf16, sliding layers their window: ``capacity.kv_layout``). ``arena_step_bytes``:
-  the same count in dayzero's own storage (``arena_step_bytes``: each weight buffer at its arena dtype, fp32 where
-  the host converts at load, bf16 where it keeps a bf16 checkpoint's matrix as stored; KV in fp32), and
-  ``fraction_of_arena_bound`` the step against that: how far the kernels are from their own layout's bound.
-* ``prefill_<P>``: one prefill call of P tokens from an empty cache, the last position's logits (as generation and
-  the server read them: the ``prefill_last`` program; eager with ``logits_to_keep=1``); ``tokens_per_s``; bound
-  null (compute bound).
+* ``decode_b<B>_ctx<C>``: one decode step of B requests, each at context C (C - 1 tokens before it, at least 1). Each
+  request has its own random prompt and steps with its own token, so the requests route to different experts as a real
+  batch does (B identical requests reach the same k experts per layer: a fraction of the bytes the bound counts, and
+  the B-token tiles of a prefill instead of B decode tiles). A prompt is prefilled for at most ``--prefill-budget``
+  seconds; the rest of it is skipped and the request's length set to C - 1 (``bench_long.prefill_within``: a step's
+  cost depends on the position, not on the cached values). Step time = the median of ``--steps`` steps after a warm-up
+  (``decode`` at B = 1, ``decode_batch`` above). ``tokens_per_s`` = B / step. ``bound`` = bytes a step must read / the
+  read bandwidth measured in this run, the bytes in the checkpoint's own storage (``step_bytes``): every weight but
+  the embedding table (B rows of it), the routed experts that B tokens reach in expectation (E (1 - (1 - k/E)^B) per
+  layer: top-k spread evenly), and the KV rows of B requests at C (bf16, sliding layers their window:
+  ``capacity.kv_layout``). ``arena_step_bytes``: the same count in dayzero's own storage (``arena_step_bytes``: each
+  weight buffer at its arena dtype, fp32 where the host converts at load, bf16 where it keeps a bf16 checkpoint's
+  matrix as stored; KV in fp32), and ``fraction_of_arena_bound`` the step against that: how far the kernels are from
+  their own layout's bound.
+* ``prefill_<P>``: a prefill of P tokens from an empty cache (chunk by chunk past the chunk), the last position's
+  logits (as generation and the server read them: the ``prefill_last`` program; eager with ``logits_to_keep=1``);
+  ``tokens_per_s``; bound null (compute bound).
 * ``torch_eager`` baselines: upstream's modeling code on the same checkpoint, fp32 (as ``dayzero compare``
   builds it), when its estimated size fits in ``--eager-max-gb`` after dayzero's runtime is freed; otherwise the
   result says ``torch_eager_skipped`` with the size it needed.

@@ -33,13 +33,13 @@ experts' bytes plus O(T*k*(H + GU)) activations: that is the bound by constructi
 
 GEMM micro-kernel (``expert_gemm_tiles``, shared with ``expert_workspace.py``, as are phases 1 and 5:
 ``sort_by_expert``, ``combine_in_token_order``), ``nk``: MB=4 token rows x NB=4 weight rows, 16 fp32 lanes of
-partial sums each (16 zmm accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving
-tree of vector adds; an expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1
-token does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM
-latency overlaps the FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every
-iteration, measured slower). MXFP4 tiles run block by block (``expert_gemm_tiles(blockwise=True)``). ``kn`` uses the same loop nest reading the transposed weight (strided loads: correct,
-not tuned). CUDA: the same phases with the parallel loops bound to blocks (one thread each): compiles for sm_90,
-not tuned.
+partial sums each (16 zmm accumulators kept in registers: 16 FMAs per 8 loads), reduced at the end by a halving tree
+of vector adds; an expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1 token
+does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency
+overlaps the FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every
+iteration, measured slower). MXFP4 tiles run block by block (``expert_gemm_tiles(blockwise=True)``). ``kn`` uses the
+same loop nest reading the transposed weight (strided loads: correct, not tuned). CUDA: the same phases with the
+parallel loops bound to blocks (one thread each): compiles for sm_90, not tuned.
 
 Variants: one TVMScript signature (``_func``) with every argument; ``drop_absent`` removes the bias parameters a
 node does not have (its argument list is its inputs) and, for dense weights, the scale parameters.
@@ -387,15 +387,23 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         """Rows of a quantised-activation buffer: n with the integer tiles, else 1 (unused)."""
         return n if q8 is not None else 1
 
+    def q8_prefetch(BF, O, G, e, n0, n, gc):
+        """Prefetch (to L2) of step gc's code bytes of weight row n0 + NB + n (the next rows, clamped to the last)."""
+        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(
+            BF[((e * O + T.min(n0 + NB + n, O - 1)) * G + gc * q8.WMAX) * 16]), 0, 2, 1))
+
     @T.macro(hygienic=True)
-    def q8_tile(OUT, ACC8, SWV, rows, p0, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias):
+    def q8_tile(OUT, ACC8, SWV, rows, p0, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias, fetch):
         """OUT[p0 + m, n0 + n] (m < rows, n < NB) on integers: weight row n0 + n's code bytes (BF: the blocks,
         flat) against the quantised activation row qrow(p0 + m) (gemv_int8.Int8Blocks), WMAX blocks per step,
-        SWV [NB G] the rows' block scales; the partial sums of each (m, n) in 16 fp32 lanes of ACC8."""
+        SWV [NB G] the rows' block scales; the partial sums of each (m, n) in 16 fp32 lanes of ACC8; ``fetch(n, gc)``
+        a statement per step and weight row (the small tiles' prefetch of the next rows, as the fp32 tiles')."""
         for i in T.unroll(rows * NB):
             for l in T.vectorized(L):
                 ACC8[i * L + l] = T.float32(0)
         for gc in range(G // q8.WMAX):
+            for n in T.unroll(NB):
+                fetch(n, gc)
             for n in T.unroll(NB):
                 for m in T.unroll(rows):
                     ACC8[T.Ramp((m * NB + n) * L, 1, 4 * q8.WMAX)] = ACC8[T.Ramp((m * NB + n) * L, 1, 4 * q8.WMAX)] \
@@ -430,12 +438,14 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 for g in T.vectorized(G):
                     SWV[n * G + g] = dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5)
             for mt in range((p_hi - p_lo) // MB):
-                q8_tile(OUT, ACC8, SWV, MB, p_lo + mt * MB, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias)
+                q8_tile(OUT, ACC8, SWV, MB, p_lo + mt * MB, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias,
+                        no_prefetch)
             if (p_hi - p_lo) % MB >= 2:
                 q8_tile(OUT, ACC8, SWV, 2, p_hi - (p_hi - p_lo) % MB, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4,
-                        qrow, bias)
+                        qrow, bias, lambda n, gc: q8_prefetch(BF, O, G, e, n0, n, gc))
             if (p_hi - p_lo) % 2 == 1:
-                q8_tile(OUT, ACC8, SWV, 1, p_hi - 1, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias)
+                q8_tile(OUT, ACC8, SWV, 1, p_hi - 1, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias,
+                        lambda n, gc: q8_prefetch(BF, O, G, e, n0, n, gc))
 
     def bias(B, e, n):
         return T.float32(0) if B is None else T.Cast(f32, B[e, n])
@@ -465,7 +475,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             tiles(out, acc, p_lo, p_hi, n0, k_in, src, lambda n: bias(Bias, e, n0 + n),
                   mx_blocks(W, WS, LUT, e, n0, n_out, False) if mx else
                   lambda n, ko, l: w_of(staged_buf(wb), W, WS, LUT, e, n0, n, ko, l),
-                  mx_blocks(W, WS, LUT, e, n0, n_out, True) if mx else lambda n, ko, l: w_of(None, W, WS, LUT, e, n0, n, ko, l),
+                  mx_blocks(W, WS, LUT, e, n0, n_out, True) if mx else
+                  lambda n, ko, l: w_of(None, W, WS, LUT, e, n0, n, ko, l),
                   lambda n, ko: prefetch(W, WS, e, T.min(n0 + NB + n, n_out - 1), ko * L))
 
     @T.macro(hygienic=True)
