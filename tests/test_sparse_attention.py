@@ -243,6 +243,22 @@ def test_mla_kernel_matches_upstream_expansion(S, start, K, B, H):
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("S,R,Dr", [(1, 128, 32), (None, 96, 24)])
+def test_mla_kernel_at_wider_latents(S, R, Dr):
+    """The absorbed kernel's vector dot products (scores over latent + rope in 16 / 8 lanes, the value
+    up-projection over the latent) at widths where each takes several vectors, decode and prefill."""
+    n = 1 if S == 1 else 7
+    q, lat, rope, w, qpos, idx = _mla_case(n, 20, 8, H=8, R=R, nope=16, Dr=Dr, Dv=16, seed=R)
+    ins = [q, lat, rope, w, qpos, idx]
+    ref = ra.mla_sparse_reference(ins, {"scale": 0.2, "nope": 16})
+    p = dict(op=sa.MLA, B=1, H=8, S=S, L=64, R=R, Dn=16, Dr=Dr, Dv=16, K=8, dtype="float32", lat_dtype="float32",
+             w_dtype="float32", out_dtype="float32", pos_dtype="int64", idx_dtype="int64", scale=0.2)
+    lib = tvm.compile(tvm.IRModule({"main": build(p, "llvm")}), target=HOST)
+    o = torch.full((1, 8, n, 16), float("nan"))
+    lib["main"](*ins, o)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("S", [1, None])
 def test_mla_cuda_sm90_compiles(S):
     p = dict(op=sa.MLA, B=1, H=4, S=S, L=64, R=32, Dn=16, Dr=8, Dv=16, K=4, dtype="float32", lat_dtype="float32",

@@ -29,6 +29,7 @@ Written as TVMScript text (like ``state.py``): data-dependent loop bounds (qpos,
 
 from __future__ import annotations
 
+import math
 
 import tvm
 
@@ -475,6 +476,29 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
     return fast_exp(from_source(src))
 
 
+def _vector_dot(out: str, terms: list, lanes: int, ind: str) -> list[str]:
+    """TVMScript lines setting ``out`` to sum over ``terms`` (a, b, n) of sum_{i < n} a(i) * b(i) (a, b format strings
+    taking the index) in ``lanes`` partial sums (a vector) over i, summed at the end by a halving tree of vector adds:
+    a scalar loop would run n dependent FMAs. Needs the buffer ``part`` of ``lanes`` floats (``lanes`` divides
+    every n; 1: the plain scalar loop, CUDA)."""
+    if lanes == 1:
+        lines = [ind + f"{out} = T.float32(0)"]
+        for a, b, n in terms:
+            lines += [ind + f"for i in range({_i(n)}):", ind + f"    {out} = {out} + {a.format('i')} * {b.format('i')}"]
+        return lines
+    lines = [ind + f"for l in T.vectorized({_i(lanes)}):", ind + "    part[l] = T.float32(0)"]
+    for a, b, n in terms:
+        i = f"io * {_i(lanes)} + l"
+        lines += [ind + f"for io in range({_i(n // lanes)}):",
+                  ind + f"    for l in T.vectorized({_i(lanes)}):",
+                  ind + f"        part[l] = part[l] + {a.format(i)} * {b.format(i)}"]
+    w = lanes
+    while w > 2:
+        w //= 2
+        lines += [ind + f"for l in T.vectorized({_i(w)}):", ind + f"    part[l] = part[l] + part[l + {_i(w)}]"]
+    return lines + [ind + f"{out} = part[0] + part[1]"]
+
+
 def mla_params(n: Node) -> dict:
     """mla_sparse_attention (rows idx[b, s, :]) or mla_attention (dense: every row <= qpos[s])."""
     dense = n.op == "mla_attention"
@@ -529,6 +553,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         lines.append(buffer("x", "x_", (_i(B), S, _i(K)), p["idx_dtype"]))
     lines += [buffer("o", "o_", (_i(B), _i(H), S, _i(Dv)), p["out_dtype"])] + table_decl(p)
     HG = mla_head_group(H, kind)
+    DL = _lanes(math.gcd(R, Dr)) if kind != "cuda" else 1  # the score's lanes (one width for latent and rope)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"
     lines += task_loop(total, kind)
@@ -546,6 +571,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'qr = T.decl_buffer(({_i(HG)}, {_i(Dr)}), "float32"{scope})',
             f'acc = T.decl_buffer(({_i(HG)}, {_i(R)}), "float32"{scope})',
             f'st = T.decl_buffer(({_i(HG)}, {_i(3)}), "float32"{scope})',  # running max, denominator, score
+            f'part = T.decl_buffer(({_i(max(DL, _lanes(R)) if kind != "cuda" else 1)},), "float32"{scope})',
             f"for hh in range({_i(HG)}):",
             f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
             f"    for r in range({_i(R)}):",
@@ -562,24 +588,21 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             ] + select + [
             f"        row = {cache_row(p, 'pos', 's')}",
             f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
-            f"            st[hh, 2] = {f32}(0)",
-            f"            for r in range({_i(R)}):",
-            '                st[hh, 2] = st[hh, 2] + qa[hh, r] * T.Cast("float32", lat[b, 0, row, r])',
-            f"            for e in range({_i(Dr)}):",
-            '                st[hh, 2] = st[hh, 2] + qr[hh, e] * T.Cast("float32", rk[b, 0, row, e])',
+            ] + _vector_dot("st[hh, 2]", [("qa[hh, {}]", 'T.Cast("float32", lat[b, 0, row, {}])', R),
+                                          ("qr[hh, {}]", 'T.Cast("float32", rk[b, 0, row, {}])', Dr)],
+                            DL, "            ") + [
             "            mn = T.max(st[hh, 0], st[hh, 2])",
             "            corr = T.exp(st[hh, 0] - mn)",
             "            ex = T.exp(st[hh, 2] - mn)",
             "            st[hh, 1] = st[hh, 1] * corr + ex",
-            f"            for r in range({_i(R)}):",
+            f"            for r in {'range' if kind == 'cuda' else 'T.vectorized'}({_i(R)}):",
             '                acc[hh, r] = acc[hh, r] * corr + ex * T.Cast("float32", lat[b, 0, row, r])',
             "            st[hh, 0] = mn",
             f"for hh in range({_i(HG)}):",
             f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
             f"    for d in range({_i(Dv)}):",
-            f"        st[hh, 2] = {f32}(0)",
-            f"        for r in range({_i(R)}):",
-            f'            st[hh, 2] = st[hh, 2] + T.Cast("float32", w[w0 + {_i(Dn)} + d, r]) * acc[hh, r]',
+            ] + _vector_dot("st[hh, 2]", [(f'T.Cast("float32", w[w0 + {_i(Dn)} + d, {{}}])', "acc[hh, {}]", R)],
+                            _lanes(R) if kind != "cuda" else 1, "        ") + [
             f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
     table = "bt_: T.handle, " if p.get("paged") else ""
