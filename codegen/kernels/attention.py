@@ -308,7 +308,8 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
             f"                    part[l] = {f32}(0)",
             f"                for dko in range({_i(D // DL)}):",
             f"                    for l in T.vectorized({_i(DL)}):",
-            f'                        part[l] = part[l] + qf[hh, dko * {_i(DL)} + l] * T.Cast("float32", k[b, g, row, dko * {_i(DL)} + l])']
+            f"                        part[l] = part[l] + qf[hh, dko * {_i(DL)} + l]"
+            f' * T.Cast("float32", k[b, g, row, dko * {_i(DL)} + l])']
     body += tree + [f"                sc[hh, jj] = {hsum}",
              "        else:",
              f"            for hh in range({_i(rep)}):",
@@ -421,7 +422,8 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
             f"        for d in T.vectorized({_i(Dv)}):",
             f"            acc[i * {_i(rep)} + hh, d] = {f32}(0)",
             f"        for d in T.vectorized({_i(D)}):",
-            f'            qf[i * {_i(rep)} + hh, d] = T.if_then_else(s0 + i < {S}, T.Cast("float32", q[b, g * {_i(rep)} + hh, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p["scale"]!r}), {f32}(0))',
+            f"            qf[i * {_i(rep)} + hh, d] = T.if_then_else(s0 + i < {S}, T.Cast(\"float32\", "
+            f"q[b, g * {_i(rep)} + hh, T.min(s0 + i, {S} - {_i(1)}), d]) * {f32}({p['scale']!r}), {f32}(0))",
             f"rng[1] = T.max(rng[1] - rng[0] + {_i(1)}, {_i(0)})",
             f"for jb in range((rng[1] + {_i(RB - 1)}) // {_i(RB)}):",
             f"    j0 = rng[0] + jb * {_i(RB)}",
@@ -436,7 +438,8 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
             f"        for d in range({_i(D)}):",
             f"            for uu in T.unroll({_i(UB)}):",
             f"                for jj in T.vectorized({_i(RB)}):",
-            f"                    sc[ub * {_i(UB)} + uu, jj] = sc[ub * {_i(UB)} + uu, jj] + qf[ub * {_i(UB)} + uu, d] * kt[d, jj]",
+            f"                    sc[ub * {_i(UB)} + uu, jj] = sc[ub * {_i(UB)} + uu, jj]"
+            f" + qf[ub * {_i(UB)} + uu, d] * kt[d, jj]",
             f"    for u in range({_i(U)}):",
             f"        i = u // {_i(rep)}",
             f"        for jj in T.vectorized({_i(RB)}):",
@@ -448,7 +451,8 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
             "        corr = T.exp(m[u] - mx[0])",
             "        m[u] = mx[0]",
             f"        for jj in T.vectorized({_i(RB)}):",
-            f"            sc[u, jj] = T.if_then_else(j0 + jj >= qr[i, 0] and j0 + jj <= qr[i, 1], T.exp(sc[u, jj] - mx[0]), {f32}(0))",
+            f"            sc[u, jj] = T.if_then_else(j0 + jj >= qr[i, 0] and j0 + jj <= qr[i, 1],"
+            f" T.exp(sc[u, jj] - mx[0]), {f32}(0))",
             "        den[u] = den[u] * corr",
             f"        for jj in range({_i(RB)}):",
             "            den[u] = den[u] + sc[u, jj]",
