@@ -231,7 +231,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
 DECODE_ROWS = 16  # cache rows per block of the decode kernel (one vector of scores per head)
 
 
-def _lanes(n: int) -> int:
+def lanes_of(n: int) -> int:
     """The widest vector (16, 8, 4, 2 or 1 fp32 lanes) dividing ``n``."""
     return next(v for v in (16, 8, 4, 2, 1) if n % v == 0)
 
@@ -254,7 +254,7 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
     from dayzero.codegen.cpu_rules import fast_exp
 
     Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
-    rep, RB, DL = Hq // Hkv, DECODE_ROWS, _lanes(D)
+    rep, RB, DL = Hq // Hkv, DECODE_ROWS, lanes_of(D)
     S = _i(p["S"]) if p["S"] is not None else "S"
     B = _i(p["B"]) if p["B"] is not None else "B"
     rows = p.get("P", L)
@@ -480,7 +480,7 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
     return fast_exp(from_source(src))
 
 
-def _vector_dot(out: str, terms: list, lanes: int, ind: str) -> list[str]:
+def vector_dot(out: str, terms: list, lanes: int, ind: str) -> list[str]:
     """TVMScript lines setting ``out`` to sum over ``terms`` (a, b, n) of sum_{i < n} a(i) * b(i) (a, b format strings
     taking the index) in ``lanes`` partial sums (a vector) over i, summed at the end by a halving tree of vector adds:
     a scalar loop would run n dependent FMAs. Needs the buffer ``part`` of ``lanes`` floats (``lanes`` divides
@@ -488,7 +488,8 @@ def _vector_dot(out: str, terms: list, lanes: int, ind: str) -> list[str]:
     if lanes == 1:
         lines = [ind + f"{out} = T.float32(0)"]
         for a, b, n in terms:
-            lines += [ind + f"for i in range({_i(n)}):", ind + f"    {out} = {out} + {a.format('i')} * {b.format('i')}"]
+            lines += [ind + f"for ii in range({_i(n)}):",
+                      ind + f"    {out} = {out} + {a.format('ii')} * {b.format('ii')}"]
         return lines
     lines = [ind + f"for l in T.vectorized({_i(lanes)}):", ind + "    part[l] = T.float32(0)"]
     for a, b, n in terms:
@@ -557,7 +558,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         lines.append(buffer("x", "x_", (_i(B), S, _i(K)), p["idx_dtype"]))
     lines += [buffer("o", "o_", (_i(B), _i(H), S, _i(Dv)), p["out_dtype"])] + table_decl(p)
     HG = mla_head_group(H, kind)
-    DL = _lanes(math.gcd(R, Dr)) if kind != "cuda" else 1  # the score's lanes (one width for latent and rope)
+    DL = lanes_of(math.gcd(R, Dr)) if kind != "cuda" else 1  # the score's lanes (one width for latent and rope)
     NG = H // HG
     total = f"{_i(B * NG)} * {S}"
     lines += task_loop(total, kind)
@@ -575,7 +576,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'qr = T.decl_buffer(({_i(HG)}, {_i(Dr)}), "float32"{scope})',
             f'acc = T.decl_buffer(({_i(HG)}, {_i(R)}), "float32"{scope})',
             f'st = T.decl_buffer(({_i(HG)}, {_i(3)}), "float32"{scope})',  # running max, denominator, score
-            f'part = T.decl_buffer(({_i(max(DL, _lanes(R)) if kind != "cuda" else 1)},), "float32"{scope})',
+            f'part = T.decl_buffer(({_i(max(DL, lanes_of(R)) if kind != "cuda" else 1)},), "float32"{scope})',
             f"for hh in range({_i(HG)}):",
             f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
             f"    for r in range({_i(R)}):",
@@ -592,7 +593,7 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             ] + select + [
             f"        row = {cache_row(p, 'pos', 's')}",
             f"        for hh in range({_i(HG)}):",  # the row is read from memory once for the group
-            ] + _vector_dot("st[hh, 2]", [("qa[hh, {}]", 'T.Cast("float32", lat[b, 0, row, {}])', R),
+            ] + vector_dot("st[hh, 2]", [("qa[hh, {}]", 'T.Cast("float32", lat[b, 0, row, {}])', R),
                                           ("qr[hh, {}]", 'T.Cast("float32", rk[b, 0, row, {}])', Dr)],
                             DL, "            ") + [
             "            mn = T.max(st[hh, 0], st[hh, 2])",
@@ -605,8 +606,8 @@ def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f"for hh in range({_i(HG)}):",
             f"    w0 = (h0 + hh) * {_i(Dn + Dv)}",
             f"    for d in range({_i(Dv)}):",
-            ] + _vector_dot("st[hh, 2]", [(f'T.Cast("float32", w[w0 + {_i(Dn)} + d, {{}}])', "acc[hh, {}]", R)],
-                            _lanes(R) if kind != "cuda" else 1, "        ") + [
+            ] + vector_dot("st[hh, 2]", [(f'T.Cast("float32", w[w0 + {_i(Dn)} + d, {{}}])', "acc[hh, {}]", R)],
+                            lanes_of(R) if kind != "cuda" else 1, "        ") + [
             f'        o[b, h0 + hh, s, d] = T.Cast("{p["out_dtype"]}", st[hh, 2] / st[hh, 1])']
     ind = "        " + ("    " if kind == "cuda" else "")
     table = "bt_: T.handle, " if p.get("paged") else ""

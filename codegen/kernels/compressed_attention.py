@@ -114,6 +114,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     NQ = f"(({S} + {_i(QB - 1)}) // {_i(QB)})"  # query blocks
     f32 = "T.float32"
     scope = ', scope="local"' if kind == "cuda" else ""
+    lanes = 1 if kind == "cuda" else attention.lanes_of(D)  # a row's score: D in vector partial sums
     args = (["q_", "kv_", "p_", "en_", "sk_"] + (["x_"] if csa else []) + (["ep_"] if hca else [])
             + (["bt_"] if p.get("paged") else []) + ["o_"])
     buf = attention.buffer
@@ -140,6 +141,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
             f'acc = T.decl_buffer(({_i(QH_)}, {_i(D)}), "float32"{scope})',
             f'qf = T.decl_buffer(({_i(QH_)}, {_i(D)}), "float32"{scope})',
             f'sc = T.decl_buffer(({_i(1)},), "float32"{scope})',
+            f'part = T.decl_buffer(({_i(lanes)},), "float32"{scope})',
             f"for qi in range({_i(QB)}):",
             f"    for hh in range({_i(HG)}):",
             f"        m[qi * {_i(HG)} + hh] = {NEG}",
@@ -157,14 +159,13 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         i = f"qi * {_i(HG)} + hh"
         return [ind + f"r = {attention.cache_row(p, row) if buf == 'kv' else row}",
                 ind + f"for hh in range({_i(HG)}):",
-                ind + f"    sc[0] = {f32}(0)",
-                ind + f"    for d in range({_i(D)}):",
-                ind + f'        sc[0] = sc[0] + qf[{i}, d] * T.Cast("float32", {buf}[b, g, r, d])',
+                ] + attention.vector_dot("sc[0]", [(f"qf[{i}, {{}}]", f'T.Cast("float32", {buf}[b, g, r, {{}}])',
+                                                    D)], lanes, ind + "    ") + [
                 ind + f"    mn = T.max(m[{i}], sc[0])",
                 ind + f"    corr = T.exp(m[{i}] - mn)",
                 ind + "    ex = T.exp(sc[0] - mn)",
                 ind + f"    den[{i}] = den[{i}] * corr + ex",
-                ind + f"    for d in range({_i(D)}):",
+                ind + f"    for d in {'range' if kind == 'cuda' else 'T.vectorized'}({_i(D)}):",
                 ind + f'        acc[{i}, d] = acc[{i}, d] * corr + ex * T.Cast("float32", {buf}[b, g, r, d])',
                 ind + f"    m[{i}] = mn"]
 
