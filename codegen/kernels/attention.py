@@ -236,6 +236,47 @@ def lanes_of(n: int) -> int:
     return next(v for v in (16, 8, 4, 2, 1) if n % v == 0)
 
 
+def _dense_signature(p: dict) -> tuple[str, str, list[str], list[str]]:
+    """(S, B, parameter names, their declaration lines) of the blocked cache_attention kernels (``build_decode``,
+    ``build_prefill``): q, k, v, the positions (one a query, or one a batch row: per_row), [sinks], [the block
+    table], o; S and B their TVMScript extents (symbolic names where ``p`` leaves them open)."""
+    Hq, Hkv, D, Dv = p["Hq"], p["Hkv"], p["D"], p["Dv"]
+    S = _i(p["S"]) if p["S"] is not None else "S"
+    B = _i(p["B"]) if p["B"] is not None else "B"
+    rows = p.get("P", p["L"])
+    names = ["q_", "k_", "v_", "p_"] + (["sk_"] if p["sinks"] else []) + (["bt_"] if p.get("paged") else []) + ["o_"]
+    lines = header(p, "S", "B") + [
+        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
+        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
+        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
+        buffer("p", "p_", (B if p.get("per_row") else S,), p["pos_dtype"])] + table_decl(p)
+    if p["sinks"]:
+        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
+    return S, B, names, lines + [buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"])]
+
+
+def _finish(p: dict, u: str, s: str, ind: str) -> list[str]:
+    """The blocked kernels' last lines for query head ``u`` (head h, query row ``s``): the sink logit folded into
+    the denominator (sinks), then o = acc / den."""
+    Dv = _i(p["Dv"])
+    out = []
+    if p["sinks"]:
+        out += ['snk = T.Cast("float32", sk[h])', f"mn = T.max(m[{u}], snk)", f"corr = T.exp(m[{u}] - mn)",
+                f"den[{u}] = den[{u}] * corr + T.exp(snk - mn)", f"for d in T.vectorized({Dv}):",
+                f"    acc[{u}, d] = acc[{u}, d] * corr"]
+    out += [f"for d in range({Dv}):", f'    o[b, h, {s}, d] = T.Cast("{p["out_dtype"]}", acc[{u}, d] / den[{u}])']
+    return [ind + x for x in out]
+
+
+def _blocked_kernel(p: dict, params_: list[str], lines: list[str], body: list[str]) -> tvm.tirx.PrimFunc:
+    """The PrimFunc of a blocked kernel's declaration ``lines`` and task ``body``, every exp as fast_exp."""
+    from dayzero.codegen.cpu_rules import fast_exp
+
+    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
+           + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
+    return fast_exp(from_source(src))
+
+
 def build_decode(p: dict) -> tvm.tirx.PrimFunc:
     """cache_attention for one query a task, host CPU (decode: S == 1, the row-batched step's per-row queries,
     or the batched step's per-token tables): a task is a (b, kv head g, query s) and runs the query of each of
@@ -251,23 +292,10 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
     Rows past the block's end are never read (their scores are set to the lowest float). The one-row-at-a-time
     form it replaces ran a scalar chain of D dependent FMAs and two scalar ``expf`` per row and head: at
     gpt-oss-20b width (64 heads of 64, 8 KV heads) a full-attention layer at 4000 tokens took 7.9 ms."""
-    from dayzero.codegen.cpu_rules import fast_exp
-
     Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep, RB, DL = Hq // Hkv, DECODE_ROWS, lanes_of(D)
-    S = _i(p["S"]) if p["S"] is not None else "S"
-    B = _i(p["B"]) if p["B"] is not None else "B"
-    rows = p.get("P", L)
+    S, B, params_, lines = _dense_signature(p)
     f32 = "T.float32"
-    params_ = ["q_", "k_", "v_", "p_"] + (["sk_"] if p["sinks"] else []) + (["bt_"] if p.get("paged") else []) + ["o_"]
-    lines = header(p, "S", "B") + [
-        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
-        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
-        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
-        buffer("p", "p_", (B if p.get("per_row") else S,), p["pos_dtype"])] + table_decl(p)
-    if p["sinks"]:
-        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
-    lines.append(buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"]))
     lines += task_loop(f"{B} * {_i(Hkv)} * {S}", "llvm")
     W = p["window"]
     at = "b" if p.get("per_row") else "s"
@@ -336,18 +364,7 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
              '                    acc[hh, d] = acc[hh, d] + sc[hh, jj] * T.Cast("float32", v[b, g, row, d])',
              f"for hh in range({_i(rep)}):",
              f"    h = g * {_i(rep)} + hh"]
-    if p["sinks"]:
-        body += ['    snk = T.Cast("float32", sk[h])',
-                 "    mn = T.max(m[hh], snk)",
-                 "    corr = T.exp(m[hh] - mn)",
-                 "    den[hh] = den[hh] * corr + T.exp(snk - mn)",
-                 f"    for d in T.vectorized({_i(Dv)}):",
-                 "        acc[hh, d] = acc[hh, d] * corr"]
-    body += [f"    for d in range({_i(Dv)}):",
-             f'        o[b, h, s, d] = T.Cast("{p["out_dtype"]}", acc[hh, d] / den[hh])']
-    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
-           + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
-    return fast_exp(from_source(src))
+    return _blocked_kernel(p, params_, lines, body + _finish(p, "hh", "s", "    "))
 
 
 PREFILL_QUERY_HEADS = 32  # query heads x queries per task of the prefill kernel (its tiles stay in L1)
@@ -368,26 +385,13 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
     The query-at-a-time form it replaces ran a scalar chain of D FMAs and two scalar ``expf`` per row, query and
     head: gpt-oss-20b dims (64 heads, 8 KV heads, D 64), 512 queries from position 0: 275 ms a full-attention
     layer (7.8 GFLOP/s)."""
-    from dayzero.codegen.cpu_rules import fast_exp
-
     Hq, Hkv, L, D, Dv = p["Hq"], p["Hkv"], p["L"], p["D"], p["Dv"]
     rep, RB = Hq // Hkv, DECODE_ROWS
     QB = max(1, PREFILL_QUERY_HEADS // rep)
     U = QB * rep  # query heads a task: u = i * rep + hh
     UB = next(v for v in (8, 4, 2, 1) if U % v == 0)
-    S = _i(p["S"]) if p["S"] is not None else "S"
-    B = _i(p["B"]) if p["B"] is not None else "B"
-    rows = p.get("P", L)
+    S, B, params_, lines = _dense_signature(p)
     f32 = "T.float32"
-    params_ = ["q_", "k_", "v_", "p_"] + (["sk_"] if p["sinks"] else []) + (["bt_"] if p.get("paged") else []) + ["o_"]
-    lines = header(p, "S", "B") + [
-        buffer("q", "q_", (B, _i(Hq), S, _i(D)), p["dtype"]),
-        buffer("k", "k_", (B, _i(Hkv), _i(rows), _i(D)), p["dtype"]),
-        buffer("v", "v_", (B, _i(Hkv), _i(rows), _i(Dv)), p["dtype"]),
-        buffer("p", "p_", (S,), p["pos_dtype"])] + table_decl(p)
-    if p["sinks"]:
-        lines.append(buffer("sk", "sk_", (_i(Hq),), p["sink_dtype"]))
-    lines.append(buffer("o", "o_", (B, _i(Hq), S, _i(Dv)), p["out_dtype"]))
     nqb = f"({S} + {_i(QB - 1)}) // {_i(QB)}"
     lines += task_loop(f"{B} * {_i(Hkv)} * ({nqb})", "llvm")
     W = p["window"]
@@ -466,18 +470,7 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
             f"        for hh in range({_i(rep)}):",
             f"            u = i * {_i(rep)} + hh",
             f"            h = g * {_i(rep)} + hh"]
-    if p["sinks"]:
-        body += ['            snk = T.Cast("float32", sk[h])',
-                 "            mn = T.max(m[u], snk)",
-                 "            corr = T.exp(m[u] - mn)",
-                 "            den[u] = den[u] * corr + T.exp(snk - mn)",
-                 f"            for d in T.vectorized({_i(Dv)}):",
-                 "                acc[u, d] = acc[u, d] * corr"]
-    body += [f"            for d in range({_i(Dv)}):",
-             f'                o[b, h, s0 + i, d] = T.Cast("{p["out_dtype"]}", acc[u, d] / den[u])']
-    src = ("@T.prim_func\ndef main(" + ", ".join(x + ": T.handle" for x in params_) + "):\n"
-           + "\n".join(lines) + "\n" + "\n".join("        " + x for x in body) + "\n")
-    return fast_exp(from_source(src))
+    return _blocked_kernel(p, params_, lines, body + _finish(p, "u", "s0 + i", "            "))
 
 
 def vector_dot(out: str, terms: list, lanes: int, ind: str) -> list[str]:
