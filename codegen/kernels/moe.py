@@ -324,11 +324,6 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         """The reduction index that lane l of chunk ko stands for (MXFP4: nibble order, see above)."""
         return 32 * (ko // 2) + 2 * l + ko % 2 if mx else ko * L + l
 
-    def mx_at(B, S, LUT, e, n, ko, l):  # MXFP4 weight [e, n, k_of(ko, l)] from blocks/scales
-        code = T.bitwise_and(T.shift_right(B[e, n, ko // 2, l], T.Cast("uint8", (ko % 2) * 4)), T.uint8(15))
-        return dequant_decode.e2m1_x2_lookup(decode, LUT[l], code) * (dequant_decode.e8m0_value(S[e, n, ko // 2]) *
-                                                                T.float32(0.5))
-
     def mx_blocks(W, S, LUT, e, n0, n_out, fetch):
         """The MXFP4 rows [n0, n0 + NB) of W block by block (``BlockWeight``); ``fetch``: its prefetch reads the
         next NB rows' block (clamped to the last row), else it is nothing."""
@@ -348,11 +343,9 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         return dequant_decode.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
             (S[e, i1 // blk[0], i2 // blk[1]] * T.float32(256))
 
-    def w_at(W, S, LUT, blk, e, n, ko, l):  # weight [e, n, k_of(ko, l)] of one expert matrix, fp32
-        if S is not None and f8:
-            return fp8_at(W, S, blk, e, n, ko * L + l) if nk else fp8_at(W, S, blk, e, ko * L + l, n)
+    def w_at(W, S, LUT, blk, e, n, ko, l):  # weight [e, n, ko * L + l] of one expert matrix, fp32 (MXFP4: mx_blocks)
         if S is not None:
-            return mx_at(W, S, LUT, e, n, ko, l)
+            return fp8_at(W, S, blk, e, n, ko * L + l) if nk else fp8_at(W, S, blk, e, ko * L + l, n)
         return T.Cast(f32, W[e, n, ko * L + l] if nk else W[e, ko * L + l, n])
 
     # FP8 prefill: an expert with >= MB tokens has its job's [NB, K] block decoded once into a per-thread fp32
