@@ -302,13 +302,6 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
     lo = f'T.max(T.Cast("int64", p[{at}]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
     hi = f'T.min(T.Cast("int64", p[{at}]), {_i(L - 1)})'
     row = cache_row(p, "j0 + jj", "s")
-    tree = []  # the score's lanes summed as a halving tree of vector adds
-    w = DL
-    while w > 2:
-        w //= 2
-        tree += [f"                for l in T.vectorized({_i(w)}):",
-                 f"                    part[l] = part[l] + part[l + {_i(w)}]"]
-    hsum = "part[0] + part[1]" if DL > 1 else "part[0]"
     body = [f"b = t // {_i(Hkv)} // {S}", f"g = t // {S} % {_i(Hkv)}", f"s = t % {S}",
             f'm = T.decl_buffer(({_i(rep)},), "float32")',
             f'den = T.decl_buffer(({_i(rep)},), "float32")',
@@ -332,13 +325,8 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
             f"        if jb * {_i(RB)} + jj < lo[1]:",
             f"            row = {row}",
             f"            for hh in range({_i(rep)}):",
-            f"                for l in T.vectorized({_i(DL)}):",
-            f"                    part[l] = {f32}(0)",
-            f"                for dko in range({_i(D // DL)}):",
-            f"                    for l in T.vectorized({_i(DL)}):",
-            f"                        part[l] = part[l] + qf[hh, dko * {_i(DL)} + l]"
-            f' * T.Cast("float32", k[b, g, row, dko * {_i(DL)} + l])']
-    body += tree + [f"                sc[hh, jj] = {hsum}",
+            ] + vector_dot("sc[hh, jj]", [("qf[hh, {}]", 'T.Cast("float32", k[b, g, row, {}])', D)], DL,
+                           "                ") + [
              "        else:",
              f"            for hh in range({_i(rep)}):",
              f"                sc[hh, jj] = {NEG}",

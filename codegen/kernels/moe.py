@@ -114,6 +114,11 @@ def act_value(expr, G, p, i):
     return build(expr)
 
 
+def prefetch_l2(element):
+    """The statement that prefetches (to L2, for reading) the cache line of ``element``, a buffer load."""
+    return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(element), 0, 2, 1))
+
+
 def no_prefetch(n, ko):
     """The ``prefetch`` of ``expert_gemm_tiles`` that prefetches nothing."""
     return T.evaluate(0)
@@ -335,9 +340,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             return look
         return BlockWeight(nibble(0), nibble(1),
                            lambda n, g: dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5),
-                           lambda n, g: T.evaluate(0) if cuda or not fetch else T.evaluate(T.call_intrin(
-                               "void", "tirx.prefetch", T.address_of(W[e, T.min(n0 + NB + n, n_out - 1), g, 0]), 0,
-                               2, 1)))
+                           lambda n, g: T.evaluate(0) if cuda or not fetch else prefetch_l2(
+                               W[e, T.min(n0 + NB + n, n_out - 1), g, 0]))
 
     def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
         return dequant_decode.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
@@ -382,8 +386,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
 
     def q8_prefetch(BF, O, G, e, n0, n, gc):
         """Prefetch (to L2) of step gc's code bytes of weight row n0 + NB + n (the next rows, clamped to the last)."""
-        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(
-            BF[((e * O + T.min(n0 + NB + n, O - 1)) * G + gc * q8.WMAX) * 16]), 0, 2, 1))
+        return prefetch_l2(BF[((e * O + T.min(n0 + NB + n, O - 1)) * G + gc * q8.WMAX) * 16])
 
     @T.macro(hygienic=True)
     def q8_tile(OUT, ACC8, SWV, rows, p0, n0, BF, O, G, e, LUT8, QL, QH, CORR, SX4, qrow, bias, fetch):
@@ -448,7 +451,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         routed expert (clamped to its last row), so DRAM latency overlaps the current block's FMAs."""
         if (S is not None and not f8) or not nk or cuda:
             return T.evaluate(0)
-        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W[e, n, h]), 0, 2, 1))
+        return prefetch_l2(W[e, n, h])
 
     def gu_src(X, XP, order, p, ko, l):  # x row of sorted position p, chunk ko lane l, fp32
         return XP[order[p] // k, ko * L + l] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
