@@ -56,14 +56,28 @@ def config_at(directory):
         raise UserError(f"{directory}/config.json: transformers cannot read it: {str(e).splitlines()[0]}") from None
 
 
-def load_upstream(directory, dtype=None, experts: str | None = None):
+def load_upstream(directory, dtype=None, experts: str | None = None, complete: bool = True):
     """The upstream model with its checkpoint weights, eager, for reference numerics: in float32 unless ``dtype``
-    says otherwise (transformers 5 otherwise follows the stored tensors: a bf16 checkpoint ran in bf16)."""
+    says otherwise (transformers 5 otherwise follows the stored tensors: a bf16 checkpoint ran in bf16).
+
+    Where transformers' loader leaves parameters missing (it initialises them at random: DeepSeek-V4's MXFP4
+    experts, whose ``weight_blocks``/``weight_scales`` pairs it has no converter for), the model is filled the way
+    the streamed reference fills it instead (``reference.StreamedUpstream``: transformers' own key mapping learned on
+    the checkpoint dequantised, every low-precision pair decoded), unless ``complete`` is false (the loader that
+    learns that mapping)."""
     from transformers import AutoModelForCausalLM
 
     kw = {"experts_implementation": experts} if experts else {}
     with _quiet():
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32, **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32,
+                                                           output_loading_info=True, **kw)
+    if complete and info.get("missing_keys"):
+        from .reference import StreamedUpstream
+
+        del model
+        model = StreamedUpstream(directory, experts=experts).whole()
+        if dtype not in (None, torch.float32):
+            model = model.to(dtype)
     return model.eval()
 
 
@@ -93,4 +107,4 @@ def meta_model(ckpt: Checkpoint):
 
 
 def load_for_recipes(directory, dtype):
-    return load_upstream(directory, dtype=dtype, experts=EXPORT_EXPERTS)
+    return load_upstream(directory, dtype=dtype, experts=EXPORT_EXPERTS, complete=False)

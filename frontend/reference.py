@@ -83,7 +83,7 @@ class StreamedUpstream:
     """The upstream causal LM of checkpoint ``directory`` on ``meta``; ``materialised(name)`` holds one of its
     submodules on CPU with the checkpoint's weights for the duration of a ``with`` block."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, experts: str | None = None):
         from transformers import AutoModelForCausalLM
 
         self.ckpt = Checkpoint(directory)
@@ -93,7 +93,8 @@ class StreamedUpstream:
             del cfg.quantization_config  # dequantised here, as transformers' loader would
         try:
             with hf._quiet(), torch.device("meta"):
-                self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+                kw = {"experts_implementation": experts} if experts else {}
+                self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kw).eval()
         except (ValueError, KeyError) as e:
             raise UserError(f"{directory}: transformers cannot build model_type "
                             f"{self.ckpt.config.get('model_type')!r}: {str(e).splitlines()[0]}") from None
@@ -116,6 +117,13 @@ class StreamedUpstream:
             if n in self.recipes:
                 return self.recipes[n]
         return None
+
+    def whole(self) -> torch.nn.Module:
+        """The whole model on CPU with the checkpoint's weights (for a model that fits in memory), kept there."""
+        with torch.no_grad():
+            for name, child in self.model.named_children():
+                self._fill(name, child)
+        return self.model
 
     @contextlib.contextmanager
     def materialised(self, *names: str):
