@@ -64,8 +64,11 @@ def needs_streaming(model_dir, available: int | None = None) -> bool:
 
 def _observed_states(steps) -> tuple[int, dict[str, int]]:
     """(step of the embedding's output, {decoder layer path: step of its output}) from the steps' module paths:
-    the last step traced from each ``...layers.N`` with an output, and the last embedding step before layer 0."""
-    layers: dict[str, int] = {}
+    the last step traced from each ``...layers.N`` itself with an output (the layer's own residual arithmetic: a
+    submodule's step may come later, such as DeepSeek-V4's compressor writing its state to the cache at the end of
+    the program), else the last step traced from inside it; and the last embedding step before layer 0."""
+    inside: dict[str, int] = {}
+    own: dict[str, int] = {}
     first_layer, embed = None, None
     for k, st in enumerate(steps):
         m = _NODE.match(st["node"])
@@ -73,10 +76,13 @@ def _observed_states(steps) -> tuple[int, dict[str, int]]:
             continue
         lm = _LAYER.match(m.group("module"))
         if lm:
-            layers[lm.group(1)] = k
+            inside[lm.group(1)] = k
+            if m.group("module") == lm.group(1):
+                own[lm.group(1)] = k
             first_layer = k if first_layer is None else first_layer
         elif m.group("op") == "embedding" and first_layer is None:
             embed = k
+    layers = {name: own.get(name, k) for name, k in inside.items()}
     if embed is None or not layers:
         raise UserError("streamed compare needs a decoder-layer model: the program has no embedding step followed "
                         "by steps traced from model layers (...layers.N)")
@@ -145,6 +151,19 @@ def _hidden(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _as_layer_input(name: str, mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """The compiled state MINE as layer NAME's input, shaped as upstream gave it THEIRS: the same, or (the first
+    layer of a model with hyper-connections) the embedding copied into each of the residual streams upstream's model
+    makes of it (DeepSeek-V4: ``inputs_embeds.unsqueeze(2).expand(-1, -1, hc_mult, -1)``)."""
+    if mine.shape == theirs.shape:
+        return mine
+    for d in range(theirs.dim()):
+        if mine.dim() + 1 == theirs.dim() and tuple(mine.shape) == theirs.shape[:d] + theirs.shape[d + 1:]:
+            return mine.unsqueeze(d).expand(theirs.shape).contiguous()
+    raise UserError(f"{name}: the compiled state before it is {list(mine.shape)}, upstream's decoder layer takes "
+                    f"{list(theirs.shape)}; compare without --streamed")
+
+
 def _path(model, module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
@@ -154,11 +173,6 @@ def compare_streamed(model, artifact, seq_len: int | None = None, atol: float = 
     from dayzero.frontend import hf
     from dayzero.frontend.reference import StreamedUpstream
 
-    hc = getattr(hf.config_at(model), "hc_mult", None) or 1
-    if hc > 1:
-        raise UserError(f"{model}: its decoder layers carry {hc} residual streams (DeepSeek-V4's hyper-connections), "
-                        "which the final norm and head collapse; streamed compare feeds one-stream layers only "
-                        "(compare without --streamed on a model that fits in memory)")
     ids, dz_embed, dz_layers, dz_logits, facts = run_compiled(artifact, seq_len)
     up = StreamedUpstream(model)
     um = up.model
@@ -176,6 +190,7 @@ def compare_streamed(model, artifact, seq_len: int | None = None, atol: float = 
     prev = dict(zip(names, [dz_embed, *dz_layers.values()]))
     got: dict[str, dict] = {}
     norm = um.base_model.norm if hasattr(um.base_model, "norm") else None
+    collapse = getattr(um.base_model, "hc_head", None)  # hyper-connections: the streams -> one, before the norm
 
     def on_embed(_m, _args, _kwargs, out):
         got[emb_name] = {"chain": out.detach().clone()}
@@ -183,11 +198,10 @@ def compare_streamed(model, artifact, seq_len: int | None = None, atol: float = 
     def on_layer(name):
         def after(m, args, kwargs, out):
             own = _hidden(out)
-            mine = prev[name]
-            if tuple(mine.shape) != tuple(own.shape):
-                raise UserError(f"{name}: the compiled layer's output is {list(mine.shape)}, upstream's decoder "
-                                f"layer returns {list(own.shape)} (a wider residual, such as DeepSeek-V4's "
-                                "hyper-connections, is not compared layer by layer); compare without --streamed")
+            if tuple(dz_layers[name].shape) != tuple(own.shape):
+                raise UserError(f"{name}: the compiled layer's output is {list(dz_layers[name].shape)}, upstream's "
+                                f"decoder layer returns {list(own.shape)}; compare without --streamed")
+            mine = _as_layer_input(name, prev[name], args[0] if args else kwargs["hidden_states"])
             if args:
                 local = m.forward(mine, *args[1:], **kwargs)
             else:
@@ -197,7 +211,8 @@ def compare_streamed(model, artifact, seq_len: int | None = None, atol: float = 
 
     def on_head(m, args, _kwargs, out):
         last = dz_layers[names[-1]]
-        x = norm(last) if norm is not None else last
+        x = collapse(last) if collapse is not None else last
+        x = norm(x) if norm is not None else x
         got[head_name] = {"chain": out.detach().clone(), "local": m.forward(x).detach().clone()}
 
     stream = _Stream(up)
