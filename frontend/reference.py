@@ -127,22 +127,37 @@ class StreamedUpstream:
 
     @contextlib.contextmanager
     def materialised(self, *names: str):
-        """Submodules ``names`` (module paths) on CPU with their checkpoint weights; back on ``meta`` after."""
+        """Submodules ``names`` (module paths) on CPU with their checkpoint weights; back on ``meta`` after.
+
+        Routed experts are filled on demand: a module taking ``top_k_index`` (transformers' experts interface) gets
+        its expert stacks allocated but untouched (pages the kernel has not committed), and each expert's slices
+        are decoded from the checkpoint the first time a forward routes a token to it. One MoE layer of
+        DeepSeek-V3.2 in fp32 is 45 GB, the experts a few prompt tokens reach a few GB."""
         mods = [(n, self.model.get_submodule(n)) for n in names]
+        hooks: list = []
         try:
             with torch.no_grad():
                 for n, m in mods:
-                    self._fill(n, m)
+                    self._fill(n, m, hooks)
             yield [m for _, m in mods]
         finally:
+            for h in hooks:
+                h.remove()
             for _, m in mods:
                 m.to("meta")
 
-    def _fill(self, prefix: str, module: torch.nn.Module) -> None:
+    def _fill(self, prefix: str, module: torch.nn.Module, lazy: list | None = None) -> None:
+        """Module ``prefix`` on CPU with its checkpoint weights; with ``lazy`` (a list that receives the hook
+        handles) routed experts are filled on demand (``materialised``)."""
         module.to_empty(device="cpu")
+        experts = {} if lazy is None else {
+            ".".join(p for p in (prefix, n) if p): m for n, m in module.named_modules() if _routed_experts(m)}
         tensors = [(f"{prefix}.{n}", t) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+        deferred = {name for name, _ in tensors if name.rpartition(".")[0] in experts}
         computed = []
         for name, t in tensors:
+            if name in deferred:
+                continue
             if t.is_floating_point():
                 t.fill_(float("nan"))
             if self._recipe(name) is None:
@@ -151,20 +166,64 @@ class StreamedUpstream:
             for owner in sorted({n.rpartition(".")[0] for n in computed}):
                 self.model._init_weights(self.model.get_submodule(owner))
         for name, t in tensors:
-            runs = self._recipe(name)
-            if runs is None:
+            if name in deferred:
+                continue
+            if self._recipe(name) is None:
                 if t.is_floating_point() and bool(torch.isnan(t).any()):
                     raise UserError(f"{self.ckpt.dir}: the model reads {name}, which the checkpoint lacks and the "
                                     "model's own initialisation does not compute")
                 continue
-            flat = t.view(-1)
-            by_key: dict[str, list] = {}
-            for run in runs:
-                by_key.setdefault(run[1], []).append(run)
-            for key, key_runs in by_key.items():  # each key decoded once, a slice at a time
-                for first, part in dequantised(self.ckpt, self.groups, key):
-                    last = first + part.numel()
-                    for d0, _, s0, n in key_runs:
-                        a, b = max(s0, first), min(s0 + n, last)
-                        if a < b:
-                            flat[d0 + a - s0:d0 + b - s0] = part[a - first:b - first].to(t.dtype)
+            self._fill_range(name, t)
+        for path, m in experts.items():
+            lazy.append(m.register_forward_pre_hook(self._expert_filler(path, m), with_kwargs=True))
+
+    def _expert_filler(self, path: str, module: torch.nn.Module):
+        stacks = [(f"{path}.{n}", t) for n, t in module.named_parameters()]
+        count = stacks[0][1].shape[0]
+        filled: set[int] = set()
+
+        def pre(_m, args, kwargs):
+            index = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
+            for e in sorted(set(index.reshape(-1).tolist()) - filled):
+                if not 0 <= e < count:
+                    continue  # transformers' "no expert" slot
+                with torch.no_grad():
+                    for name, t in stacks:
+                        if self._recipe(name) is None:
+                            raise UserError(f"{self.ckpt.dir}: the model reads {name}, which the checkpoint lacks")
+                        per = t[0].numel()
+                        self._fill_range(name, t, e * per, (e + 1) * per)
+                filled.add(e)
+        return pre
+
+    def _fill_range(self, name: str, t: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Elements [lo, hi) of tensor ``name`` (flat) from the checkpoint, by its recipe."""
+        hi = t.numel() if hi is None else hi
+        flat = t.view(-1)
+        by_key: dict[str, list] = {}
+        for run in self._recipe(name):
+            d0, key, s0, n = run
+            if d0 < hi and d0 + n > lo:
+                a = max(d0, lo) - d0  # the part of the run inside [lo, hi), as (destination, source, count)
+                by_key.setdefault(key, []).append((d0 + a, s0 + a, min(d0 + n, hi) - d0 - a))
+        for key, key_runs in by_key.items():  # each key decoded once, a slice at a time
+            for first, part in dequantised(self.ckpt, self.groups, key):
+                last = first + part.numel()
+                for d0, s0, n in key_runs:
+                    a, b = max(s0, first), min(s0 + n, last)
+                    if a < b:
+                        flat[d0 + a - s0:d0 + b - s0] = part[a - first:b - first].to(t.dtype)
+
+
+def _routed_experts(module: torch.nn.Module) -> bool:
+    """transformers' routed-experts interface: ``forward(hidden_states, top_k_index, top_k_weights)`` over
+    parameter stacks with one leading row per expert."""
+    import inspect
+
+    params = list(module.parameters(recurse=False))
+    try:
+        sig = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "top_k_index" in sig and bool(params) and all(p.dim() >= 2 and p.shape[0] == params[0].shape[0]
+                                                          for p in params)

@@ -250,3 +250,35 @@ def test_streamed_reference_decodes_in_slices_what_the_whole_tensor_decodes(mode
     # the embedding a few rows at a time; an MXFP4 expert stack one expert at a time (FP8: make-tiny's 32-row
     # experts are one 128-row scale block each, decoded whole)
     assert sliced == ({"plain", "mxfp4"} if experts == "mxfp4" else {"plain"})
+
+
+@pytest.mark.parametrize("model_type,experts", [("deepseek_v4", "mxfp4"), ("qwen3_moe", "fp8")])
+def test_streamed_reference_decodes_only_the_experts_a_forward_reaches(model_type, experts, tmp_path, monkeypatch):
+    """A materialised MoE layer decodes its routed experts on demand: a forward that routes tokens to experts 2 and 5
+    decodes those experts' checkpoint tensors and no other expert's (one MoE layer of DeepSeek-V3.2 in fp32 is 45 GB),
+    and the experts' output equals the same module filled whole (``StreamedUpstream.whole``, every expert decoded)."""
+    import re
+
+    from dayzero.frontend import reference
+
+    ckpt_dir = mt.make_tiny(model_type, tmp_path / "ckpt", experts=experts, seed=0)
+    whole = reference.StreamedUpstream(ckpt_dir).whole()
+    up = reference.StreamedUpstream(ckpt_dir)
+    path = next(n for n, m in up.model.named_modules() if reference._routed_experts(m))
+    decoded = []
+    real = reference.dequantised
+
+    def spy(ckpt, groups, key):
+        decoded.append(key)
+        return real(ckpt, groups, key)
+    monkeypatch.setattr(reference, "dequantised", spy)
+    layer = path.rsplit(".", 2)[0]  # model.layers.N: the experts come up with their decoder layer
+    x = torch.randn(3, up.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[2, 5], [5, 2], [2, 5]])
+    weights = torch.full((3, 2), 0.5)
+    with up.materialised(layer):
+        got = up.model.get_submodule(path)(x, index, weights)
+    experts = {int(m.group(1)) for k in decoded if (m := re.search(r"experts\.(\d+)\.", k))}
+    assert experts == {2, 5}, sorted(set(decoded))[:8]
+    want = whole.get_submodule(path)(x, index, weights)
+    assert torch.equal(got, want)
