@@ -278,7 +278,8 @@ def bind_low_precision(traced, params: dict) -> int:
 # the embedding gathers bf16 rows, then converts them). Any other reader (norms, biases, routers' fused ops, expert
 # stacks, sinks) keeps the fp32 copy the runtime converts at load: those are small, or read by kernels that take fp32.
 
-BF16_READERS = {"linear": 1, "embedding": 0}  # op -> the input a bf16-stored weight may be
+BF16_READERS = {"linear": 1, "embedding": 0}  # op -> the input a bf16-stored weight may be (or a grouped
+# projection's view, _grouped_projection)
 
 
 def bf16_weights(graphs, stored_bf16) -> set[str]:
@@ -295,12 +296,24 @@ def bf16_weights(graphs, stored_bf16) -> set[str]:
                 continue
             readers = uses.get(id(n), [])
             if n.dtype == "float32" and "shard" not in n.attr and len(n.shape) == 2 and readers and all(
-                    r.op in BF16_READERS and r.inputs[BF16_READERS[r.op]] is n and
-                    sum(i is n for i in r.inputs) == 1 for r in readers):
+                    (r.op in BF16_READERS and r.inputs[BF16_READERS[r.op]] is n and
+                     sum(i is n for i in r.inputs) == 1) or _grouped_projection(r, n, uses) for r in readers):
                 ok.add(name)
             else:
                 bad.add(name)
     return ok - bad
+
+
+def _grouped_projection(view, w, uses) -> bool:
+    """``view`` reads ``w`` [G N, K] as [G, N, K], and is read only transposed as a ``bmm``'s right operand: a
+    grouped projection (passes/dequant_bf16.py's ``dequant_bf16.grouped``)."""
+    if view.op != "view" or len(view.shape) != 3 or view.shape[-1] != w.shape[-1]:
+        return False
+    ts = uses.get(id(view), [])
+    if len(ts) != 1 or ts[0].op != "permute" or tuple(ts[0].attr.get("dims", ())) != (0, 2, 1):
+        return False
+    mms = uses.get(id(ts[0]), [])
+    return len(mms) == 1 and mms[0].op == "bmm" and mms[0].inputs[1] is ts[0] and mms[0].inputs[0] is not ts[0]
 
 
 def bind_bf16(traced, names: set[str]) -> int:

@@ -9,10 +9,14 @@ value is an fp32 value). Rewrites (x [.., K] fp32; T = the product of x's leadin
         ==>  view [.., N] ( dequant_linear_bf16(view [T, K] (x), W) ) [+ b]
     embedding(_to_copy(W bf16 [V, H]), ids)
         ==>  _to_copy(embedding(W, ids))          (the rows gathered as stored, then converted: never the whole table)
+    bmm(x [G, M, K], permute(view(_to_copy(W bf16 [G N, K]), [G, N, K]), [0, 2, 1]))     (a grouped projection:
+        ==>  permute(view(dequant_linear_bf16(view [M, G K] (permute(x, [1, 0, 2])), W, groups=G), [M, G, N]), [1, 0, 2])
+                                                   DeepSeek-V4's o_a_proj, group g of the heads through rows g N..)
 
 The kernels (``codegen/kernels/dequant_linear.py`` ``fmt="bf16"``: decode GEMV for a static T <= 64, prefill GEMM
 for a symbolic T) convert each element as they read it and accumulate in fp32, so the weight stays resident at 2
-bytes an element. Counts ``dequant_bf16.linear`` and ``dequant_bf16.embedding``.
+bytes an element; the grouped projection read the weight through a per-step fp32 permute copy (4 x 134 MB a decode
+step at V4-Flash's widths). Counts ``dequant_bf16.linear``, ``dequant_bf16.embedding`` and ``dequant_bf16.grouped``.
 
 Ordering: after ``shard`` (passes/shard.py), which splits the binding as it splits any weight (each rank's slice of
 the bf16 tensor, still under its ``_to_copy``), so every rank's slice stays bf16 as stored; before ``fuse``.
@@ -60,9 +64,30 @@ def _embedding_rows(n: Node, m: Match) -> Node:
     return Node.make("_to_copy", (rows,), {"dtype": "float32"}, [n.type], n.span)
 
 
+def _permute(x: Node, dims: tuple[int, ...], span) -> Node:
+    return Node.make("permute", (x,), {"dims": dims}, [TensorType(x.dtype, tuple(x.shape[d] for d in dims))], span)
+
+
+def _grouped_linear(n: Node, m: Match) -> Node:
+    """bmm(x [G, M, K], float(W bf16 [G N, K]) viewed [G, N, K] and transposed) -> one grouped dequant_linear_bf16
+    over x's groups side by side (module docstring)."""
+    x, W = m.x, m.stored
+    G, N, K = m.grouped.shape
+    need(all(isinstance(d, int) for d in (G, N, K)) and tuple(W.shape) == (G * N, K) and G > 1)
+    need(x.shape[0] == G and x.shape[2] == K)
+    M = x.shape[1]
+    # x is usually the tokens' groups transposed to lead ([M, G, K] -> [G, M, K]): read them in place
+    lead = x.inputs[0] if x.op == "permute" and tuple(x.attr["dims"]) == (1, 0, 2) else _permute(x, (1, 0, 2), n.span)
+    rows = view_node(lead, (M, G * K), n.span)
+    y = Node.make(OP, [rows, W], {"N": G * N, "K": K, "groups": G}, [TensorType("float32", (M, G * N))], n.span)
+    return _permute(view_node(y, (M, G, N), n.span), (1, 0, 2), n.span)
+
+
 _FP32 = {"dtype": "float32"}
+_GROUPED_W = P("permute", P("view", _BF16, name="grouped", ndim=3), attrs={"dims": lambda d: tuple(d) == (0, 2, 1)})
 dequant_bf16 = pattern_pass("dequant_bf16", (
     Rule("dequant_bf16.linear", P("linear", P(where=lambda n, m: len(n.shape) >= 1, **_FP32), _BF16, rest=True,
                                   **_FP32), _fused_linear),
     Rule("dequant_bf16.embedding", P("embedding", _BF16, rest=True, **_FP32), _embedding_rows),
+    Rule("dequant_bf16.grouped", P("bmm", P(name="x", ndim=3, **_FP32), _GROUPED_W, **_FP32), _grouped_linear),
 ))

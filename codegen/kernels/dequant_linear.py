@@ -142,23 +142,36 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
         wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p)
     else:
         wd = _bf16_wd(*ws, N, K) if p["fmt"] == "bf16" else _fp8_wd(*ws, N, K)
+    G = p.get("groups", 1)  # grouped: output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K)
     if T is not None:
         rows, acc = gemv.gemv_tile(p["fmt"], T, N, K)
-        x = te.placeholder((T, K), "float32", name="x")
+        x = te.placeholder((T, G * K), "float32", name="x")
         kp = -(-K // (16 * acc)) * 16 * acc
-        xpad = te.compute((T, kp), lambda t, k: tirx.if_then_else(k < K, x[t, tirx.min(k, K - 1)], _f32(0.0)),
-                          name="xpad")
+        if G == 1:
+            xpad = te.compute((T, kp), lambda t, k: tirx.if_then_else(k < K, x[t, tirx.min(k, K - 1)], _f32(0.0)),
+                              name="xpad")
+            xrow = lambda t, o, k: xpad[t, k]  # noqa: E731
+        else:
+            xpad = te.compute((T, G, kp), lambda t, g, k: tirx.if_then_else(
+                k < K, x[t, g * K + tirx.min(k, K - 1)], _f32(0.0)), name="xpad")
+            xrow = lambda t, o, k: xpad[t, o // (N // G), k]  # noqa: E731
         k_ = te.reduce_axis((0, kp), "k")
-        y = te.compute((T, N), lambda t, o: te.sum(xpad[t, k_] * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
+        y = te.compute((T, N), lambda t, o: te.sum(xrow(t, o, k_) * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
     else:
         Tv = te.var("T")
         tt = gemm.token_tile(target, p.get("t_max"), N)
         Tp = (Tv + (tt - 1)) // tt * tt
-        x = te.placeholder((Tv, K), "float32", name="x")
-        xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
-            b * tt + i < Tv, x[tirx.min(b * tt + i, Tv - 1), k], _f32(0.0)), name="xt")
+        x = te.placeholder((Tv, G * K), "float32", name="x")
         k_ = te.reduce_axis((0, K), "k")
-        yt = te.compute((N, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, k_, t % tt], axis=k_), name="yt")
+        if G == 1:
+            xt = te.compute((Tp // tt, K, tt), lambda b, k, i: tirx.if_then_else(
+                b * tt + i < Tv, x[tirx.min(b * tt + i, Tv - 1), k], _f32(0.0)), name="xt")
+            yt = te.compute((N, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, k_, t % tt], axis=k_), name="yt")
+        else:
+            xt = te.compute((Tp // tt, G, K, tt), lambda b, g, k, i: tirx.if_then_else(
+                b * tt + i < Tv, x[tirx.min(b * tt + i, Tv - 1), g * K + k], _f32(0.0)), name="xt")
+            yt = te.compute((N, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, o // (N // G), k_, t % tt],
+                                                         axis=k_), name="yt")
         y = te.compute((Tv, N), lambda t, o: yt[o, t], name="y")
     func = te.create_prim_func([x, *ws, y])
     if not scheduled:

@@ -86,14 +86,15 @@ _LINEAR_DOCS = {
     "mxfp4": "y [T, N] = x [T, K] @ W.T, W MXFP4: blocks uint8 [N, K/32, 16], E8M0 scales uint8 [N, K/32]",
     "fp8": "y [T, N] = x [T, K] @ W.T, W float8_e4m3fn [N, K] times scale_inv fp32 [ceil(N/128), ceil(K/128)]",
     "bf16": "y [T, N] = x [T, K] @ W.T, W bfloat16 [N, K] as the checkpoint stores it (exact in fp32: the fp32 "
-            "accumulation sees the very values an upcast copy would hold)",
+            "accumulation sees the very values an upcast copy would hold); attr groups G > 1 (a grouped projection): "
+            "x [T, G K], row group g (rows [g N/G, (g+1) N/G)) reads x's columns [g K, (g+1) K)",
 }
 _LINEAR_WEIGHTS = {
     "int4": (("packed", TENSOR), ("scales", TENSOR), ("zero_points", OPT_TENSOR), ("layout", ATTR), ("block", ATTR),
              ("block_axis", ATTR), ("signed", ATTR), ("offset", ATTR)),
     "mxfp4": (("blocks", TENSOR), ("scales", TENSOR)),
     "fp8": (("weight", TENSOR), ("scale_inv", TENSOR)),
-    "bf16": (("weight", TENSOR),),
+    "bf16": (("weight", TENSOR), ("groups", ATTR)),
 }
 
 

@@ -68,6 +68,11 @@ def linear_reference(fmt: str):
             w = mxfp4_dequant_ref(ins[1], ins[2])
         elif fmt == "bf16":
             w = ins[1].float()
+            G = attrs.get("groups", 1)
+            if G > 1:  # row group g reads x's columns [g K, (g+1) K)
+                xg = x.float().reshape(x.shape[0], G, -1)
+                return torch.einsum("tgk,gnk->tgn", xg, w.reshape(G, -1, xg.shape[-1])).reshape(x.shape[0], -1) \
+                    .contiguous()
         else:
             w = fp8_blocks_dequant_ref(ins[1], ins[2], FP8_LINEAR_BLOCK)
         return (x.float() @ w.float().t()).contiguous()
