@@ -141,13 +141,25 @@ def _kernel_case(layout, gate_up_block, down_block, target_kind="llvm"):
 
 
 @pytest.mark.slow  # a heavy kernel build: the end-to-end tier
-@pytest.mark.parametrize("layout,gub,db", [("nk", (32, 128), (128, 128)), ("kn", (128, 16), (16, 128))])
-def test_moe_fp8_kernel_matches_reference(layout, gub, db):
+@pytest.mark.parametrize("layout,gub,db,wide", [("nk", (32, 128), (128, 128), False),
+                                                ("kn", (128, 16), (16, 128), False),
+                                                ("nk", (32, 128), (128, 128), True)])
+def test_moe_fp8_kernel_matches_reference(layout, gub, db, wide, monkeypatch):
+    """wide: the stacks declared with int64 dimensions, as a stack past int32 elements is (DeepSeek-V3.2's FP8
+    gate_up, 256 x 4096 x 7168: its flattened index overflowed int32 and TVM refused the literal)."""
     import tvm
 
+    from dayzero.codegen.kernels import moe as km
     from dayzero.targets.host import host_target_dict
 
-    lib = tvm.compile(tvm.IRModule({"main": _kernel_case(layout, gub, db)}), target=host_target_dict())["main"]
+    if wide:
+        monkeypatch.setattr(km, "WIDE_ELEMENTS", 1)
+        km.moe_experts_func.cache_clear()  # its cache may hold the int32 build of the same parameters
+    func = _kernel_case(layout, gub, db)
+    if wide:
+        km.moe_experts_func.cache_clear()  # nor may later tests get the int64 build
+    assert ("GB: T.Buffer((T.int64(4), T.int64(64), T.int64(64))" in func.script()) == wide
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=host_target_dict())["main"]
     gu_shape, d_shape = ((E, 2 * I, H), (E, H, I)) if layout == "nk" else ((E, H, 2 * I), (E, I, H))
     gq, gs = _random_fp8(gu_shape, gub, 2)
     dq_, ds = _random_fp8(d_shape, db, 3)

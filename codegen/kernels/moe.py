@@ -562,6 +562,18 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                  gate_up_bias, down_bias)
 
 
+WIDE_ELEMENTS = 1 << 31  # a stack of at least this many elements is indexed in int64
+
+
+def wide(shape: tuple) -> tuple:
+    """SHAPE as the kernel declares it: int64 dimensions when the stack has WIDE_ELEMENTS elements or more, so
+    every flattened index into it is computed in int64 (DeepSeek-V3.2's FP8 gate_up stack, 256 x 4096 x 7168
+    bytes, is past int32)."""
+    if math.prod(shape) < WIDE_ELEMENTS:
+        return tuple(shape)
+    return tuple(tvm.tirx.IntImm("int64", int(d)) for d in shape)
+
+
 def flat(FL, i: int):
     """The i-th flat weight view the stored kernels pass (``_func``), None for the dense kernel."""
     return None if FL is None else FL[i]
@@ -593,7 +605,8 @@ def _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, 
     (weight, None), whose scale parameters are dropped with the absent biases (``drop_absent``)."""
     stored = gu_st[1] is not None
     ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = [(m, s or ((1,), "float32")) for m, s in (gu_st, d_st)]
-    gub_n, db_n = math.prod(gub), math.prod(db)
+    (gub_n,), (db_n,) = wide((math.prod(gub),)), wide((math.prod(db),))
+    gub, db = wide(gub), wide(db)
 
     @T.prim_func
     def func(x_h: T.handle, ids_h: T.handle, w_h: T.handle, gub_h: T.handle, gus_h: T.handle, bgu_h: T.handle,
