@@ -9,9 +9,9 @@ value is an fp32 value). Rewrites (x [.., K] fp32; T = the product of x's leadin
         ==>  view [.., N] ( dequant_linear_bf16(view [T, K] (x), W) ) [+ b]
     embedding(_to_copy(W bf16 [V, H]), ids)
         ==>  _to_copy(embedding(W, ids))          (the rows gathered as stored, then converted: never the whole table)
-    bmm(x [G, M, K], permute(view(_to_copy(W bf16 [G N, K]), [G, N, K]), [0, 2, 1]))     (a grouped projection:
-        ==>  permute(view(dequant_linear_bf16(view [M, G K] (permute(x, [1, 0, 2])), W, groups=G), [M, G, N]), [1, 0, 2])
-                                                   DeepSeek-V4's o_a_proj, group g of the heads through rows g N..)
+    bmm(x [G, M, K], permute(view(_to_copy(W bf16 [G N, K]), [G, N, K]), [0, 2, 1]))
+        ==>  permute(view(dequant_linear_bf16(view [M, G K] (permute(x, [1, 0, 2])), W, groups=G), [M, G, N]),
+                     [1, 0, 2])         (a grouped projection, DeepSeek-V4's o_a_proj: head group g through rows g N..)
 
 The kernels (``codegen/kernels/dequant_linear.py`` ``fmt="bf16"``: decode GEMV for a static T <= 64, prefill GEMM
 for a symbolic T) convert each element as they read it and accumulate in fp32, so the weight stays resident at 2
