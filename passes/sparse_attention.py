@@ -212,11 +212,15 @@ def _copied(p: Pat) -> Pat:
     return Alt(P("copy", P(), p, where=lambda n, m: tuple(n.inputs[1].shape) == tuple(n.shape)), p)
 
 
-# MLA: V = split(permute(view(linear(latent, W)), (0,2,1,3)))[1]; K = [split[0] | expand(rope)] (cat or two slices)
-_MLA_V = P("getitem", P("split_with_sizes", P("permute", P(VIEW3, P("linear", P(name="lat", ndim=4),
-                                                                       P(name="w", ndim=2),
-                                                                       attrs={"bias": isin(False, None)}),
-                                                           name="vw"), attrs={"dims": (0, 2, 1, 3)}),
+# MLA: V = split(permute(view(linear(latent, W)), (0,2,1,3)))[1]; K = [split[0] | expand(rope)] (cat or two slices).
+# A checkpoint's bf16 W arrives as passes/dequant_bf16.py's rewrite of that linear, which reads W as stored (the MLA
+# kernel casts each element it reads: w_dtype); it had hidden the MLA from this pass, and a full-width V3.2 decode
+# step expanded its whole latent cache through W (4 x 1 s at 4005 rows).
+_LATENT_UP = Alt(P("linear", P(name="lat", ndim=4), P(name="w", ndim=2), attrs={"bias": isin(False, None)}),
+                 P(VIEW3, P("dequant_linear_bf16", P(VIEW3, P(name="lat", ndim=4)), P(name="w", ndim=2),
+                            attrs={"groups": isin(1, None)})))
+_MLA_V = P("getitem", P("split_with_sizes", P("permute", P(VIEW3, _LATENT_UP, name="vw"),
+                                               attrs={"dims": (0, 2, 1, 3)}),
                         name="sp", where=lambda n, m: last_dim(n) and len(n.attr["split_sizes"]) == 2),
            attrs={"index": 1})
 _NOPE, _ROPE = P("getitem", P(name="sp"), attrs={"index": 0}), P("expand", P(name="rope"), name="kr")

@@ -159,9 +159,10 @@ def sparse_reference(ins, attrs):
 
 def mla_expand(lat, rope, w, nope: int, H: int):
     """Upstream's ``expand_kv``: per head, K = [latent · W_uk^T | rope_k] and V = latent · W_uv^T, where
-    W = kv_b_proj.weight [H*(nope+Dv), R] holds (W_uk, W_uv) per head. lat [B,1,L,R], rope [B,1,L,Dr]."""
+    W = kv_b_proj.weight [H*(nope+Dv), R] holds (W_uk, W_uv) per head (in the latent's dtype, or bf16 as a
+    checkpoint stores it: upcast exactly). lat [B,1,L,R], rope [B,1,L,Dr]."""
     B, _, L, _ = lat.shape
-    kv = torch.nn.functional.linear(lat, w).view(B, L, H, -1).transpose(1, 2)
+    kv = torch.nn.functional.linear(lat, w.to(lat.dtype)).view(B, L, H, -1).transpose(1, 2)
     k = torch.cat([kv[..., :nope], rope.expand(B, H, L, rope.shape[-1])], dim=-1)
     return k, kv[..., nope:]
 
