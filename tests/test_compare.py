@@ -336,3 +336,15 @@ def test_streamed_mode_is_chosen_when_the_reference_would_not_fit(tmp_path):
     assert cs.needs_streaming(tmp_path / "oss20b", available=64 * 2 ** 30)
     r = CliRunner().invoke(main, ["compare", TINY_MOE, str(tmp_path / "x"), "--streamed"])
     assert r.exit_code == 2 and "--streamed compares against a checkpoint directory" in r.output
+
+
+def test_the_first_layer_input_is_copied_along_the_stream_axis_when_streams_equal_positions():
+    """Upstream expands DeepSeek-V4's embedding [1, S, H] into hc_mult streams [1, S, hc, H]. With S == hc the
+    shapes alone allow either axis; the compiled embedding must be copied along the one upstream copied along (it
+    was broadcast over the positions: full-width V4-Flash compared at --seq-len 4 reported layer 0 off by 6.4)."""
+    from dayzero.tools.compare_streamed import _as_layer_input
+
+    g = torch.Generator().manual_seed(0)
+    mine, upstream_embedding = torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    theirs = upstream_embedding.unsqueeze(2).expand(-1, -1, 4, -1).contiguous()
+    assert torch.equal(_as_layer_input("model.layers.0", mine, theirs), mine.unsqueeze(2).expand(-1, -1, 4, -1))

@@ -154,11 +154,14 @@ def _hidden(out) -> torch.Tensor:
 def _as_layer_input(name: str, mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
     """The compiled state MINE as layer NAME's input, shaped as upstream gave it THEIRS: the same, or (the first
     layer of a model with hyper-connections) the embedding copied into each of the residual streams upstream's model
-    makes of it (DeepSeek-V4: ``inputs_embeds.unsqueeze(2).expand(-1, -1, hc_mult, -1)``)."""
+    makes of it (DeepSeek-V4: ``inputs_embeds.unsqueeze(2).expand(-1, -1, hc_mult, -1)``). The stream axis is the one
+    along which THEIRS holds copies: the shapes alone are ambiguous when the sequence is as long as the streams are
+    many ([1, 4, 4, H] from [1, 4, H])."""
     if mine.shape == theirs.shape:
         return mine
     for d in range(theirs.dim()):
-        if mine.dim() + 1 == theirs.dim() and tuple(mine.shape) == theirs.shape[:d] + theirs.shape[d + 1:]:
+        if (mine.dim() + 1 == theirs.dim() and tuple(mine.shape) == theirs.shape[:d] + theirs.shape[d + 1:]
+                and torch.equal(theirs, theirs.narrow(d, 0, 1).expand(theirs.shape))):
             return mine.unsqueeze(d).expand(theirs.shape).contiguous()
     raise UserError(f"{name}: the compiled state before it is {list(mine.shape)}, upstream's decoder layer takes "
                     f"{list(theirs.shape)}; compare without --streamed")
