@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
+import platform
+import sys
 
 import numpy as np
 import torch
@@ -30,6 +33,20 @@ from .trace_cache import cache_root
 
 
 CHUNK_ELEMENTS = 1 << 25  # decoded at a time: 128 MB of fp32
+# mmap's MAP_NORESERVE where Python does not name it (before 3.13): Linux on x86-64 and AArch64
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in ("x86_64", "aarch64") else None)
+
+
+def untouched(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose pages take memory only once written: anonymous memory mapped without a
+    reservation, so a stack larger than the machine can hold the few rows that are filled (DeepSeek-V3.2's gate/up
+    experts in fp32 are 30 GB, which ``torch.empty`` refuses on a 24 GB host). ``torch.empty`` where Linux's
+    MAP_NORESERVE is not known."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or MAP_NORESERVE is None or nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def dequantised(ckpt: Checkpoint, groups: dict, key: str):
@@ -130,7 +147,7 @@ class StreamedUpstream:
         """Submodules ``names`` (module paths) on CPU with their checkpoint weights; back on ``meta`` after.
 
         Routed experts are filled on demand: a module taking ``top_k_index`` (transformers' experts interface) gets
-        its expert stacks allocated but untouched (pages the kernel has not committed), and each expert's slices
+        its expert stacks allocated ``untouched`` (mapped, no page committed until written), and each expert's slices
         are decoded from the checkpoint the first time a forward routes a token to it. One MoE layer of
         DeepSeek-V3.2 in fp32 is 45 GB, the experts a few prompt tokens reach a few GB."""
         mods = [(n, self.model.get_submodule(n)) for n in names]
@@ -149,9 +166,16 @@ class StreamedUpstream:
     def _fill(self, prefix: str, module: torch.nn.Module, lazy: list | None = None) -> None:
         """Module ``prefix`` on CPU with its checkpoint weights; with ``lazy`` (a list that receives the hook
         handles) routed experts are filled on demand (``materialised``)."""
-        module.to_empty(device="cpu")
         experts = {} if lazy is None else {
             ".".join(p for p in (prefix, n) if p): m for n, m in module.named_modules() if _routed_experts(m)}
+        for m in module.modules():
+            if any(m is x for x in experts.values()):  # the stacks' pages are committed expert by expert
+                for n, p in m.named_parameters(recurse=False):
+                    m._parameters[n] = torch.nn.Parameter(untouched(p.shape, p.dtype), requires_grad=p.requires_grad)
+                for n, b in m.named_buffers(recurse=False):
+                    m._buffers[n] = torch.empty(b.shape, dtype=b.dtype)
+            else:
+                m.to_empty(device="cpu", recurse=False)
         tensors = [(f"{prefix}.{n}", t) for n, t in [*module.named_parameters(), *module.named_buffers()]]
         deferred = {name for name, _ in tensors if name.rpartition(".")[0] in experts}
         computed = []

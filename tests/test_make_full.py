@@ -3,6 +3,8 @@ streamed into shards. Fast cases use a narrow width (make_full's test-only ``ove
 
 import hashlib
 import json
+import os
+import sys
 import pytest
 from click.testing import CliRunner
 
@@ -272,6 +274,13 @@ def test_streamed_reference_decodes_only_the_experts_a_forward_reaches(model_typ
         decoded.append(key)
         return real(ckpt, groups, key)
     monkeypatch.setattr(reference, "dequantised", spy)
+    reserved = []
+    real_untouched = reference.untouched
+
+    def mapped(shape, dtype):
+        reserved.append(tuple(shape))
+        return real_untouched(shape, dtype)
+    monkeypatch.setattr(reference, "untouched", mapped)
     layer = path.rsplit(".", 2)[0]  # model.layers.N: the experts come up with their decoder layer
     x = torch.randn(3, up.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     index = torch.tensor([[2, 5], [5, 2], [2, 5]])
@@ -282,3 +291,26 @@ def test_streamed_reference_decodes_only_the_experts_a_forward_reaches(model_typ
     assert experts == {2, 5}, sorted(set(decoded))[:8]
     want = whole.get_submodule(path)(x, index, weights)
     assert torch.equal(got, want)
+    stacks = [tuple(p.shape) for p in whole.get_submodule(path).parameters()]
+    assert sorted(reserved) == sorted(stacks)  # the stacks are mapped, their pages committed on fill
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_NORESERVE is Linux's")
+def test_an_untouched_stack_may_exceed_the_machine_and_commits_only_what_is_written():
+    """Full-width DeepSeek-V3.2's gate/up expert stack in fp32 is 30 GB: ``torch.empty`` refused it on the 24 GB
+    host, so its streamed compare failed before reaching layer 0. ``untouched`` maps twice the machine's memory and
+    only the rows written take pages."""
+    from dayzero.frontend.reference import untouched
+
+    rows = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    t = untouched((rows, 1 << 18), torch.float32)  # rows of 1 MiB
+    before = _rss()
+    t[7].fill_(3.0)
+    t[rows - 1].fill_(-1.0)
+    assert t.shape == (rows, 1 << 18) and float(t[7].sum()) == 3.0 * (1 << 18) and float(t[rows - 1, 5]) == -1.0
+    assert _rss() - before < 64 << 20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
