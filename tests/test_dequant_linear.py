@@ -329,6 +329,36 @@ def test_few_token_gemm_matches_torch_for_every_batch_up_to_its_bound(fmt, N):
         assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, N, t)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_a_batched_decode_step_of_up_to_eight_requests_runs_the_gemv(fmt):
+    """A symbolic T bounded by 8 (a batched decode step, --max-batch 8) runs the GEMV for 1, 2, 4 or 8 tokens, the
+    rows past T zero, chosen at run time; a larger T still takes the GEMM. The few-token GEMM had read full-width
+    DeepSeek-V3.2's bf16 projections at 4-5 GB/s at every batch (18432 x 7168: 53-60 ms against 8.7-17 for these
+    GEMVs, ``/tmp/sv/bfmb.py``), 1258 of a 1449 ms step for 8 requests. A bound past 8 keeps the GEMM alone."""
+    K, N = 300, 44
+    p = dict(fmt=fmt, N=N, K=K, T=None, t_max=8)
+    ws, w = _weights(fmt, p)
+    host = host_target_dict()
+    assert '"y_rf' in kl.kernel(p, host).script() and '"y_rf' not in kl.kernel(dict(p, t_max=12), host).script()
+    f = kl.build(p, host)
+    for t in [1, 2, 3, 4, 7, 8, 11]:
+        x = torch.randn(t, K, generator=torch.Generator().manual_seed(t))
+        y = torch.full((t, N), float("nan"))
+        f(x, *ws, y)
+        want = x.double() @ w.double().t()
+        assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (fmt, t)
+
+
+def test_the_bf16_gemv_holds_as_many_accumulators_as_the_target_has_vector_registers():
+    """rows x T accumulator vectors within the registers, at most 8 rows dividing N: AVX-512's 32 give T = 4 eight
+    rows and T = 8 four; AVX2's 16 half that."""
+    from dayzero.codegen.kernels.dequant import gemv
+
+    assert [gemv.gemv_tile("bf16", t, 200, 7168, 32)[0] for t in (1, 2, 4, 8)] == [8, 8, 8, 4]
+    assert [gemv.gemv_tile("bf16", t, 200, 7168, 16)[0] for t in (1, 2, 4, 8)] == [8, 8, 4, 2]
+    assert gemv.gemv_tile("bf16", 8, 6, 7168, 32)[0] == 3 and gemv.gemv_tile("fp8", 8, 200, 7168, 32) == (4, 1)
+
+
 @pytest.mark.parametrize("fmt,case", [("int4", "nk_axis1_zp"), ("int4", "kn_axis0_signed"), ("fp8", "edges"),
                                       ("mxfp4", "plain"), ("bf16", "plain")])
 @pytest.mark.parametrize("T", [2, None])

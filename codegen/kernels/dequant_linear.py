@@ -24,7 +24,10 @@ reused for every token tile (``dequant.gemm.token_tile``: 24 on AVX2, 64 on AVX-
 every T. When T is bounded by one vector of tokens (``t_max``: a static T, or the program's bound on a symbolic
 one, e.g. a batched decode step's requests, --max-batch) the GEMM takes its few-token tile instead (one token
 vector x 8-16 weight rows: 8 requests are not padded to 24/64 tokens); a T that may be larger carries both
-tiles, the few-token one taken at run time up to one vector of tokens (``kernel``). The CPU schedules are ``dequant/``'s
+tiles, the few-token one taken at run time up to one vector of tokens (``kernel``); a bf16 / FP8 T bounded by 8
+first takes the GEMV for 1, 2, 4 or 8 tokens (the rows past T zero), whose T accumulators per row keep the weight
+stream at bandwidth where the token-vector tile decodes and broadcasts every weight (18432 x 7168 bf16, znver4,
+8 tokens: 16.5 against 53 ms). The CPU schedules are ``dequant/``'s
 (``gemv.fp8_gemv_cpu`` / ``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` /
 ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not
 hand-tuned).
@@ -117,14 +120,20 @@ def kernel(p: dict, target: dict, scheduled: bool = True) -> tirx.PrimFunc:
 
     A symbolic T with no bound within one token vector (``t_max``) gets both CPU GEMM tiles in one kernel, chosen
     at run time (``parallel.either``): the few-token tile up to one vector of tokens (a short prompt, a chunk's
-    tail), the 64-token tile past it (2880 x 2880 bf16, znver4: T <= 16 10.7 -> 3.9 ms; T = 17..512 unchanged)."""
+    tail), the 64-token tile past it (2880 x 2880 bf16, znver4: T <= 16 10.7 -> 3.9 ms; T = 17..512 unchanged).
+    bf16 / FP8 with a bound of at most ``GEMV_MAX_T_DECODED`` (a batched decode step) are first dispatched to the
+    GEMV for the next power of two of tokens (``_kernel``'s ``gemv_t``)."""
     func = _kernel(p, target, scheduled)
     lanes = gemm.vector_lanes(target)
-    if not scheduled or p["T"] is not None or p["fmt"] == "mxfp4" or decode.is_cuda(target) or \
-            p.get("t_max", lanes + 1) <= lanes:
+    if not scheduled or p["T"] is not None or p["fmt"] == "mxfp4" or decode.is_cuda(target):
         return func
-    few = _kernel({**p, "t_max": lanes}, target, scheduled)
-    return either(func.params[0].shape[0] > lanes, func, few)
+    if p.get("t_max", lanes + 1) > lanes:
+        func = either(func.params[0].shape[0] > lanes, func, _kernel({**p, "t_max": lanes}, target, scheduled))
+    if p["fmt"] in ("bf16", "fp8") and p.get("t_max", GEMV_MAX_T_DECODED + 1) <= GEMV_MAX_T_DECODED:
+        for tg in reversed([1 << i for i in range(GEMV_MAX_T_DECODED.bit_length()) if 1 << i < 2 * p["t_max"]]):
+            gemv_t = _kernel({**p, "gemv_t": tg}, target, scheduled)
+            func = either(gemv_t.params[0].shape[0] <= tg, gemv_t, func)
+    return func
 
 
 def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
@@ -143,20 +152,29 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
     else:
         wd = _bf16_wd(*ws, N, K) if p["fmt"] == "bf16" else _fp8_wd(*ws, N, K)
     G = p.get("groups", 1)  # grouped: output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K)
-    if T is not None:
-        rows, acc = gemv.gemv_tile(p["fmt"], T, N, K)
-        x = te.placeholder((T, G * K), "float32", name="x")
+    gemv_t = p.get("gemv_t")  # a symbolic T of at most gemv_t tokens run by the GEMV for gemv_t (``kernel``)
+    out = None
+    if T is not None or gemv_t:
+        Tc = T if T is not None else gemv_t  # the GEMV's tokens: x's rows, zero past a symbolic T
+        Tx = T if T is not None else te.var("T")
+        rows, acc = gemv.gemv_tile(p["fmt"], Tc, N, K, gemm.vector_registers(target))
+        x = te.placeholder((Tx, G * K), "float32", name="x")
         kp = -(-K // (16 * acc)) * 16 * acc
+
+        def x_at(t, k, col):
+            if T is not None:
+                return tirx.if_then_else(k < K, x[t, col], _f32(0.0))
+            return tirx.if_then_else(tirx.all(k < K, t < Tx), x[tirx.min(t, Tx - 1), col], _f32(0.0))
         if G == 1:
-            xpad = te.compute((T, kp), lambda t, k: tirx.if_then_else(k < K, x[t, tirx.min(k, K - 1)], _f32(0.0)),
-                              name="xpad")
+            xpad = te.compute((Tc, kp), lambda t, k: x_at(t, k, tirx.min(k, K - 1)), name="xpad")
             xrow = lambda t, o, k: xpad[t, k]  # noqa: E731
         else:
-            xpad = te.compute((T, G, kp), lambda t, g, k: tirx.if_then_else(
-                k < K, x[t, g * K + tirx.min(k, K - 1)], _f32(0.0)), name="xpad")
+            xpad = te.compute((Tc, G, kp), lambda t, g, k: x_at(t, k, g * K + tirx.min(k, K - 1)), name="xpad")
             xrow = lambda t, o, k: xpad[t, o // (N // G), k]  # noqa: E731
         k_ = te.reduce_axis((0, kp), "k")
-        y = te.compute((T, N), lambda t, o: te.sum(xrow(t, o, k_) * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
+        y = te.compute((Tc, N), lambda t, o: te.sum(xrow(t, o, k_) * wd[o, tirx.min(k_, K - 1)], axis=k_), name="y")
+        if T is None:
+            out = te.compute((Tx, N), lambda t, o: y[t, o], name="yout")
     else:
         Tv = te.var("T")
         tt = gemm.token_tile(target, p.get("t_max"), N)
@@ -173,14 +191,17 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
             yt = te.compute((N, Tp), lambda o, t: te.sum(wd[o, k_] * xt[t // tt, o // (N // G), k_, t % tt],
                                                          axis=k_), name="yt")
         y = te.compute((Tv, N), lambda t, o: yt[o, t], name="y")
-    func = te.create_prim_func([x, *ws, y])
+    func = te.create_prim_func([x, *ws, y if out is None else out])
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)
     if decode.is_cuda(target):
         return cuda_rules(sch, target)
-    if T is not None:
+    if T is not None or gemv_t:
         gemv.fp8_gemv_cpu(sch, K, rows, acc)
+        if out is not None:
+            to, oo = sch.get_loops(sch.get_sblock("yout"))
+            sch.vectorize(sch.split(oo, [None, 16])[-1])
     else:
         gemm.gemm_cpu(sch, N, K, "fp8", target, p.get("t_max"))
     return mark_scheduled(sch)

@@ -123,6 +123,11 @@ def vector_lanes(target: dict) -> int:
     return 16 if is_cuda(target) or has_feature(target, "avx512f") else 8
 
 
+def vector_registers(target: dict) -> int:
+    """The CPU target's vector registers: 32 zmm with AVX-512, 16 ymm with AVX2."""
+    return 32 if has_feature(target, "avx512f") else 16
+
+
 def token_tile(target: dict, few_tokens: int | None = None, rows_of: int | None = None) -> int:
     """Tokens per GEMM tile: the register tile's token vectors x lanes (64 on AVX-512, 24 on AVX2; one vector
     for ``few_tokens``)."""
