@@ -374,3 +374,37 @@ def test_host_target_plans_dayzeros_cpu_runtime(tmp_path):
         assert abs(r["per_device"]["weights"] / weights - 1) <= 0.02, r["per_device"]
         assert abs(r["workspace_bytes"]["total"] / workspace - 1) <= 0.02, r["workspace_bytes"]
         assert r["workspace_bytes"]["dequant"] == 0
+
+
+def test_modules_a_quantised_checkpoint_does_not_convert_are_planned_as_stored():
+    """``quantization_config.modules_to_not_convert`` (transformers' patterns) keeps those matrices bf16 in the FP8
+    plan: full-width DeepSeek-V3.2 with bf16 projections and FP8 experts (make-full's checkpoint) was planned with
+    every projection FP8, 17.03 GB against the 19.06 GB the artifact holds. Listing o_proj adds, per layer, its
+    bf16 bytes less its FP8 bytes (values plus one fp32 scale per 128 x 128 block)."""
+    base = cfg("deepseek_v32")
+    keep = json.loads(json.dumps(base))
+    keep["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.*.self_attn.o_proj"]
+    a = plan_capacity(base, H200, context=4096, batch=1)["per_device"]["weights"]
+    b = plan_capacity(keep, H200, context=4096, batch=1)["per_device"]["weights"]
+    rows, cols = base["hidden_size"], base["num_attention_heads"] * base["v_head_dim"]
+    fp8 = rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+    assert b - a == base["num_hidden_layers"] * (2 * rows * cols - fp8)
+    keep["quantization_config"]["modules_to_not_convert"] = "o_proj"
+    with pytest.raises(UserError, match="modules_to_not_convert must be a list"):
+        plan_capacity(keep, H200, context=4096, batch=1)
+
+
+def test_the_host_plans_one_prefill_chunk_of_workspace():
+    """An artifact compiled with --prefill-chunk N prefills N tokens at a time: its workspace is that of a prefill
+    of N tokens, whatever the context (full-width DeepSeek-V3.2, chunk 512 at 4005: 0.46 GB, not 3.6)."""
+    from dayzero.targets.host import host_spec
+
+    c = cfg("deepseek_v32")
+    chunked = plan_capacity(c, host_spec(), context=4005, batch=1, kv_dtype="fp32", prefill_chunk=512)
+    short = plan_capacity(c, host_spec(), context=512, batch=1, kv_dtype="fp32")
+    whole = plan_capacity(c, host_spec(), context=4005, batch=1, kv_dtype="fp32")
+    assert chunked["workspace_bytes"] == short["workspace_bytes"] != whole["workspace_bytes"]
+    assert chunked["per_device"]["weights"] == whole["per_device"]["weights"]
+    r = CliRunner().invoke(plan, [str(CONFIGS / "deepseek_v32.json"), "--target", "host", "--context", "4005",
+                                  "--prefill-chunk", "0", "--json"])
+    assert isinstance(r.exception, UserError) and "prefill chunk must be a positive integer" in str(r.exception)

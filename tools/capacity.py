@@ -52,7 +52,8 @@ largest single weight matrix converted on line.
 ``--target host`` plans dayzero's own CPU runtime, so that it can be checked against a compiled artifact
 (``dayzero report``'s ``plan`` section): every weight not stored low-precision is held in fp32 (the host computes
 in fp32), except a bf16 checkpoint's matrices read as linear weights or embedding tables, held bf16 as stored (the
-kernels convert as they read), and low-precision experts as stored; the workspace is one prefill of the whole context in fp32 (the fused
+kernels convert as they read), and low-precision experts as stored; the workspace is one prefill of the whole context
+(or of ``--prefill-chunk`` tokens) in fp32 (the fused
 MoE / MLP kernels keep no intermediates: the peak is at q's rotary embedding, the residual, its normed copy and the
 residual kept across layers, q and two rotated copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused
 low-precision kernels decode in registers).
@@ -296,13 +297,34 @@ def _bf16_on_host(name: str, category: str, shape: tuple) -> bool:
         len(shape) == 2 and not name.endswith("bias")
 
 
-def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False, head_split: set | None = None
-                     ) -> dict:
+def unconverted_modules(cfg: dict) -> list[str]:
+    """The config's ``quantization_config.modules_to_not_convert``: module patterns a quantised checkpoint stores
+    unquantised (transformers' own matching, ``should_convert_module``). DeepSeek's FP8 checkpoints list the LM
+    head and gates; one whose projections stay bf16 lists those too."""
+    q = cfg.get("quantization_config") or {}
+    pats = q.get("modules_to_not_convert") if isinstance(q, dict) else None
+    if pats is None:
+        return []
+    if not isinstance(pats, list) or not all(isinstance(x, str) for x in pats):
+        raise UserError(f"quantization_config.modules_to_not_convert must be a list of module names, got {pats!r}")
+    for x in pats:
+        try:
+            re.compile(x)
+        except re.error as e:
+            raise UserError(f"quantization_config.modules_to_not_convert: {x!r} is not a pattern ({e})") from None
+    return pats
+
+
+def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False, head_split: set | None = None,
+                     unconverted: list[str] | None = None) -> dict:
     """Parameters and bytes by category: ``{"params": {cat: n}, "bytes": {fmt: {cat: b}}, "largest_matrix": ...}``;
     what a format does not store low-precision takes ``dense_bytes`` per value (bf16: 2, the host CPU: fp32, 4),
     except, with ``stored_bf16`` (the checkpoint is bf16), the matrices the host keeps bf16 (``_bf16_on_host``).
     ``head_split`` (attention module names, ``_head_split_modules``): ``"head_split_bytes"`` {fmt: bytes} of the
-    attention parameters split over tensor-parallel heads."""
+    attention parameters split over tensor-parallel heads. ``unconverted`` (``unconverted_modules``): matrices of
+    these modules stay unquantised in every format, as the checkpoint stores them."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
     params = dict.fromkeys(CATEGORIES, 0)
     nbytes = {fmt: dict.fromkeys(CATEGORIES, 0) for fmt in FORMATS}
     split = dict.fromkeys(FORMATS, 0)
@@ -310,8 +332,9 @@ def count_parameters(cfg: dict, dense_bytes: int = 2, stored_bf16: bool = False,
     for name, cat, shape in _meta_parameters(json.dumps(cfg, sort_keys=True)):
         params[cat] += math.prod(shape)
         matrix = _is_matrix(name, cat, shape)
+        convert = should_convert_module(name.rpartition(".")[0], unconverted or None)
         for fmt in FORMATS:
-            pf = _param_format(fmt, cat, matrix)
+            pf = _param_format(fmt, cat, matrix and convert)
             per = BF16_BYTES if stored_bf16 and _bf16_on_host(name, cat, shape) else dense_bytes
             b = _bytes(shape, pf) if matrix and pf != "bf16" else per * math.prod(shape)
             nbytes[fmt][cat] += b
@@ -481,6 +504,7 @@ def plan_capacity(
     attention: str = "auto",
     step_tokens: int = 8192,
     mesh: dict | None = None,
+    prefill_chunk: int | None = None,
 ) -> dict:
     """Memory plan of a full-size model on ``devices`` x ``target`` at ``context`` tokens per sequence.
 
@@ -495,6 +519,9 @@ def plan_capacity(
     that hold heads, ``_HEAD_MODULES``), with the KV cache when the KV heads divide by T; MLA's latent cache and
     DeepSeek-V4's K=V cache, the indexers and compressors stay whole on every rank (a head count T does not
     divide: the whole attention); on the host the logits are gathered whole on each rank.
+
+    ``prefill_chunk`` (host): the most tokens one prefill call takes (``dayzero compile --prefill-chunk``); the
+    workspace is one prefill of that many tokens, not of the whole context.
     """
     validate_config(config)
     context = parse_count(context)
@@ -512,7 +539,8 @@ def plan_capacity(
     tp, ep = _mesh_axes(mesh, devices)
     head_kind, head_modules = _head_split_modules(config, tp) if mesh is not None else (None, set())
     counted = count_parameters(config, FP32_BYTES if host else BF16_BYTES, stored_bf16=stored == "bfloat16",
-                               head_split=head_modules)
+                               head_split=head_modules,
+                               unconverted=unconverted_modules(config) if weight_format == "auto" else None)
     params = counted["params"]
     total = sum(params.values())
     _, n_exp = num_experts(config)
@@ -558,9 +586,12 @@ def plan_capacity(
     if mesh is not None:  # a rank of a sharded artifact: the attention parameters that hold heads are split
         weights_dev -= int(counted["head_split_bytes"][fmt] * (1 - tp_share))
 
-    # workspace: one step of step_tokens tokens (host: one prefill of the whole context, in fp32)
+    # workspace: one step of step_tokens tokens (host: one prefill of the whole context or of a chunk, in fp32)
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise UserError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
     if host:
-        step_tokens = context
+        step_tokens = min(context, prefill_chunk or context)
     hidden, hd = config["hidden_size"], _head_dim(config)
     q_width = config["num_attention_heads"] * (
         (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0) or hd)

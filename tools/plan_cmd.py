@@ -90,8 +90,10 @@ def render(result: dict, console=None) -> None:
 @click.option("--tp", type=int, default=None,
               help="plan one rank of a `dayzero compile --tp T --ep E` artifact: its tensor-parallel ranks")
 @click.option("--ep", type=int, default=None, help="with --tp: the artifact's expert-parallel ranks")
+@click.option("--prefill-chunk", type=int, default=None,
+              help="with --target host: plan an artifact compiled with --prefill-chunk N (a prefill step of N tokens)")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def plan(config, target, devices, context, batch, weight_format, kv_dtype, attention, tp, ep, as_json):
+def plan(config, target, devices, context, batch, weight_format, kv_dtype, attention, tp, ep, prefill_chunk, as_json):
     """Plan memory for the model described by CONFIG (a config.json or a checkpoint directory) on a target."""
     if devices < 1:
         raise UserError(f"--devices must be >= 1, got {devices}")
@@ -115,6 +117,7 @@ def plan(config, target, devices, context, batch, weight_format, kv_dtype, atten
         kv_dtype=kv_dtype,
         attention=attention,
         mesh=mesh,
+        prefill_chunk=prefill_chunk,
     )
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))

@@ -250,6 +250,18 @@ WORKSPACE_ZONES = ("activations", "io", "cross_layer_state", "dequant_workspace"
 _KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
 
 
+def _prefill_tokens(artifact: str) -> int | None:
+    """The most tokens the artifact's prefill program takes (its input_ids' length, or that symbol's bound: a
+    chunked prefill, ``--prefill-chunk``); None without a prefill program."""
+    try:
+        p = _read_json(os.path.join(artifact, "program.json"), "program.json")["programs"]["prefill"]
+        n = next(p["buffers"][b]["shape"][-1] for b in p["inputs"] if p["buffers"][b]["name"] == "input_ids")
+        n = n if isinstance(n, int) else {s[0]: s[2] for s in p.get("symbols", [])}.get(n)
+    except (KeyError, IndexError, TypeError, StopIteration):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def plan_agreement(artifact: str, r: dict) -> dict | None:
     """``dayzero plan --target host`` for the artifact's checkpoint config at its context (the cache length, one
     sequence), against what the compiled memory plan holds: weights (zones weights + low_precision_weights), the
@@ -269,7 +281,8 @@ def plan_agreement(artifact: str, r: dict) -> dict | None:
     mesh = {"tp": int(axes.get("tp", 1)), "ep": int(axes.get("ep", 1))} if math.prod(axes.values()) > 1 else None
     try:  # a sharded artifact: one rank's plan (``plan --devices N --tp T --ep E``), as each rank plans its arena
         plan = plan_capacity(cfg, host_spec(), devices=math.prod(mesh.values()) if mesh else 1,
-                             context=kv["max_length"], batch=1, kv_dtype=_KV_DTYPES[next(iter(dtypes))], mesh=mesh)
+                             context=kv["max_length"], batch=1, kv_dtype=_KV_DTYPES[next(iter(dtypes))], mesh=mesh,
+                             prefill_chunk=_prefill_tokens(artifact))
     except UserError as e:
         return {"error": str(e)}
     zones = [p["memory"].get("zones", {}) for p in r["programs"].values()]
