@@ -46,3 +46,20 @@ def test_bench_text_output_gives_each_result_and_its_baselines(capsys):
     echo_bench(out, True, lambda r: "unused", "header")
     assert json.loads(capsys.readouterr().out) == out
     assert baselines_text({"baselines": {"eager": 0.5}}) == "eager 0.5"
+
+
+def test_bench_dequant_times_the_batched_decode_route_beside_the_gemm_it_replaced(monkeypatch):
+    """``bench dequant``'s bf16 batched-decode cases (small shapes here): today's route, the few-token GEMM and
+    torch eager side by side, each with the weight-bytes bound, and the route's result within fp32 rounding of an
+    fp64 product."""
+    import torch
+
+    from dayzero.targets.host import host_target_dict
+    from dayzero.tools import bench_dequant
+
+    monkeypatch.setattr(bench_dequant, "BATCH_SHAPES", [(64, 96)])
+    out = bench_dequant.bf16_batch_cases(10e9, True, host_target_dict(), torch.Generator().manual_seed(0))
+    assert [r["case"] for r in out] == ["decode_batch_bf16_64x96_n4", "decode_batch_bf16_64x96_n8"]
+    for r in out:
+        assert set(r["baselines"]) == {"few_token_gemm", "torch_eager_bf16"} and r["dayzero"] > 0
+        assert r["bound"] == 64 * 96 * 2 / 10e9 and r["max_rel_err_vs_fp64"] < 1e-5

@@ -27,6 +27,8 @@ import click
 GEMV_SHAPES = [(2880, 2880), (2048, 7168), (7168, 2048)]
 GEMM_SHAPES = [(2880, 2880)]
 GEMM_TOKENS = [128, 512, 1024]
+BATCH_SHAPES = [(18432, 7168), (7168, 18432)]  # DeepSeek-V3.2's dense MLP up / down projections, bf16
+BATCH_TOKENS = (1, 4, 8)
 
 
 def best_time(fn, repeats: int, inner: int = 1) -> float:
@@ -278,8 +280,47 @@ def run_bench(quick: bool = False) -> dict:
             })
     from .bench_fp8_experts import fp8_expert_cases  # FP8-block experts (moe_experts_fp8), same bandwidth
 
+    results += bf16_batch_cases(bw, quick, tgt, gen)
     results += fp8_expert_cases(bw, quick)
     return {"suite": "dequant", "machine": _machine(bw, tvm_threads), "results": results}
+
+
+def bf16_batch_cases(bw: float, quick: bool, tgt: dict, gen) -> list[dict]:
+    """decode_batch_bf16_<O>x<K>_n<T>: a bf16 projection in a batched decode step (T the requests, symbolic, at
+    most --max-batch 8) on today's route (the GEMV for the next power of two of tokens), side by side with the
+    few-token GEMM that route replaced (``baselines.few_token_gemm``) and torch eager's bf16 linear (x cast to
+    bf16, as the upstream model runs in bf16); bound = weight bytes / read bandwidth (the weight, 264 MB, is read
+    from memory every call)."""
+    import torch
+    import tvm
+
+    from ..codegen.kernels import dequant_linear as kl
+
+    out = []
+    for O, K in BATCH_SHAPES[:1] if quick else BATCH_SHAPES:
+        w = torch.randn(O, K, generator=gen).bfloat16()
+        p = dict(fmt="bf16", N=O, K=K, T=None, t_max=8)
+        now = kl.build(p, tgt)
+        before = tvm.compile(tvm.IRModule({"main": kl._kernel(p, tgt, True)}), target=tgt)["main"]
+        for T in BATCH_TOKENS[1:] if quick else BATCH_TOKENS:
+            x = torch.randn(T, K, generator=gen)
+            y = torch.empty(T, O)
+            ref = x.double() @ w.double().T
+            now(x, w, y)
+            err = float((y.double() - ref).abs().max() / ref.abs().max())
+            t_dz = best_time(lambda: now(x, w, y), 5)
+            t_few = best_time(lambda: before(x, w, y), 3)
+            t_torch, threads = best_torch_time(lambda: torch.nn.functional.linear(x.bfloat16(), w), 3)
+            bound = O * K * 2 / bw
+            out.append({
+                "case": f"decode_batch_bf16_{O}x{K}_n{T}", "unit": "s", "dayzero": t_dz,
+                "baselines": {"few_token_gemm": t_few, "torch_eager_bf16": t_torch}, "bound": bound,
+                "bound_name": "weight_bytes/read_bandwidth", "weight_bytes": O * K * 2,
+                "achieved_GBps": O * K * 2 / t_dz / 1e9, "fraction_of_bandwidth": bound / t_dz,
+                "speedup_vs_torch_eager": t_torch / t_dz, "speedup_vs_few_token_gemm": t_few / t_dz,
+                "max_rel_err_vs_fp64": err, "baseline_threads": threads,
+            })
+    return out
 
 
 @click.command("dequant")
