@@ -52,11 +52,11 @@ largest single weight matrix converted on line.
 ``--target host`` plans dayzero's own CPU runtime, so that it can be checked against a compiled artifact
 (``dayzero report``'s ``plan`` section): every weight not stored low-precision is held in fp32 (the host computes
 in fp32), except a bf16 checkpoint's matrices read as linear weights or embedding tables, held bf16 as stored (the
-kernels convert as they read), and low-precision experts as stored; the workspace is one prefill of the whole context
-(or of ``--prefill-chunk`` tokens) in fp32 (the fused
-MoE / MLP kernels keep no intermediates: the peak is at q's rotary embedding, the residual, its normed copy and the
-residual kept across layers, q and two rotated copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused
-low-precision kernels decode in registers).
+kernels convert as they read), and low-precision experts as stored; the workspace is one prefill of the whole
+context (or of ``--prefill-chunk`` tokens) in fp32 (the fused MoE / MLP kernels keep no intermediates: the peak is
+at q's rotary embedding, the residual, its normed copy and the residual kept across layers, q and two rotated
+copies, the cos and sin rows) and fp32 logits; no dequant workspace (the fused low-precision kernels decode in
+registers). A quantised checkpoint's ``modules_to_not_convert`` stay as stored (``unconverted_modules``).
 
 Parallelism on N devices: routed experts are split by expert (ceil(E/N) per device); embeddings and lm_head by
 vocab; attention, dense MLP and shared experts by tensor parallelism; norms, routers and hyper-connections are
