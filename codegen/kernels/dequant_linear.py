@@ -200,8 +200,7 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
     if T is not None or gemv_t:
         gemv.fp8_gemv_cpu(sch, K, rows, acc)
         if out is not None:
-            to, oo = sch.get_loops(sch.get_sblock("yout"))
-            sch.vectorize(sch.split(oo, [None, 16])[-1])
+            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("yout"))[-1], [None, 16])[-1])
     else:
         gemm.gemm_cpu(sch, N, K, "fp8", target, p.get("t_max"))
     return mark_scheduled(sch)
