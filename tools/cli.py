@@ -520,6 +520,7 @@ def _register_optional():
     from dayzero.tools.bench_long import long_command
     from dayzero.tools.bench_ops import ops_command
     from dayzero.tools.bench_moe import moe_command
+    from dayzero.tools.bench_profile import profile_command
     from dayzero.tools.bench_serve import serve_command
     from dayzero.tools.bench_tuning import tuning_command
     from dayzero.tools.compare import compare_cmd
@@ -531,7 +532,7 @@ def _register_optional():
     for cmd in (make_tiny_cmd, make_full_cmd, plan, report_cmd, compare_cmd):
         main.add_command(cmd)
     for cmd in (dequant_command, linear_command, ops_command, moe_command, tuning_command, attention_command,
-                serve_command, long_command, dist_command, full_command, cnn_command):
+                serve_command, long_command, dist_command, full_command, cnn_command, profile_command):
         bench_group.add_command(cmd)
 
 
