@@ -220,10 +220,14 @@ class RowDecodeStep(torch.nn.Module):
 
     ``states`` are the tensors of ``step`` (a :class:`CacheStep` of the same model: same names, order and shapes
     but the batch dim), row b request b's, passed in and returned (the step is a function of them: the caller
-    gathers each request's state and scatters the new one back). The cache is
+    gathers each request's state and scatters the new one back). The sliding K=V states (``keys``) hold only the
+    window that ends at each row's token: ``window_rows`` = min(window, max_cache_len) rows, row j of request b
+    at position ``positions[b] - (window_rows - 1) + j`` (rows before position 0 are masked), the last row the
+    token's own (written by the step), so a step moves ``window_rows`` rows of a request, not ``max_cache_len``;
+    the compressed entries, pending rings and overlaps are whole. The cache is
     ``v4_cache.RowCompressedAttentionCache`` (the single-request step's rules row by row); the sliding-window
-    mask is built per row (``positions[b] - W < kv <= positions[b]``) and handed to the model as its prebuilt
-    mask; upstream's compressor, indexer and attention code runs unmodified."""
+    mask over the held rows (``positions[b] - (window_rows - 1) + j >= 0``) is handed to the model as its
+    prebuilt mask; upstream's compressor, indexer and attention code runs unmodified."""
 
     def __init__(self, step: CacheStep):
         super().__init__()
@@ -236,8 +240,13 @@ class RowDecodeStep(torch.nn.Module):
         self.cache = v4_cache.RowCompressedAttentionCache(cfg, step.max_cache_len)
         self._hooks = self.cache.install_rope_offsets(self.model)
         self.names = list(step.names)
-        self.window = int(cfg.sliding_window)
-        self.max_cache_len = step.max_cache_len
+        self.window_rows = min(int(cfg.sliding_window), step.max_cache_len)
+        self.state_shapes = [self.row_shape(attr, tuple(getattr(step, name).shape)) for _, attr, name in self.names]
+
+    def row_shape(self, attr: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one state of this step, from that state's shape in the single-request step: a sliding
+        K=V state [B, H, L, D] holds ``window_rows`` rows; every other state is whole."""
+        return (*shape[:2], self.window_rows, *shape[3:]) if attr == "keys" else shape
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *states: torch.Tensor):
         states = tuple(t.clone() for t in states)  # the step writes its own copies and returns them
@@ -245,9 +254,9 @@ class RowDecodeStep(torch.nn.Module):
             setattr(self.cache.layers[i], attr, t)
         self.cache.bind_positions(positions)
         pos = positions.view(-1, 1)
-        kv = torch.arange(self.max_cache_len, device=positions.device).view(1, -1)
+        held = torch.arange(self.window_rows, device=positions.device).view(1, -1)
         dtype = self.model.dtype
-        visible = (kv <= pos) & (kv > pos - self.window)  # [B, L]
+        visible = held + (pos - (self.window_rows - 1)) >= 0  # [B, window_rows]: the row's position is >= 0
         mask = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, position_ids=pos,
                          attention_mask={"sliding_attention": mask[:, None, None, :]})

@@ -260,8 +260,8 @@ def _trace_rows(ckpt: Checkpoint, max_seq: int, max_batch: int) -> Traced:
     rows = RowDecodeStep(step)
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     with torch.device("meta"):
-        states = tuple(torch.zeros((2, *getattr(step, n).shape[1:]), dtype=getattr(step, n).dtype)
-                       for _, _, n in step.names)
+        states = tuple(torch.zeros((2, *shape[1:]), dtype=getattr(step, n).dtype)
+                       for (_, _, n), shape in zip(step.names, rows.state_shapes))
         ep = export_module(rows, (torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), *states),
                            ({0: batch}, {0: batch}, tuple({0: batch} for _ in states)))
     names = {f"states_{k}": n for k, (_, _, n) in enumerate(step.names)}

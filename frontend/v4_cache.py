@@ -239,17 +239,10 @@ class CompressedAttentionCache(Cache):
 
 # ---- the batched decode step: B requests, one token each, each at its own position -----------------------------
 
-def _write_rows(keys: torch.Tensor, positions: torch.Tensor, key_states: torch.Tensor) -> None:
-    """keys [B, H, L, D]: row b's token (key_states [B, H, 1, D]) at its position ``positions[b]``."""
-    b, h, n, d = key_states.shape
-    if n != 1:
-        raise InternalError(f"the batched decode step takes one token per request, got {n}")
-    keys.scatter_(2, positions.view(b, 1, 1, 1).expand(b, h, 1, d), key_states)
-
-
 class RowSlidingLayer(SharedKVSlidingLayer):
     """:class:`SharedKVSlidingLayer` whose batch rows are different requests, row b's token at ``positions[b]``
-    (bound every call by ``bind_positions``)."""
+    (bound every call by ``bind_positions``). ``keys`` [B, H, W, D] holds the window that ends at each row's
+    token (``decode_export.RowDecodeStep``): the token is its last row."""
 
     def bind_positions(self, positions: torch.Tensor) -> None:
         self.positions = positions
@@ -257,7 +250,9 @@ class RowSlidingLayer(SharedKVSlidingLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if value_states is not key_states:
             raise InternalError("SharedKVSlidingLayer holds K = V: the model passed different keys and values")
-        _write_rows(self.keys, self.positions, key_states)
+        if key_states.shape[2] != 1:
+            raise InternalError(f"the batched decode step takes one token per request, got {key_states.shape[2]}")
+        self.keys.narrow(2, self.keys.shape[2] - 1, 1).copy_(key_states)
         return self.keys, self.keys
 
 

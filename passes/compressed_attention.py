@@ -22,7 +22,9 @@ per query and masking most of them away. Recognised by op identity, attrs and sh
 The row-batched decode step (``decode_batch`` of DeepSeek-V4, frontend/decode_export.py ``RowDecodeStep``) has
 the same shape with one query per batch row, each row another request at its own position: positions [B] instead
 of [S] (S == 1), the window bias [B, 1, 1, L] (built as [B, L] and unsqueezed) and the HCA bias [B, 1, 1, E];
-then ``per_row`` is set and query (b, 0) is at qpos[b] (and epos[b]).
+then ``per_row`` is set and query (b, 0) is at qpos[b] (and epos[b]). Its K=V states hold only the window that
+ends at each row's query (row j at position qpos[b] - (L-1) + j), the window bias ``held + (qpos - (L-1)) >= 0``:
+then ``ring`` is set too.
 
 The kernel (``codegen/kernels/compressed_attention.py``) reads per query only the window rows
 [max(0, qpos-W+1), qpos] of ``kv`` and then either the entry rows idx[b, s, :] that lie in [0, E) (CSA: the
@@ -93,7 +95,8 @@ def _compressed(n: Node, m: Match, kind: str) -> Node:
     need(kind == "csa" or (per_row(m.epos, S) == rows and (not rows or b.shape[0] == B)))
     sel = m.idx if kind == "csa" else m.epos
     attrs = {"scale": float(m.value(m.scale)), "window": t.W, "rate": int(m.value(m.rate)) if kind == "hca" else 0,
-             "idx": kind == "csa", "epos": kind == "hca", **({"per_row": True} if rows else {})}
+             "idx": kind == "csa", "epos": kind == "hca", **({"per_row": True} if rows else {}),
+             **({"ring": True} if t.ring else {})}
     att = Node.make(OP, (q, kv, t.qpos, ent, sinks, sel), attrs, (TensorType(q.dtype, (B, H, S, D)),), n.span)
     return view_node(att, n.shape, n.span)
 

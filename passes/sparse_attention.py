@@ -143,6 +143,11 @@ _MASK_TERMS = (
     P("bitwise_not", V(P("scatter.value", _ALL_TRUE, P(name="idx"), attrs={"value": isin(False, 0),
                                                                              "dim": isin(-1, 2)},
                          where=lambda n, m: n.shape[-1] == m.L))),
+    # the row-batched decode step's window states (frontend/decode_export.py RowDecodeStep): row j of request b
+    # holds position qpos[b] - last + j (last = L - 1), visible when that is >= 0
+    P("ge.Scalar", P("add.Tensor", arange_row(), V(P("sub.Tensor", positions("qpos"), positive_int("last"),
+                                                     attrs=ALPHA1), broadcast=True), attrs=ALPHA1),
+      attrs={"other": isin(0, 0.0)}, name="held"),
 )
 
 
@@ -150,7 +155,8 @@ def mask_terms(mask: Node, S, L: int, constants, selection: bool = False, B=None
     """A bool mask [.., S, L] -> its terms: ``qpos`` (causal), ``W`` (window, 0 = none), ``idx`` (the DSA
     selection, present exactly when ``selection``); raises NoMatch on any other term. With the batch size ``B``
     and one query (S == 1), the positions may be one per batch row (``per_row``): the mask is then [B, (1, 1,) L],
-    row b compared with qpos[b]."""
+    row b compared with qpos[b]; and then the rows may be the window ending at each row's query (``ring``: row j
+    at position qpos[b] - (L-1) + j, the rows before position 0 masked; causal by construction)."""
     m = Match(constants)
     m.update(S=S, L=L, B=B)
     stack = [mask]
@@ -160,11 +166,13 @@ def mask_terms(mask: Node, S, L: int, constants, selection: bool = False, B=None
             stack.extend(n.inputs)
         else:
             need(any(p.match(n, m) for p in _MASK_TERMS))
-    need("causal" in m and ("idx" in m) == selection)
+    need(("causal" in m or "held" in m) and ("idx" in m) == selection)
     if per_row(m.qpos, S):  # [B, 1.., L]: the positions run along the batch axis, one query per row
         need(mask.shape[0] == B and mask.shape[-1] == L and all(d == 1 for d in mask.shape[1:-1]))
     else:
-        need(tuple(mask.shape[-2:]) == (S, L))
+        need(tuple(mask.shape[-2:]) == (S, L) and "held" not in m)
+    m["ring"] = "held" in m
+    need(not m.ring or int(m.value(m.last)) == L - 1)
     m["W"] = int(m.value(m.window)) if "window" in m else 0
     return m
 
@@ -305,7 +313,7 @@ def _eager_with_sinks(n: Node, m: Match) -> Node:
     L = k.shape[2]
     need(isinstance(L, int) and sinks.shape[0] == q.shape[1])
     t = mask_terms(m.mask, q.shape[2], L, m.constants, B=q.shape[0])
-    rows = {"per_row": True} if per_row(t.qpos, q.shape[2]) else {}
+    rows = {"per_row": True, **({"ring": True} if t.ring else {})} if per_row(t.qpos, q.shape[2]) else {}
     att = _make(DENSE, (q, k, v, t.qpos, sinks), {"scale": float(m.value(m.scale)), "window": t.W, "sinks": True,
                                                   **rows}, q, v, n.span)
     return view_node(att, n.shape, n.span)

@@ -361,7 +361,6 @@ class Runtime:
             for bid in prog.shared_states.values():
                 prog.view(bid, ()).zero_()
         self.lengths: dict[int, int] = {}
-        self._row_positions_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _row_positions' cache
         self.pending: dict[int, int | None] = {}  # per slot: the last generated token, not yet in the cache
         # the paged KV pools' free list and block tables (runtime/kv_pages.py); None: contiguous caches
         self.kv = KVPages.of(self.program_json, self.max_batch) if self.stateful else None
@@ -705,9 +704,12 @@ class Runtime:
     @cached_property
     def _row_plan(self) -> list[tuple[str, str | None, int]]:
         """Per state input of the row program: (state, its block-table class or None for a per-request state,
-        positions L of a paged one); checked against the decode program's states (program.json is untrusted)."""
+        rows L of a paged one: the window ending at the request's token, ``kv_pages.row_window``, or, in an
+        artifact without it, positions [0, L)); checked against the decode program's states (program.json is
+        untrusted)."""
         prog, dec = self.programs["decode_batch"], self.programs["decode"]
-        table_of = {s: c["name"] for c in self.program_json["kv_pages"]["tables"] for s in c["states"]}
+        pages = self.program_json["kv_pages"]
+        table_of = {s: c["name"] for c in pages["tables"] for s in c["states"]}
         plan = []
         for bid in prog.inputs[2:]:
             b = prog.buffers[bid]
@@ -715,7 +717,7 @@ class Runtime:
             own = dec.states.get(name, dec.shared_states.get(name))
             want = None if own is None else list(dec.buffers[own]["shape"])
             if want is not None and name in table_of:  # [1, H, blocks * bs, D] -> [B, H, L, D]
-                want[2] = self.program_json["kv_pages"]["length"]
+                want[2] = pages.get("row_window", pages["length"])
             if want is None or shape[1:] != want[1:] or b["dtype"] != dec.buffers[own]["dtype"] or \
                     (name not in dec.states and name not in table_of):
                 raise UserError(f"program.json: decode_batch input {name!r} is no state of the decode program")
@@ -746,9 +748,11 @@ class Runtime:
 
     def _decode_rows(self, prog, ids: torch.Tensor, pos: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """One run of the row program: each input state is the requests' states stacked (a per-request state: the
-        slots' copies; a paged K=V cache: the rows of positions [0, L) read through each request's block table,
-        blocks handed back read the scratch block, behind the window the mask hides), and each output's new
-        contents go back (a per-request state: whole; a paged cache: the one row each request wrote)."""
+        slots' copies; a paged K=V cache: the L rows of the window ending at each request's token, positions
+        [p - L + 1, p], read through its block table, positions before 0 as position 0's row, which the mask
+        hides; an artifact without ``kv_pages.row_window``: positions [0, L), blocks handed back read the scratch
+        block), and each output's new contents go back (a per-request state: whole; a paged cache: the one row
+        each request wrote, its last row, or row p in the old layout)."""
         with _glue_on_this_thread():
             return self._decode_rows_here(prog, ids, pos, slots)
 
@@ -765,26 +769,32 @@ class Runtime:
                 continue
             pool = views[name]
             table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
-            block, offset = self._row_positions(length)
-            where = table[:, block] * bs + offset  # [B, L]: pool row of each position
+            at = self._held_positions(pos, length)  # [B, L]: the position of each row
+            where = table.gather(1, at // bs) * bs + at % bs  # [B, L]: pool row of each position
             inputs.append(pool.index_select(1, where.flatten()).view(pool.shape[0], len(slots), -1, pool.shape[2])
                           .transpose(0, 1))
-            back.append((pool, table[rows, pos // bs] * bs + pos % bs))
+            back.append((pool, table[rows, pos // bs] * bs + pos % bs, self._row_window is None))
         out = prog.run(inputs, views=True)  # the new states are read once, straight from the arena
         for dest, new in zip(back, out[1:]):
             if isinstance(dest, torch.Tensor):
                 dest.index_copy_(0, at_slots, new)
             else:
-                pool, at = dest
-                pool[:, at] = new[rows, :, pos].transpose(0, 1)
+                pool, at, whole = dest
+                pool[:, at] = (new[rows, :, pos] if whole else new[:, :, -1]).transpose(0, 1)
         return out[0].clone()
 
-    def _row_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [0, length) as (logical block, row in the block), made once, not at every step."""
-        if length not in self._row_positions_of:
-            p = torch.arange(length)
-            self._row_positions_of[length] = (p // self.kv.block_size, p % self.kv.block_size)
-        return self._row_positions_of[length]
+    @cached_property
+    def _row_window(self) -> int | None:
+        """``kv_pages.row_window`` (the row program's paged states hold the window ending at each request's
+        token), or None (an older artifact's: every position)."""
+        return self.program_json["kv_pages"].get("row_window")
+
+    def _held_positions(self, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """[B, length]: the position of each row the row program takes of a paged state, for requests at ``pos``:
+        the window ending at the token (before position 0: position 0, masked), or [0, length)."""
+        if self._row_window is None:
+            return torch.arange(length).expand(len(pos), -1)
+        return (pos.view(-1, 1) - (length - 1) + torch.arange(length)).clamp_(min=0)
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, stop_ids=(), temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, images=None, slot: int = 0, append: bool = False) -> list[int]:

@@ -478,6 +478,8 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
     top = max((hi for p in progs.values() for _, _, hi in p["symbols"]), default=0)
     if top > length:
         w.fail("kv_pages.length", f"{length} is below the programs' largest symbol bound {top}")
+    if "row_window" in cfg:  # the rows of each paged state the row-batched decode step takes per request
+        w.int(cfg["row_window"], "kv_pages.row_window", 1, length)
     paged, names = set(), set()
     for k, t in enumerate(w.lst(w.key(cfg, "tables", "kv_pages"), "kv_pages.tables")):
         tp = f"kv_pages.tables[{k}]"

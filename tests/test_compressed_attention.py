@@ -267,6 +267,43 @@ def test_per_row_kernel_gives_each_row_its_own_position(csa):
         torch.testing.assert_close(o, want[:n], rtol=1e-5, atol=1e-5)
 
 
+def _held(full: torch.Tensor, pos: torch.Tensor, W: int) -> torch.Tensor:
+    """[B, H, L, D] -> [B, H, W, D]: row b's window ending at pos[b] (row j at position pos[b] - (W-1) + j),
+    positions before 0 NaN (the kernel must not read them)."""
+    at = pos.view(-1, 1) - (W - 1) + torch.arange(W)
+    out = torch.stack([full[b][:, at[b].clamp(min=0)] for b in range(len(pos))])
+    out[(at < 0).nonzero(as_tuple=True)[0], :, (at < 0).nonzero(as_tuple=True)[1]] = float("nan")
+    return out
+
+
+@pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
+def test_ring_kernel_reads_the_window_ending_at_each_rows_query(csa):
+    """The row-batched decode step's K=V states hold only the window ending at each row's query (``ring``: row j
+    at position pos[b] - (W-1) + j): the kernel and the op's reference give what the whole-length state gives
+    (upstream's eager attention of that request alone), rows before position 0 (NaN) unread."""
+    H, Hkv, L, E, D, K, R, W = 4, 1, 64, 17, 16, 2, 4, 8
+    pos = torch.tensor([0, 37, 3, 63, 7])
+    B = len(pos)
+    rows = [_case(1, H, Hkv, 1, int(s), L, E, D, K, R, seed=int(s)) for s in pos]
+    q, kv, ent = (torch.cat([r[k] for r in rows]) for k in range(3))
+    idx = torch.cat([r[5] for r in rows])
+    sinks = rows[0][3]
+    attrs = {"scale": 0.3, "window": W, "rate": 0 if csa else R, "idx": csa, "epos": not csa, "per_row": True}
+    want = op_def(ca.OP).call([q, kv, pos, ent, sinks, idx if csa else pos.clone()], attrs)
+    held = _held(kv, pos, W)
+    ins = [q, held, pos, ent, sinks, idx if csa else pos.clone()]
+    ring = dict(attrs, window=0, ring=True)
+    torch.testing.assert_close(op_def(ca.OP).call([x.nan_to_num(0.0) if x is held else x for x in ins], ring),
+                               want, rtol=1e-5, atol=1e-6)
+    p = _params(csa, B, H, Hkv, 1, W, E, D, K, R, 0)
+    p.update(B=None, per_row=True, ring=True)
+    lib = tvm.compile(tvm.IRModule({"main": kern.build(p, "llvm")}), target=HOST)
+    for n in (B, 1):
+        o = torch.full((n, H, 1, D), float("nan"))
+        lib["main"](*[x[:n] if x is not sinks else x for x in ins], o)
+        torch.testing.assert_close(o, want[:n], rtol=1e-5, atol=1e-5)
+
+
 def test_csa_reads_only_selected_entries_of_a_long_history():
     """4096 entries, all NaN but the two a decode query selects: the kernel still returns the reference."""
     B, H, L, E, D, W = 1, 4, 64, 4096, 16, 8

@@ -7,6 +7,8 @@ equal what each request gets alone from upstream's ``generate()`` (transformers'
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_deepseek_v4_steps_rows_of_requests(tiny_compiled):
     """Its compressed entries, pending rings and overlaps are per-request states: its decode_batch is the row
     program (frontend/decode_export.RowDecodeStep), which takes every state of the decode program as an input,
     one row per request, and returns each new one; it keeps no state of its own."""
-    _, art, report = tiny_compiled("deepseek_v4")
+    ckpt, art, report = tiny_compiled("deepseek_v4")
     rt = load(art)
     assert rt.has_batched_decode and rt._row_batched
     prog, dec = rt.programs["decode_batch"], rt.programs["decode"]
@@ -108,6 +110,12 @@ def test_deepseek_v4_steps_rows_of_requests(tiny_compiled):
     assert names[:2] == ["input_ids", "positions"] and not prog.states and not prog.table_inputs
     assert set(names[2:]) == set(dec.states) | {n for n in dec.shared_states if n.endswith("_keys")}
     assert len(prog.user_outputs) == len(names) - 1
+    # a paged K=V state goes in as the window ending at each request's token, not every position of its cache
+    window = rt.program_json["kv_pages"]["row_window"]
+    assert window == json.loads((ckpt / "config.json").read_text())["sliding_window"] < \
+        rt.program_json["kv_pages"]["length"]
+    assert {prog.buffers[b]["shape"][2] for b in prog.inputs if prog.buffers[b]["name"] in dec.shared_states} == \
+        {window}
 
 
 @pytest.mark.slow
@@ -279,6 +287,38 @@ def test_per_row_dense_kernel_reads_each_rows_own_position(W, sinks):
     for n in (B, 1):
         o = torch.full((n, 4, 1, 16), float("nan"))
         f(q[:n], k[:n], v[:n], qpos[:n], *extra, o)
+        torch.testing.assert_close(o, want[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_ring_dense_kernel_reads_the_window_ending_at_each_rows_query():
+    """A sliding layer of DeepSeek-V4's row program: k / v hold only the window ending at each row's query
+    (``ring``, row j at position qpos[b] - (W-1) + j): equal to the whole-length cache's attention, and rows
+    before position 0 (NaN) are not read."""
+    from dayzero.codegen.kernels.attention import build
+    from dayzero.passes import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(5)
+    L, B, W = 64, 4, 8
+    qpos = torch.tensor([40, 0, 5, 63])
+    q = torch.randn(B, 4, 1, 16, generator=g)
+    k, v = torch.randn(B, 2, L, 16, generator=g), torch.randn(B, 2, L, 16, generator=g)
+    sinks = torch.randn(4, generator=g)
+    attrs = {"scale": 0.25, "window": W, "sinks": True, "per_row": True}
+    want = ops.REGISTRY[sa.DENSE].reference([q, k, v, qpos, sinks], attrs)
+    at = qpos.view(-1, 1) - (W - 1) + torch.arange(W)
+    kh = torch.stack([k[b][:, at[b].clamp(min=0)] for b in range(B)])
+    vh = torch.stack([v[b][:, at[b].clamp(min=0)] for b in range(B)])
+    ring = dict(attrs, window=0, ring=True)
+    torch.testing.assert_close(ops.REGISTRY[sa.DENSE].reference([q, kh, vh, qpos, sinks], ring), want,
+                               rtol=1e-5, atol=1e-5)
+    before = (at < 0).nonzero(as_tuple=True)
+    kh[before[0], :, before[1]], vh[before[0], :, before[1]] = float("nan"), float("nan")
+    p = dict(op=sa.DENSE, B=None, Hq=4, Hkv=2, S=1, L=W, D=16, Dv=16, dtype="float32", out_dtype="float32",
+             pos_dtype="int64", scale=0.25, window=0, sinks=True, sink_dtype="float32", per_row=True, ring=True)
+    f = _compile(build(p, "llvm"))["main"]
+    for n in (B, 1):
+        o = torch.full((n, 4, 1, 16), float("nan"))
+        f(q[:n], kh[:n], vh[:n], qpos[:n], sinks, o)
         torch.testing.assert_close(o, want[:n], rtol=1e-5, atol=1e-5)
 
 

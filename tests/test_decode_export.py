@@ -196,12 +196,16 @@ def test_deepseek_v4_row_step_is_each_request_alone(tiny):
     """The batched decode step (``RowDecodeStep``, run eagerly): three requests whose states were filled alone
     (prompts of 13, 21 and 7 tokens), stacked as batch rows, then stepped together 12 times at their own positions
     (across CSA / HCA window boundaries at different steps): every row's logits equal upstream's cache-less forward
-    of that request alone. Upstream rotates a pooled entry at one position for the whole batch: without the
-    per-row rope offset the rows whose windows start elsewhere move."""
+    of that request alone. The sliding K=V states go in as the window ending at each row's token (what the runtime
+    reads from the pool) and the token's row comes back as the window's last. Upstream rotates a pooled entry at
+    one position for the whole batch: without the per-row rope offset the rows whose windows start elsewhere
+    move."""
     from dayzero.frontend.decode_export import RowDecodeStep
 
     model, step = _v4_step(tiny)
     rows = RowDecodeStep(step)
+    W = rows.window_rows
+    assert W == model.config.sliding_window < step.max_cache_len
     gen = torch.Generator().manual_seed(3)
     lens = [13, 21, 7]
     seqs = [torch.randint(0, model.config.vocab_size, (1, 40), generator=gen) for _ in lens]
@@ -212,12 +216,25 @@ def test_deepseek_v4_row_step_is_each_request_alone(tiny):
             step(s[:, :n], torch.arange(n))
             states.append([getattr(step, name).clone() for _, _, name in step.names])
         stacked = [torch.cat(ts) for ts in zip(*states)]
+        keys = [k for k, (_, attr, _) in enumerate(step.names) if attr == "keys"]
+
+        def window(full, pos):  # [B, H, L, D] -> [B, H, W, D]: rows p - W + 1 .. p of row b (before 0: row 0)
+            at = (torch.tensor(pos).view(-1, 1) - (W - 1) + torch.arange(W)).clamp(min=0)
+            return torch.stack([full[b][:, at[b]] for b in range(len(pos))])
 
         def run(steps, hooks=True):
-            batch, pos, worst = list(stacked), list(lens), 0.0
+            full, pos, worst = list(stacked), list(lens), 0.0
             for _ in range(steps):
                 ids = torch.stack([s[0, p] for s, p in zip(seqs, pos)]).view(-1, 1)
-                out, *batch = rows(ids, torch.tensor(pos), *batch)
+                ins = [window(t, pos) if k in keys else t for k, t in enumerate(full)]
+                out, *new = rows(ids, torch.tensor(pos), *ins)
+                for k, t in enumerate(new):
+                    if k in keys:  # the token's own row, at its position
+                        assert t.shape[2] == W
+                        full[k] = full[k].clone()
+                        full[k][torch.arange(len(pos)), :, torch.tensor(pos)] = t[:, :, -1]
+                    else:
+                        full[k] = t
                 for b, (s, p) in enumerate(zip(seqs, pos)):
                     ref = model(input_ids=s[:, :p + 1], attention_mask=torch.ones(1, p + 1, dtype=torch.long),
                                 use_cache=False).logits[0, -1]

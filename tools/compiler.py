@@ -307,6 +307,16 @@ def rows_refusal(g: Graph, decode: Graph) -> str:
     return ""
 
 
+def rows_held(g: Graph, kv_pages: dict) -> int:
+    """The rows of a paged state the row-batched step takes per request (frontend/decode_export.py
+    ``RowDecodeStep``: the window ending at its token), the same for every paged state."""
+    paged = {s for t in kv_pages["tables"] for s in t["states"]}
+    held = {int(n.shape[2]) for n in g.inputs if n.attr.get("name") in paged}
+    if len(held) != 1:
+        raise InternalError(f"the row-batched decode step holds {sorted(held)} rows of its paged states")
+    return held.pop()
+
+
 @dataclass
 class Programs:
     """The compiler's programs after their graph steps and lowering, in build order."""
@@ -359,6 +369,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
         if why and fe.decode_rows is not None:  # DeepSeek-V4: its states pass through the batched step's rows
             decode = res.graphs["decode"]
             why = build("decode_batch", fe.decode_rows.graph, accept=lambda g: rows_refusal(g, decode))
+            if not why and res.kv_pages is not None:
+                res.kv_pages = dict(res.kv_pages, row_window=rows_held(res.graphs["decode_batch"], res.kv_pages))
         elif why and fe.decode_rows_error:
             why = f"{why}; the batched row step did not trace: {fe.decode_rows_error}"
         elif not why:

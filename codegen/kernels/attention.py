@@ -3,7 +3,8 @@
     cache_attention(q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos [S], [sinks [Hq]]) -> o [B,Hq,S,Dv]
         query (b, h, s) reads rows j in [max(0, qpos[s]-W+1), min(qpos[s], L-1)] (W = window, 0: from row 0)
         of kv head g = h // (Hq/Hkv); o = sum_j softmax_j(scale * q·k_j [, sink_h]) v_j
-        per_row (the row-batched decode step, S == 1, B symbolic): qpos [B], query (b, h, 0) at qpos[b]
+        per_row (the row-batched decode step, S == 1, B symbolic): qpos [B], query (b, h, 0) at qpos[b];
+        ring (with per_row): k/v hold the window ending at the query, row j at position qpos[b] - (L-1) + j
     sparse_attention(q, k, v, qpos [S], idx [B,S,K]) -> o [B,Hq,S,Dv]
         query (b, h, s) reads rows j = idx[b, s, t], t < K, kept where 0 <= j <= qpos[s] (and j < L); the
         indices of one query are distinct (they come from a top-k), so each row is counted once
@@ -54,7 +55,8 @@ def params(n: Node) -> dict:
          "pos_dtype": qpos.dtype, "scale": float(n.attr["scale"])}
     if n.op == "cache_attention":
         p.update(window=int(n.attr["window"]), sinks=bool(n.attr["sinks"]),
-                 sink_dtype=n.inputs[4].dtype if n.attr["sinks"] else None, per_row=bool(n.attr.get("per_row")))
+                 sink_dtype=n.inputs[4].dtype if n.attr["sinks"] else None, per_row=bool(n.attr.get("per_row")),
+                 ring=bool(n.attr.get("ring")))
     else:
         idx = n.inputs[4]
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype, window=0, sinks=False)
@@ -84,6 +86,19 @@ def cache_row(p: dict, pos: str, query: str | None = None) -> str:
             raise InternalError("a per-token block table needs the query each cache row is read for")
         entry = f"{query}, {entry}"
     return f'T.Cast("int64", bt[{entry}]) * {bs} + ({pos}) % {bs}'
+
+
+def window_rows(p: dict, pos: str) -> tuple[str, str]:
+    """TIR (first, last) cache row a query at position ``pos`` (an int64 expression) reads: positions
+    [max(0, pos-W+1), pos] (W = ``window``, 0: from position 0) at rows of the same index, up to row L-1; with
+    ``ring`` (the row-batched decode step's window states, frontend/decode_export.py ``RowDecodeStep``) row j
+    holds position pos - (L-1) + j, so the rows are [max(0, L-1-pos, L-W), L-1]."""
+    L, W = p["L"], p["window"]
+    if p.get("ring"):
+        lo = f"T.max({_i(L - 1)} - {pos}, {_i(max(0, L - W) if W else 0)})"
+        return lo, _i(L - 1)
+    lo = f"T.max({pos} - {_i(W - 1)}, {_i(0)})" if W else _i(0)
+    return lo, f"T.min({pos}, {_i(L - 1)})"
 
 
 def task_loop(total: str, kind: str) -> list[str]:
@@ -191,11 +206,9 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f'        if pos >= {_i(0)} and pos <= T.Cast("int64", p[s0]) and pos < {_i(L)}:']
         body += update("pos", "0", "            ")
     else:
-        W = p["window"]
         # a query's position: per query, or per batch row (per_row: one query a row)
         at = "b" if p.get("per_row") else f"T.min(s0 + i, {S} - {_i(1)})"
-        lo_q = f'T.max(T.Cast("int64", p[{at}]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
-        hi_q = f'T.min(T.Cast("int64", p[{at}]), {_i(L - 1)})'
+        lo_q, hi_q = window_rows(p, f'T.Cast("int64", p[{at}])')
         body += [f"rng[0] = {_i(L)}", f"rng[1] = {_i(-1)}",
                  f"for i in range({_i(qb)}):",
                  f"    if s0 + i < {S}:",
@@ -297,10 +310,8 @@ def build_decode(p: dict) -> tvm.tirx.PrimFunc:
     S, B, params_, lines = _dense_signature(p)
     f32 = "T.float32"
     lines += task_loop(f"{B} * {_i(Hkv)} * {S}", "llvm")
-    W = p["window"]
     at = "b" if p.get("per_row") else "s"
-    lo = f'T.max(T.Cast("int64", p[{at}]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)
-    hi = f'T.min(T.Cast("int64", p[{at}]), {_i(L - 1)})'
+    lo, hi = window_rows(p, f'T.Cast("int64", p[{at}])')
     row = cache_row(p, "j0 + jj", "s")
     body = [f"b = t // {_i(Hkv)} // {S}", f"g = t // {S} % {_i(Hkv)}", f"s = t % {S}",
             f'm = T.decl_buffer(({_i(rep)},), "float32")',
@@ -383,6 +394,8 @@ def build_prefill(p: dict) -> tvm.tirx.PrimFunc:
     nqb = f"({S} + {_i(QB - 1)}) // {_i(QB)}"
     lines += task_loop(f"{B} * {_i(Hkv)} * ({nqb})", "llvm")
     W = p["window"]
+    if p.get("ring"):
+        raise InternalError("cache_attention: window-ring rows (ring) are the row-batched decode step's, one query")
 
     def lo(i):
         return f'T.max(T.Cast("int64", p[T.min(s0 + {i}, {S} - {_i(1)})]) - {_i(W - 1)}, {_i(0)})' if W else _i(0)

@@ -5,7 +5,9 @@
 
 query (b, h, s) with kv head g = h // (H/Hkv) and p = qpos[s] reads
 
-* the sliding-window rows j in [max(0, p-W+1), min(p, L-1)] of ``kv`` (W = window; 0: from row 0),
+* the sliding-window rows j in [max(0, p-W+1), min(p, L-1)] of ``kv`` (W = window; 0: from row 0); with
+  ``ring`` (the row-batched decode step: ``kv`` holds the window ending at the query, row j at position
+  p - (L-1) + j) the rows [max(0, L-1-p), L-1] (``attention.window_rows``),
 * CSA (``idx``): the entry rows e = idx[b, s, t], t < K, kept where 0 <= e < E (the top-k indices are distinct, so
   each row counts once; upstream's -inf columns are never read),
 * HCA (``epos``, rate R): the entry rows e < min((epos[s] + 1) // R, E), all of them (HCA is dense over its few
@@ -60,7 +62,7 @@ def params(n: Node) -> dict:
          "L": int(kv.shape[2]), "E": int(ent.shape[2]), "D": int(D), "dtype": q.dtype, "kv_dtype": kv.dtype,
          "ent_dtype": ent.dtype, "out_dtype": n.dtype, "pos_dtype": qpos.dtype, "sink_dtype": sinks.dtype,
          "scale": float(n.attr["scale"]), "window": int(n.attr["window"]), "rate": int(n.attr["rate"]),
-         "per_row": bool(n.attr.get("per_row"))}
+         "per_row": bool(n.attr.get("per_row")), "ring": bool(n.attr.get("ring"))}
     if n.attr.get("idx"):
         idx = rest.pop(0)
         p.update(K=int(idx.shape[-1]), idx_dtype=idx.dtype)
@@ -103,7 +105,7 @@ def _vec(D: int, line: str) -> list[str]:
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
-    H, Hkv, L, E, D, W = (p[x] for x in ("H", "Hkv", "L", "E", "D", "window"))
+    H, Hkv, L, E, D = (p[x] for x in ("H", "Hkv", "L", "E", "D"))
     csa, hca = "K" in p, "epos_dtype" in p
     S = _i(p["S"]) if p["S"] is not None else "S"
     B = _i(p["B"]) if p["B"] is not None else "B"  # symbolic: the row-batched decode step's requests
@@ -170,8 +172,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                 ind + f"    m[{i}] = mn"]
 
     pos = f'T.Cast("int64", p[{at}])'
-    lo = f"T.max({pos} - {_i(W - 1)}, {_i(0)})" if W else _i(0)
-    hi = f"T.min({pos}, {_i(L - 1)})"
+    lo, hi = attention.window_rows(p, pos)
     nvalid = f'T.min(T.max((T.Cast("int64", ep[{at}]) + {_i(1)}) // {_i(p["rate"])}, {_i(0)}), {_i(E)})' \
         if hca else None
     # each query of the block: the sliding-window rows [lo, hi] of the K=V state, then CSA's selected entries

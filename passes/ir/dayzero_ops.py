@@ -186,11 +186,12 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
     # ---- attention over a KV cache (passes/sparse_attention.py, passes/compressed_attention.py) --------------
     OpDef("cache_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR),
                                    ("sinks", OPT_TENSOR), ("scale", ATTR), ("window", ATTR), ("per_row", ATTR),
-                                   PAGED),
+                                   ("ring", ATTR), PAGED),
           reference=by_token("cache_attention", by_row(dense_reference)),
           doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
               "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool), per_row (S == 1 "
-              "and qpos int [B]: row b's query at qpos[b]); reads rows [max(0, qpos-window+1), qpos] only; "
+              "and qpos int [B]: row b's query at qpos[b]), ring (with per_row: k / v hold the window ending at the "
+              "query, row j at position qpos[b]-(L-1)+j); reads rows [max(0, qpos-window+1), qpos] only; "
               "out [B,Hq,S,Dv]"),
     OpDef("sparse_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR), ("idx", TENSOR),
                                     ("scale", ATTR), PAGED),
@@ -222,13 +223,14 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
     OpDef("compressed_attention", args=(("q", TENSOR), ("kv", TENSOR), ("qpos", TENSOR), ("entries", TENSOR),
                                         ("sinks", TENSOR), ("idx", OPT_TENSOR), ("epos", OPT_TENSOR),
                                         ("scale", ATTR), ("window", ATTR), ("rate", ATTR), ("per_row", ATTR),
-                                        PAGED),
+                                        ("ring", ATTR), PAGED),
           reference=by_row(compressed_reference),
           doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, "
               "every position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx "
               "int [B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "
               "epos int [S] (HCA: entries e < (epos+1)//rate); attrs scale, window (0 = unbounded), rate (HCA; 0 "
-              "for CSA), idx / epos (bool), per_row (S == 1 and qpos, epos int [B]: row b's query at qpos[b]); "
+              "for CSA), idx / epos (bool), per_row (S == 1 and qpos, epos int [B]: row b's query at qpos[b]), "
+              "ring (with per_row: kv holds the window ending at the query, row j at position qpos[b]-(L-1)+j); "
               "reads window rows [max(0, qpos-window+1), qpos] and the selected / valid entries only; out "
               "[B,H,S,D]; a paged kv (passes/paged_kv.py): attrs paged (block size), length, the block table last"),
 )

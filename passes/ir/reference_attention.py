@@ -104,9 +104,14 @@ def paged_write_reference(ins, attrs):
 
 # ---- attention over a KV cache (passes/sparse_attention.py) ----------------------------------------------
 
-def valid_positions(L: int, qpos: torch.Tensor, window: int) -> torch.Tensor:
-    """[S, L] bool: key j is visible from query s iff j <= qpos[s] (and j > qpos[s] - window when window > 0)."""
+def valid_positions(L: int, qpos: torch.Tensor, window: int, ring: bool = False) -> torch.Tensor:
+    """[S, L] bool: key j is visible from query s iff j <= qpos[s] (and j > qpos[s] - window when window > 0).
+    ``ring``: row j holds position qpos[s] - (L-1) + j (the window ending at the query), the same rule on it."""
     j = torch.arange(L, device=qpos.device)
+    if ring:
+        j = j[None, :] + (qpos[:, None] - (L - 1))
+        m = (j >= 0) & (j <= qpos[:, None])
+        return m & (j > (qpos[:, None] - window)) if window else m
     m = j[None, :] <= qpos[:, None]
     if window:
         m &= j[None, :] > (qpos[:, None] - window)
@@ -142,7 +147,7 @@ def dense_reference(ins, attrs):
     if q.device.type == "meta":
         return _out(q, v)
     sinks = ins[4] if attrs["sinks"] else None
-    mask = valid_positions(k.shape[2], qpos.reshape(-1), attrs["window"])[None, None]
+    mask = valid_positions(k.shape[2], qpos.reshape(-1), attrs["window"], bool(attrs.get("ring")))[None, None]
     return _attend(q, k, v, mask, attrs["scale"], sinks).contiguous()
 
 
@@ -235,7 +240,8 @@ def compressed_reference(ins, attrs):
     idx = rest.pop(0) if attrs.get("idx") else None
     epos = rest.pop(0) if attrs.get("epos") else None
     B, _, S, _ = q.shape
-    win = valid_positions(kv.shape[2], qpos.reshape(-1), attrs["window"])[None].expand(B, S, -1)
+    win = valid_positions(kv.shape[2], qpos.reshape(-1), attrs["window"], bool(attrs.get("ring")))[None].expand(
+        B, S, -1)
     sel = entry_selection(attrs, B, S, ent.shape[2], idx, epos)
     mask = torch.cat([win, sel], dim=-1).unsqueeze(1)
     x = torch.cat([kv, ent], dim=2)

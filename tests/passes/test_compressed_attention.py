@@ -229,3 +229,37 @@ def test_a_block_bias_at_one_position_for_every_row_stays_dense():
     after, found = compressed_attention(before, _row_constants())
     assert found.patterns == {}
     assert_ir(after, before, shapes=False)
+
+
+# the row program's K=V states hold only the window ending at each row's query (frontend/decode_export.py
+# RowDecodeStep): row j of request b at position positions[b] - 63 + j, the window bias ``rows + (pos - 63) >= 0``
+_WINDOW_TERMS = """  %18 = le.Tensor(%17, %16) : bool[batch, 64]
+  %19 = weight {name="const.window"} : int64[]
+  %20 = sub.Tensor(%16, %19) {alpha=1} : int64[batch, 1]
+  %21 = gt.Tensor(%17, %20) : bool[batch, 64]
+  %22 = bitwise_and.Tensor(%18, %21) : bool[batch, 64]
+"""
+_HELD_TERM = """  %19 = weight {name="const.last"} : int64[]
+  %20 = sub.Tensor(%16, %19) {alpha=1} : int64[batch, 1]
+  %21 = add.Tensor(%17, %20) {alpha=1} : int64[batch, 64]
+  %22 = ge.Scalar(%21) {other=0} : bool[batch, 64]
+"""
+
+
+def test_row_states_holding_the_window_ending_at_each_query_are_read_as_a_ring():
+    assert _WINDOW_TERMS in ROW_HCA
+    text = ROW_HCA.replace(_WINDOW_TERMS, _HELD_TERM)
+    after, found = compressed_attention(ir(text, shapes=False), dict(_row_constants(), **{
+        "const.last": torch.tensor(63)}))
+    assert found.patterns == {"compressed_attention.hca": 1}
+    (att,) = [n for n in after.nodes() if n.op == "compressed_attention"]
+    assert att.attr["ring"] is True and att.attr["per_row"] is True and att.attr["window"] == 0
+    assert att.inputs[1].attr["name"] == "kv" and att.inputs[2].attr["name"] == "positions"
+
+
+def test_a_held_window_that_does_not_end_at_the_query_stays_dense():
+    # the rows end one position before the query: no kernel layout says so, the attention stays dense
+    before = ir(ROW_HCA.replace(_WINDOW_TERMS, _HELD_TERM), shapes=False)
+    after, found = compressed_attention(before, dict(_row_constants(), **{"const.last": torch.tensor(62)}))
+    assert found.patterns == {}
+    assert_ir(after, before, shapes=False)
