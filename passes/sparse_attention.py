@@ -352,10 +352,11 @@ _FUTURE_RATE = P("ge.Tensor", arange_row(), V(P(
     attrs={"rounding_mode": "floor"}), broadcast=True))
 
 
-def _future(mask: Node, S, L: int, constants) -> tuple[Node, int]:
-    """The where's hidden-key condition -> (qpos, rate); raises NoMatch on any other condition."""
+def _future(mask: Node, S, L: int, constants, B=None) -> tuple[Node, int]:
+    """The where's hidden-key condition -> (qpos, rate); raises NoMatch on any other condition. With the batch
+    size ``B`` and one query, DeepSeek-V4's rate-R positions may be one per batch row (``per_row``)."""
     m = Match(constants)
-    m.update(S=S, L=L)
+    m.update(S=S, L=L, B=B)
     if _FUTURE_MASK.match(mask, m):
         t = mask_terms(m.imask, S, L, constants)
         need(t.W == 0)
@@ -367,7 +368,7 @@ def _future(mask: Node, S, L: int, constants) -> tuple[Node, int]:
 def _indexer(n: Node, m: Match) -> Node:
     (B, S, L), K = m.x.shape, m.tk.attr["k"]
     need(isinstance(L, int) and isinstance(K, int) and 0 < K <= L)
-    qpos, rate = _future(m.future, S, L, m.constants)
+    qpos, rate = _future(m.future, S, L, m.constants, B)
     w, q, Hi = m.w, m.iq, m.w.shape[2]
     if "hs" in m:
         need(tuple(m.hs.shape) == (B * S, 1, L) and tuple(m.hs.inputs[0].shape) == (B * S, 1, Hi))
@@ -379,8 +380,10 @@ def _indexer(n: Node, m: Match) -> Node:
     need(tuple(m.kv.shape) == (B * S, q.shape[3], L) and _KEYS.match(m.kv, m))
     need(tuple(m.index_keys.shape) == (B, L, q.shape[3]) and m.index_keys.dtype in _UPCAST and q.dtype in _UPCAST
          and w.dtype in _UPCAST)
+    rows = {"per_row": True} if per_row(qpos, S) else {}
+    need(not rows or tuple(m.future.shape) == (B, 1, L))  # row b's hidden keys are its own
     return Node.make(INDEXER, (q, w, m.index_keys, qpos), {"scale": float(m.value(m.scale)), "k": K,
-                     "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf"), "rate": rate},
+                     "sorted": bool(m.tk.attr.get("sorted", True)), "fill": float("-inf"), "rate": rate, **rows},
                      n.types, n.span)
 
 

@@ -116,6 +116,11 @@ def test_deepseek_v4_steps_rows_of_requests(tiny_compiled):
         rt.program_json["kv_pages"]["length"]
     assert {prog.buffers[b]["shape"][2] for b in prog.inputs if prog.buffers[b]["name"] in dec.shared_states} == \
         {window}
+    # the CSA indexer is one kernel that scans only each row's visible keys, as in the one-request step
+    steps = {p: [st["node"] for st in rt.program_json["programs"][p]["steps"]] for p in ("decode", "decode_batch")}
+    assert not [n for n in steps["decode_batch"] if ".indexer" in n and n.startswith(("bmm", "topk"))]
+    assert [n for n in steps["decode_batch"] if n.startswith("dsa_indexer_topk")] == \
+        [n for n in steps["decode"] if n.startswith("dsa_indexer_topk")] != []
 
 
 @pytest.mark.slow

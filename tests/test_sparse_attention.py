@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dayzero.codegen.kernels.attention import build
 from dayzero.passes import sparse_attention as sa
-from dayzero.passes.ir import reference_attention as ra
+from dayzero.passes.ir import ops, reference_attention as ra
 from conftest import SHARED_MAX_SEQ
 
 HOST = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
@@ -351,12 +351,42 @@ def test_indexer_ties_hypothesis(seed, values, start):
     _indexer_check(1, 1, 4, 8, 320, 5, start, True, seed=seed, values=values)   # partial_sort (5*64 <= 320)
 
 
-@pytest.mark.parametrize("S,rate", [(1, 1), (None, 1), (None, 4)])
+@pytest.mark.parametrize("L,K", [(65, 2), (320, 5)])  # nth_element + sort; partial_sort (k * 64 <= L)
+def test_per_row_indexer_gives_each_row_its_own_position(L, K):
+    """DeepSeek-V4's row program (per_row): batch row b is request b, its one query at qpos[b], B symbolic (one
+    kernel for every batch size); each row returns torch.topk's indices of that request alone, exactly (ties
+    included), and the op's reference agrees; rows no query sees are NaN and never read."""
+    from dayzero.codegen.kernels import indexer
+
+    g = torch.Generator().manual_seed(L + K)
+    r = lambda *sh: torch.randint(-3, 4, sh, generator=g).float()  # noqa: E731
+    qpos = torch.tensor([40, 0, 250, 7, 17])
+    B, Hi, Di, rate = len(qpos), 8, 16, 4
+    q, w, keys = r(B, 1, Hi, Di), r(B, 1, Hi), r(B, L, Di)
+    attrs = {"scale": 0.25, "k": K, "sorted": True, "fill": float("-inf"), "rate": rate}
+    want = torch.cat([ra.indexer_reference([q[b:b + 1], w[b:b + 1], keys[b:b + 1], qpos[b:b + 1]], attrs)
+                      for b in range(B)])
+    assert torch.equal(ops.REGISTRY[sa.INDEXER].reference([q, w, keys, qpos], dict(attrs, per_row=True)), want)
+    for b in range(B):
+        keys[b, (int(qpos[b]) + 1) // rate:] = float("nan")
+    p = dict(op=sa.INDEXER, B=None, S=1, per_row=True, Hi=Hi, Di=Di, L=L, K=K, sorted=True, scale=0.25,
+             fill=float("-inf"), rate=rate, q_dtype="float32", w_dtype="float32", k_dtype="float32",
+             pos_dtype="int64")
+    f = tvm.compile(tvm.IRModule({"main": indexer.build(p, "llvm")}), target=HOST)["main"]
+    for n in (B, 1):
+        out = torch.full((n, 1, K), -1, dtype=torch.int64)
+        f(q[:n], w[:n], keys[:n], qpos[:n], out)
+        assert torch.equal(out, want[:n]), (n, out, want[:n])
+
+
+@pytest.mark.parametrize("S,rate", [(1, 1), (None, 1), (None, 4), ("rows", 4)])
 def test_indexer_cuda_sm90_compiles(S, rate):
     from dayzero.codegen.kernels import indexer
 
     p = dict(op=sa.INDEXER, B=1, S=S, Hi=8, Di=16, L=64, K=4, sorted=True, scale=0.25, fill=float("-inf"),
              rate=rate, q_dtype="float32", w_dtype="float32", k_dtype="float32", pos_dtype="int64")
+    if S == "rows":  # the row-batched decode step: a symbolic batch, one query a row at its own position
+        p.update(S=1, B=None, per_row=True)
     f = indexer.build(p, "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     src = lib.mod.imports[0].inspect_source()
@@ -440,6 +470,37 @@ def test_v4_indexer_pattern_on_upstream_scorer(start, rate):
     assert found.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == 1
     assert [n.attr["rate"] for n in gr.nodes() if n.op == sa.INDEXER] == [rate]
     assert not [n for n in gr.nodes() if n.op == "topk"]
+    weights = {**t.weights, **found.constants}
+    out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)), weights.get)[0]
+    assert torch.equal(out, m(*ins))
+
+
+class _UpstreamV4RowSelection(_UpstreamV4Selection):
+    """The same selection in DeepSeek-V4's row program: one query per batch row, row b at pos[b]."""
+
+    def forward(self, q, keys, hidden, pos):
+        scores = self.scorer(q, keys, hidden)
+        thr = (pos.view(-1, 1) + 1) // self.rate  # [B, 1]
+        future = torch.arange(keys.shape[1]).view(1, 1, -1) >= thr.unsqueeze(-1)  # [B, 1, L]
+        top = scores.masked_fill(future, float("-inf")).topk(self.k, dim=-1).indices
+        return torch.where(top >= thr.unsqueeze(-1), torch.full_like(top, -1), top)
+
+
+def test_v4_indexer_pattern_with_one_position_per_row():
+    """The row-batched decode step's indexer (positions [B], one query a row) becomes dsa_indexer_topk with
+    ``per_row``; the graph computes what upstream does row by row."""
+    from dayzero.frontend.torch_export import export_module, to_graph
+    from dayzero.passes.ir.interp import run_graph
+    from dayzero.tools.compiler import run_pipeline
+
+    g = torch.Generator().manual_seed(1)
+    r = lambda *sh: torch.randint(-2, 3, sh, generator=g).float()  # noqa: E731
+    ins = (r(3, 1, 4, 16), r(3, 9, 16), r(3, 1, 8), torch.tensor([30, 2, 13]))
+    m = _UpstreamV4RowSelection(4, 3)
+    t = to_graph(export_module(m, ins))
+    gr, found = run_pipeline(t.graph, verify=True)
+    assert found.patterns.get(f"sparse_attention.{sa.INDEXER}", 0) == 1
+    assert [n.attr.get("per_row") for n in gr.nodes() if n.op == sa.INDEXER] == [True]
     weights = {**t.weights, **found.constants}
     out = run_graph(gr, dict(zip([n.attr["name"] for n in gr.inputs], ins)), weights.get)[0]
     assert torch.equal(out, m(*ins))

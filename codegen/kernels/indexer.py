@@ -56,7 +56,8 @@ def params(n: Node) -> dict:
     q, w, keys, qpos = n.inputs[:4]
     B, S, Hi, Di = q.shape
     return attention.paged_params(n, {
-            "op": OP, "B": int(B), "S": S if isinstance(S, int) else None, "Hi": int(Hi), "Di": int(Di),
+            "op": OP, "B": B if isinstance(B, int) else None, "S": S if isinstance(S, int) else None,
+            "per_row": bool(n.attr.get("per_row")), "Hi": int(Hi), "Di": int(Di),
             "L": int(keys.shape[1]), "K": int(n.attr["k"]), "sorted": bool(n.attr["sorted"]),
             "scale": float(n.attr["scale"]), "fill": float(n.attr["fill"]), "rate": int(n.attr.get("rate", 1)),
             "q_dtype": q.dtype, "w_dtype": w.dtype, "k_dtype": keys.dtype, "pos_dtype": qpos.dtype}, keys.shape[1])
@@ -73,8 +74,10 @@ def _f(x: float) -> str:
 
 
 def visible(p: dict, s: str) -> str:
-    """The number of key rows query ``s`` sees: (qpos[s] + 1) // rate, at most L (rows [0, visible) count)."""
-    return f'T.min(T.floordiv(T.Cast("int64", pp[{s}]) + T.int64(1), {_i(p.get("rate", 1))}), {_i(p["L"])})'
+    """The number of key rows query ``s`` sees: (qpos[s] + 1) // rate, at most L (rows [0, visible) count); with
+    ``per_row`` (one query a batch row, at qpos[b]) the row's."""
+    at = "b" if p.get("per_row") else s
+    return f'T.min(T.floordiv(T.Cast("int64", pp[{at}]) + T.int64(1), {_i(p.get("rate", 1))}), {_i(p["L"])})'
 
 
 def prefix_only(p: dict) -> bool:
@@ -156,20 +159,23 @@ def _ceil_tile(rows: str) -> str:
 
 def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
-    B, Hi, Di, L, K = p["B"], p["Hi"], p["Di"], p["L"], p["K"]
+    Hi, Di, L, K = p["Hi"], p["Di"], p["L"], p["K"]
     S = _i(p["S"]) if p["S"] is not None else "S"
-    decode = p["S"] == 1
+    Bx = _i(p["B"]) if p["B"] is not None else "B"  # symbolic: the row-batched decode step's requests
+    # decode's (b, chunk) tasks share one [B, L] workspace; per_row (B symbolic) takes the blocked variant, one
+    # query a task with its own [L] workspace
+    decode = p["S"] == 1 and not p.get("per_row")
     buf = attention.buffer
-    head = attention.header(p, "S") + [
-        buf("q", "q_", (_i(B), S, _i(Hi), _i(Di)), p["q_dtype"]),
-        buf("w", "w_", (_i(B), S, _i(Hi)), p["w_dtype"]),
-        buf("keys", "k_", (_i(B), _i(p.get("P", L)), _i(Di)), p["k_dtype"]),
-        buf("pp", "p_", (S,), p["pos_dtype"]),
-        buf("o", "o_", (_i(B), S, _i(K)), "int64")] + attention.table_decl(p)
+    head = attention.header(p, "S", "B") + [
+        buf("q", "q_", (Bx, S, _i(Hi), _i(Di)), p["q_dtype"]),
+        buf("w", "w_", (Bx, S, _i(Hi)), p["w_dtype"]),
+        buf("keys", "k_", (Bx, _i(p.get("P", L)), _i(Di)), p["k_dtype"]),
+        buf("pp", "p_", (Bx if p.get("per_row") else S,), p["pos_dtype"]),
+        buf("o", "o_", (Bx, S, _i(K)), "int64")] + attention.table_decl(p)
     nj = (L + JB - 1) // JB
     body: list[str] = []
     if kind == "cuda":
-        rows = f"{_i(B)} * {S}"
+        rows = f"{Bx} * {S}"
         body += [f'gV = T.alloc_buffer(({rows} * {_i(L)},), "float32")',
                  f'gI = T.alloc_buffer(({rows} * {_i(L)},), "int64")',
                  f"for bx in T.thread_binding(({rows} * {_i(L)} + {_i(CUDA_THREADS - 1)}) // {_i(CUDA_THREADS)}, "
@@ -200,7 +206,7 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
                  f"            s = row % {S}"]
         body += ["            " + ln for ln in _topk_row(p, "row", "gV", "gI", ', scope="local"')]
     elif decode:
-        nch = (L + CHUNK - 1) // CHUNK
+        B, nch = p["B"], (L + CHUNK - 1) // CHUNK
         body += [f'gV = T.alloc_buffer(({_i(B * L)},), "float32")',
                  f'gI = T.alloc_buffer(({_i(B * L)},), "int64")',
                  f"for c in T.parallel({_i(B * nch)}):",
@@ -219,9 +225,10 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
         body += ["    " + ln for ln in _tail(p, "gV", "gI", "b", f"T.min({_ceil_tile(nv)}, {_i(L)})", nv, "scan[0]")]
         body += ["    " + ln for ln in _topk_row(p, "b", "gV", "gI", "", "scan[0]")]
     else:
-        qb = 1 if p.get("per_token") else QB_PREFILL  # per-token tables: a key tile serves one query only
+        # per-token tables: a key tile serves one query only; per_row: one query a row
+        qb = 1 if p.get("per_token") or p.get("per_row") else QB_PREFILL
         nqb = f"({S} + {_i(qb - 1)}) // {_i(qb)}"
-        body += [f"for t in T.parallel({_i(B)} * ({nqb})):",
+        body += [f"for t in T.parallel({Bx} * ({nqb})):",
                  f"    b = t // ({nqb})",
                  f"    s0 = t % ({nqb}) * {_i(qb)}",
                  f'    bV = T.decl_buffer(({_i(qb * L)},), "float32")',

@@ -187,7 +187,7 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
     OpDef("cache_attention", args=(("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("qpos", TENSOR),
                                    ("sinks", OPT_TENSOR), ("scale", ATTR), ("window", ATTR), ("per_row", ATTR),
                                    ("ring", ATTR), PAGED),
-          reference=by_token("cache_attention", by_row(dense_reference)),
+          reference=by_token("cache_attention", by_row(dense_reference, (3,))),
           doc="causal attention over a KV cache: q [B,Hq,S,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], qpos int [S] (each "
               "query's position), [sinks [Hq]]; attrs scale, window (0 = unbounded), sinks (bool), per_row (S == 1 "
               "and qpos int [B]: row b's query at qpos[b]), ring (with per_row: k / v hold the window ending at the "
@@ -213,18 +213,18 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
               "rows <= qpos, without expanding the cache; out [B,H,S,Dv]"),
     OpDef("dsa_indexer_topk", args=(("q", TENSOR), ("w", TENSOR), ("keys", TENSOR), ("qpos", TENSOR),
                                     ("scale", ATTR), ("k", ATTR), ("sorted", ATTR), ("fill", ATTR), ("rate", ATTR),
-                                    PAGED),
-          reference=by_token("dsa_indexer_topk", indexer_reference),
+                                    ("per_row", ATTR), PAGED),
+          reference=by_token("dsa_indexer_topk", by_row(indexer_reference, (3,))),
           doc="DSA lightning indexer: q [B,S,Hi,Di], w [B,S,Hi] (head weights), keys [B,L,Di] (index-key cache: "
               "a key per position, or per rate positions), qpos int [S]; attrs scale, k, sorted, fill, rate (1: "
               "DeepSeek-V3.2; R: DeepSeek-V4's compressed keys); score[b,s,j] = sum_h w·relu(scale q_h·keys_j) for "
               "j < (qpos[s] + 1) // rate else fill; out int64 [B,S,k] = torch.topk(score, k).indices (torch's tie "
-              "order); reads only the visible key rows"),
+              "order); reads only the visible key rows; per_row (S == 1 and qpos int [B]: row b's query at qpos[b])"),
     OpDef("compressed_attention", args=(("q", TENSOR), ("kv", TENSOR), ("qpos", TENSOR), ("entries", TENSOR),
                                         ("sinks", TENSOR), ("idx", OPT_TENSOR), ("epos", OPT_TENSOR),
                                         ("scale", ATTR), ("window", ATTR), ("rate", ATTR), ("per_row", ATTR),
                                         ("ring", ATTR), PAGED),
-          reference=by_row(compressed_reference),
+          reference=by_row(compressed_reference, (2, 5)),
           doc="DeepSeek-V4 compressed attention with sinks, K = V: q [B,H,S,D], kv [B,Hkv,L,D] (sliding state, "
               "every position), qpos int [S], entries [B,Hkv,E,D] (compressed entries), sinks [H], and either idx "
               "int [B,S,K] (CSA: the selected entries, those in [0, E) count; distinct per query, from a top-k) or "

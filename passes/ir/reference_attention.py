@@ -72,18 +72,17 @@ def by_token(op: str, reference):
     return run
 
 
-def by_row(reference):
+def by_row(reference, pos: tuple[int, ...]):
     """A reader's reference that also runs its per-row form (attr ``per_row``: one query per batch row, row b at
     positions[b], the row-batched decode step): each row alone with its own positions, joined along the batch.
-    Inputs with a batch dim (q, caches, entries, idx) are split by row; sinks and the block table are shared."""
+    Inputs with a batch dim (q, caches, entries, idx) are split by row; sinks and the block table are shared.
+    ``pos``: the inputs that are positions [B] (cache_attention's and the indexer's qpos (3); compressed_attention's
+    qpos (2) and HCA's epos (5: the optional idx and epos are exclusive, an absent one is no input))."""
     def run(ins, attrs):
         if not attrs.get("per_row") or ins[0].device.type == "meta":
             return reference(ins, attrs)
         B = ins[0].shape[0]
         one = {k: v for k, v in attrs.items() if k != "per_row"}
-        # the positions [B]: cache_attention's qpos (3); compressed_attention's qpos (2) and HCA's epos (5: the
-        # optional idx and epos are exclusive, an absent one is no input)
-        pos = (2, 5) if "rate" in attrs else (3,)
 
         def row(k, a, b):
             if a is None or (attrs.get("paged") and k == len(ins) - 1):
