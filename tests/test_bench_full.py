@@ -1,7 +1,8 @@
 """``dayzero bench full`` on a narrow gpt-oss (make_full's test-only overrides: published layer types, experts and
-top-k, hidden 64): the JSON has DESIGN.md's fields, every decode case's bound is the step's bytes over the bandwidth
-measured in the run, and the bytes are the checkpoint's own, counted here from the tensors' sizes independently.
-The full-width figures are the benchmark's, not CI's."""
+top-k, hidden 64): the JSON has DESIGN.md's fields, every decode case's bound is the larger of the step's bytes over
+the bandwidth and its weight FLOPs over the matmul rate, both measured in the run, a prefill's bound its FLOPs; the
+bytes and FLOPs are the checkpoint's own, counted here from the tensors independently. The full-width figures are
+the benchmark's, not CI's."""
 
 import json
 import math
@@ -29,12 +30,22 @@ def test_bench_full_narrow_gpt_oss(tmp_path):
     ckpt = tmp_path / "gpt_oss_L1" / "ckpt"
     cfg = json.loads((ckpt / "config.json").read_text())
     E, k, H = cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"]
-    sizes = {}
+    sizes, values = {}, {}
     for f in ckpt.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             for name in st.keys():
                 t = st.get_tensor(name)
                 sizes[name] = t.numel() * t.element_size()
+                # MXFP4: two values a block byte, the scales none
+                values[name] = 0 if name.endswith("_scales") else 2 * t.numel() if name.endswith("_blocks") else \
+                    t.numel()
+    peak = out["machine"]["matmul_peak_GFLOPs"] * 1e9
+    v_experts = sum(v for n, v in values.items() if ".mlp.experts." in n)
+    v_head = values["lm_head.weight"]
+    v_dense = sum(values.values()) - v_experts - v_head - values["model.embed_tokens.weight"]
+
+    def flops(tokens, head_rows):  # 2 a value: k experts a token, the LM head for head_rows rows
+        return 2 * (tokens * (v_dense + k * v_experts / E) + head_rows * v_head)
     experts = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
     embed = sizes["model.embed_tokens.weight"]
     other = sum(sizes.values()) - experts - embed
@@ -45,11 +56,16 @@ def test_bench_full_narrow_gpt_oss(tmp_path):
             reached = E * (1 - (1 - k / E) ** b)
             want = other + b * embed // cfg["vocab_size"] + reached * experts / E + b * c * kv_token
             assert r["step_bytes"] == pytest.approx(want, rel=1e-6), (b, c)
-            assert r["bound"] == pytest.approx(r["step_bytes"] / bw, rel=2e-2)  # the bandwidth is rounded in JSON
+            assert r["bytes_bound"] == pytest.approx(r["step_bytes"] / bw, rel=2e-2)  # bandwidth rounded in JSON
+            assert r["step_flops"] == pytest.approx(flops(b, b), rel=1e-9), (b, c)
+            assert r["flops_bound"] == pytest.approx(r["step_flops"] / peak, rel=2e-2)
+            assert r["bound"] == max(r["bytes_bound"], r["flops_bound"])
             assert r["dayzero"] > 0 and r["tokens_per_s"] == pytest.approx(b / r["dayzero"])
             assert r["arena_step_bytes"] > r["step_bytes"]  # fp32 copies of the bf16 weights
             assert r["prefilled_tokens"] == [max(1, c - 1)] * b
     assert math.isclose(cases["prefill_16"]["tokens_per_s"], 16 / cases["prefill_16"]["dayzero"])
+    assert cases["prefill_16"]["step_flops"] == pytest.approx(flops(16, 1), rel=1e-9)
+    assert cases["prefill_16"]["bound"] == pytest.approx(flops(16, 1) / peak, rel=2e-2)
     assert cases["prefill_16"]["baselines"]["torch_eager"] > 0  # a narrow model fits: eager runs
     assert cases["decode_b1_ctx1"]["baselines"]["torch_eager"] > 0
     assert "compile_s" in out and "make_full_s" in out

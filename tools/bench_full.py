@@ -23,10 +23,16 @@ Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound``
   ``capacity.kv_layout``). ``arena_step_bytes``: the same count in dayzero's own storage (``arena_step_bytes``: each
   weight buffer at its arena dtype, fp32 where the host converts at load, bf16 where it keeps a bf16 checkpoint's
   matrix as stored; KV in fp32), and ``fraction_of_arena_bound`` the step against that: how far the kernels are from
-  their own layout's bound.
+  their own layout's bound. ``flops_bound``: the step's weight FLOPs (``step_flops``) / the fp32 matmul rate
+  measured in this run (``matmul_peak``); at 8 requests it is close to the bytes bound on two cores. ``bound`` is
+  the larger of the two (``bytes_bound``, ``flops_bound``).
 * ``prefill_<P>``: a prefill of P tokens from an empty cache (chunk by chunk past the chunk), the last position's
   logits (as generation and the server read them: the ``prefill_last`` program; eager with ``logits_to_keep=1``);
-  ``tokens_per_s``; bound null (compute bound).
+  ``tokens_per_s``; ``bound`` = ``flops_bound``: P tokens through every weight but the embedding table (the routed
+  ones: k experts a token), the LM head for the last position only, at the measured matmul rate.
+
+``step_flops`` counts 2 FLOPs per weight value a token multiplies (the checkpoint's values by part, MXFP4 two a
+byte) and leaves out attention over the cache, so both bounds are lower bounds on the time.
 * ``torch_eager`` baselines: upstream's modeling code on the same checkpoint, fp32 (as ``dayzero compare``
   builds it), when its estimated size fits in ``--eager-max-gb`` after dayzero's runtime is freed; otherwise the
   result says ``torch_eager_skipped`` with the size it needed.
@@ -83,7 +89,7 @@ def checkpoint_bytes(ckpt: Path) -> dict:
     cfg = json.loads((ckpt / "config.json").read_text())
     E = num_experts(cfg)[1]
     out = {"embedding_row": 0, "expert": 0, "other": 0, "values": 0, "experts_per_layer": E,
-           "layers": int(cfg["num_hidden_layers"])}
+           "layers": int(cfg["num_hidden_layers"]), "values_by": {}}
     expert_total = 0
     for shard in sorted(ckpt.glob("*.safetensors")):
         with open(shard, "rb") as f:
@@ -97,8 +103,10 @@ def checkpoint_bytes(ckpt: Path) -> dict:
             a, b = meta["data_offsets"]
             cat = _category(name)
             # values the upstream model holds (an MXFP4 block byte is 2 values, its scales none)
-            out["values"] += 0 if name.endswith("_scales") else 2 * (b - a) if name.endswith("_blocks") else \
+            values = 0 if name.endswith("_scales") else 2 * (b - a) if name.endswith("_blocks") else \
                 math.prod(meta["shape"])
+            out["values"] += values
+            out["values_by"][cat] = out["values_by"].get(cat, 0) + values
             if cat == "embeddings":
                 out["embedding_row"] += (b - a) // int(meta["shape"][0])
             elif cat == "routed_experts":
@@ -114,6 +122,19 @@ def step_bytes(cb: dict, cfg: dict, batch: int, context: int) -> int:
     docstring)."""
     return int(cb["other"] + batch * cb["embedding_row"] + expert_step_bytes(cb, cfg, batch)
                + batch * kv_step_bytes(cfg, context, "bf16"))
+
+
+def step_flops(cb: dict, cfg: dict, tokens: int, head_rows: int) -> float:
+    """Multiply-add FLOPs of a step of ``tokens`` tokens through the weights: 2 per value, every part but the
+    embedding table (a lookup) and the LM head for each token, k of the routed experts a token, the LM head for
+    ``head_rows`` rows (its own tensor, or the embedding table when tied). Attention over the cache is not
+    counted: a lower bound."""
+    by = cb["values_by"]
+    k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1)
+    experts = by.get("routed_experts", 0) / max(1, cb["experts_per_layer"]) * k if cb["experts_per_layer"] else 0
+    dense = sum(v for c, v in by.items() if c not in ("embeddings", "lm_head", "routed_experts"))
+    head = by.get("lm_head") or by.get("embeddings", 0)
+    return 2.0 * (tokens * (dense + experts) + head_rows * head)
 
 
 def expert_step_bytes(cb: dict, cfg: dict, batch: int) -> float:
@@ -212,7 +233,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
 
     from dayzero.runtime import load
     from dayzero.tools.bench import machine_info
-    from dayzero.tools.bench_dequant import read_bandwidth
+    from dayzero.tools.bench_dequant import matmul_peak, read_bandwidth
     from dayzero.tools.bench_long import prefill_within
 
     model_type = MODELS[model]
@@ -225,7 +246,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     t0 = time.perf_counter()
     rt = load(art)
     load_s = time.perf_counter() - t0
-    bw = read_bandwidth(512 << 20)
+    bw, peak = read_bandwidth(512 << 20), matmul_peak()
     program = json.loads((art / "program.json").read_text()) if (art / "program.json").exists() else {}
     tuned = sorted({k.get("op") for p in program.get("programs", [program]) if isinstance(p, dict)
                     for k in (p.get("kernels") or {}).values() if isinstance(k, dict) and k.get("route") == "tuned"})
@@ -239,10 +260,13 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
                                         slot=s)[0] for s in range(b)]
             t = _decode_step(rt, b, steps)
             need, arena = step_bytes(cb, cfg, b, c), arena_step_bytes(art, cb, cfg, b, c)
+            flops = step_flops(cb, cfg, b, b)
+            bound = max(need / bw, flops / peak)
             results.append({
                 "case": f"decode_b{b}_ctx{c}", "unit": "s", "dayzero": t, "baselines": {},
-                "bound": need / bw, "bound_name": "step_bytes/read_bandwidth", "batch": b, "context": c,
-                "tokens_per_s": b / t, "bound_tokens_per_s": b * bw / need, "fraction_of_bound": need / bw / t,
+                "bound": bound, "bound_name": "max(step_bytes/read_bandwidth, step_flops/matmul_peak)", "batch": b,
+                "context": c, "tokens_per_s": b / t, "bound_tokens_per_s": b / bound, "fraction_of_bound": bound / t,
+                "bytes_bound": need / bw, "flops_bound": flops / peak, "step_flops": flops,
                 "step_bytes": need, "arena_step_bytes": arena, "fraction_of_arena_bound": arena / bw / t,
                 "prefilled_tokens": prefilled, "batched_program": b == 1 or rt.has_batched_decode, **common})
     for p in prefills:
@@ -253,9 +277,11 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
             t0 = time.perf_counter()
             rt.prefill(ids, last=True)  # as generation and the server prefill: the last position's logits
             ts.append(time.perf_counter() - t0)
-        results.append({"case": f"prefill_{p}", "unit": "s", "dayzero": min(ts), "baselines": {}, "bound": None,
-                        "bound_name": None, "tokens": p, "tokens_per_s": p / min(ts), "logits": "last position",
-                        **common})
+        flops = step_flops(cb, cfg, p, 1)
+        results.append({"case": f"prefill_{p}", "unit": "s", "dayzero": min(ts), "baselines": {},
+                        "bound": flops / peak, "bound_name": "step_flops/matmul_peak", "flops_bound": flops / peak,
+                        "step_flops": flops, "fraction_of_bound": flops / peak / min(ts), "tokens": p,
+                        "tokens_per_s": p / min(ts), "logits": "last position", **common})
     del rt
     gc.collect()
     smallest = min(contexts)
@@ -267,7 +293,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
             r["baselines"]["torch_eager"] = eager[r["case"]]
         elif "skipped" in eager:
             r["torch_eager_skipped"] = eager["skipped"]
-    machine = dict(machine_info(), read_bandwidth_GBps=round(bw / 1e9, 2))
+    machine = dict(machine_info(), read_bandwidth_GBps=round(bw / 1e9, 2), matmul_peak_GFLOPs=round(peak / 1e9, 1))
     return {"suite": "full", "machine": machine, "results": results, "model": model, "layers": layers,
             "int8_activations": int8,
             "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")),
@@ -315,4 +341,5 @@ def full_command(as_json, model, layers, work, contexts, batches, prefills, step
         return (f"{r['case']:24s} {r['dayzero'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.1f} tok/s{bound} "
                 f"{baselines_text(r, 1e3, '.1f', 'ms')}")
     echo_bench(out, as_json, line,
-               f"{model} x{layers} layers, read bandwidth {out['machine']['read_bandwidth_GBps']} GB/s")
+               f"{model} x{layers} layers, read bandwidth {out['machine']['read_bandwidth_GBps']} GB/s, fp32 matmul "
+               f"{out['machine']['matmul_peak_GFLOPs']} GFLOP/s")
