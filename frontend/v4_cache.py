@@ -43,9 +43,10 @@ it must stay that way: tests/test_generate.py checks the compiled prefill's rang
 
 The batched decode step (``decode_export.RowDecodeStep``, the ``decode_batch`` program) batches requests along B:
 ``RowCompressedAttentionCache``'s layers apply the same rules to one token per batch row, each row at its own
-position (a per-row scatter of the K=V row and the entry, per-row pending / overlap selects), and a pre-hook on
-the compressors' rotary embeddings gives each row's pooled entry its own window position (upstream passes one
-``first_window_position`` for the whole batch).
+position (the K=V state holds only the window ending at the row's token, the token written as its last row; a
+per-row scatter of the entry, per-row pending / overlap selects), and a pre-hook on the compressors' rotary
+embeddings gives each row's pooled entry its own window position (upstream passes one ``first_window_position``
+for the whole batch).
 """
 
 from __future__ import annotations
