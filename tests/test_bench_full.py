@@ -73,3 +73,18 @@ def test_bench_full_narrow_gpt_oss(tmp_path):
                        prefill_budget=30.0, eager_max_gb=0.0, overrides=NARROW)
     assert "compile_s" not in again and "make_full_s" not in again  # the checkpoint and artifact are reused
     assert "torch_eager_skipped" in again["results"][0]
+
+
+def test_checkpoint_parts_are_named_as_the_model_names_them(tmp_path):
+    """DeepSeek-V4 publishes its LM head as ``head.weight`` and its routers under ``ffn.gate``: the bench counts
+    each checkpoint tensor under the model's own parameter name (transformers' renamings), so the head's values are
+    the LM head's (read for the rows whose logits are kept), not every token's."""
+    from dayzero.tools.bench_full import checkpoint_bytes, step_flops
+    from dayzero.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny("deepseek_v4", tmp_path / "ckpt", seed=0)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cb = checkpoint_bytes(ckpt)
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    assert cb["values_by"]["lm_head"] == head and "other" not in cb["values_by"]
+    assert step_flops(cb, cfg, 16, 1) - step_flops(cb, cfg, 16, 0) == 2 * head

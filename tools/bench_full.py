@@ -87,6 +87,7 @@ def checkpoint_bytes(ckpt: Path) -> dict:
     from dayzero.tools.capacity import _category, num_experts
 
     cfg = json.loads((ckpt / "config.json").read_text())
+    model_name = _model_key(str(cfg.get("model_type", "")))
     E = num_experts(cfg)[1]
     out = {"embedding_row": 0, "expert": 0, "other": 0, "values": 0, "experts_per_layer": E,
            "layers": int(cfg["num_hidden_layers"]), "values_by": {}}
@@ -101,7 +102,7 @@ def checkpoint_bytes(ckpt: Path) -> dict:
             if name == "__metadata__":
                 continue
             a, b = meta["data_offsets"]
-            cat = _category(name)
+            cat = _category(model_name(name))
             # values the upstream model holds (an MXFP4 block byte is 2 values, its scales none)
             values = 0 if name.endswith("_scales") else 2 * (b - a) if name.endswith("_blocks") else \
                 math.prod(meta["shape"])
@@ -115,6 +116,18 @@ def checkpoint_bytes(ckpt: Path) -> dict:
                 out["other"] += b - a
     out["expert"] = expert_total // max(1, E * out["layers"])
     return out
+
+
+def _model_key(model_type: str):
+    """Checkpoint key -> the model's parameter name, by transformers' own renamings for ``model_type`` (DeepSeek-V4
+    publishes its LM head as ``head.weight``: categorised by that name it counted as "other", every token's)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    renames = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converts = [t for t in mapping if isinstance(t, WeightConverter)]
+    return lambda key: rename_source_key(key, renames, converts)[0]
 
 
 def step_bytes(cb: dict, cfg: dict, batch: int, context: int) -> int:
