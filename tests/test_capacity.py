@@ -408,3 +408,15 @@ def test_the_host_plans_one_prefill_chunk_of_workspace():
     r = CliRunner().invoke(plan, [str(CONFIGS / "deepseek_v32.json"), "--target", "host", "--context", "4005",
                                   "--prefill-chunk", "0", "--json"])
     assert isinstance(r.exception, UserError) and "prefill chunk must be a positive integer" in str(r.exception)
+
+
+def test_a_query_head_without_an_mla_split_is_head_dim_wide():
+    """DeepSeek-V4's query heads are head_dim (512) wide, its rope the last qk_rope_head_dim (64) of them: the
+    plan took 64 values a head. One step's activations on a GPU target, from the config alone: bf16 residual
+    streams (x hc_mult) twice, q, K and V, the widest MLP (k routed + shared experts), 8192 tokens."""
+    v4 = cfg("deepseek_v4_flash")
+    assert v4.get("qk_rope_head_dim") and not v4.get("qk_nope_head_dim")
+    k = v4["num_experts_per_tok"] + v4["n_shared_experts"]
+    per_token = 2 * (2 * v4["hc_mult"] * v4["hidden_size"] + v4["num_attention_heads"] * v4["head_dim"]
+                     + 2 * v4["num_key_value_heads"] * v4["head_dim"] + 2 * k * v4["moe_intermediate_size"])
+    assert plan_capacity(v4, H200, context=1 << 20, batch=1)["workspace_bytes"]["activations"] == 8192 * per_token

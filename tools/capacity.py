@@ -593,8 +593,9 @@ def plan_capacity(
     if host:
         step_tokens = min(context, prefill_chunk or context)
     hidden, hd = config["hidden_size"], _head_dim(config)
+    # a query head: MLA's nope + rope parts; else head_dim (DeepSeek-V4's rope is the last qk_rope_head_dim of it)
     q_width = config["num_attention_heads"] * (
-        (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0) or hd)
+        config["qk_nope_head_dim"] + (config.get("qk_rope_head_dim") or 0) if config.get("qk_nope_head_dim") else hd)
     ffn_moe = 2 * (k + (config.get("n_shared_experts") or 0)) * (config.get("moe_intermediate_size") or 0)
     ffn_dense = 2 * (config.get("intermediate_size") or 0) if (not n_exp or config.get("first_k_dense_replace")) else 0
     residual = (config.get("hc_mult") or 1) * hidden
