@@ -69,6 +69,9 @@ def test_bench_full_narrow_gpt_oss(tmp_path):
     assert cases["prefill_16"]["baselines"]["torch_eager"] > 0  # a narrow model fits: eager runs
     assert cases["decode_b1_ctx1"]["baselines"]["torch_eager"] > 0
     assert "compile_s" in out and "make_full_s" in out
+    # the load's resident growth against the report's plan total (a narrow model's arena is a few MB: no ratio)
+    assert out["load_rss_bytes"] > 0 and out["plan_total_bytes"] > 0
+    assert out["load_rss_over_plan"] == out["load_rss_bytes"] / out["plan_total_bytes"]
     again = bench_full("gpt_oss", 1, tmp_path, contexts=[40], batches=[2], prefills=[16], steps=1,
                        prefill_budget=30.0, eager_max_gb=0.0, overrides=NARROW)
     assert "compile_s" not in again and "make_full_s" not in again  # the checkpoint and artifact are reused

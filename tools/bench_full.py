@@ -37,7 +37,10 @@ byte) and leaves out attention over the cache, so both bounds are lower bounds o
   builds it), when its estimated size fits in ``--eager-max-gb`` after dayzero's runtime is freed; otherwise the
   result says ``torch_eager_skipped`` with the size it needed.
 
-``tuned_kernels``: the artifact's kernels that took a tuning record (route ``tuned``), by op.
+``tuned_kernels``: the artifact's kernels that took a tuning record (route ``tuned``), by op. ``load_rss_bytes``:
+what the process's resident memory grew by across ``load`` (freed heap returned first), against the plan for the
+artifact (``plan_total_bytes``: ``dayzero report``'s plan line, weights + workspace + the KV of one request times
+the artifact's request slots).
 """
 
 from __future__ import annotations
@@ -244,10 +247,14 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     """The suite (module docstring); ``overrides``: make_full's test-only config overrides (a narrow width)."""
     import torch
 
+    import psutil
+
     from dayzero.runtime import load
+    from dayzero.runtime.executor import return_freed_heap
     from dayzero.tools.bench import machine_info
     from dayzero.tools.bench_dequant import matmul_peak, read_bandwidth
     from dayzero.tools.bench_long import prefill_within
+    from dayzero.tools.report import build_report
 
     model_type = MODELS[model]
     max_seq = max(max(contexts) + steps + 2, max(prefills))
@@ -256,9 +263,16 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     cfg = json.loads((ckpt / "config.json").read_text())
     cb = checkpoint_bytes(ckpt)
     ids_below = min(1000, int(cfg["vocab_size"]))  # prompt token ids: random below this
+    gc.collect()
+    return_freed_heap()  # what compiling freed, so that only the load's own bytes count
+    rss = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     rt = load(art)
     load_s = time.perf_counter() - t0
+    load_rss = psutil.Process().memory_info().rss - rss
+    plan = build_report(str(art)).get("plan") or {}  # dayzero report's plan line (one request's KV)
+    plan_total = plan["weights"]["plan"] + rt.max_batch * plan["kv_bytes_per_sequence"]["plan"] + \
+        plan["workspace"]["plan"] if "weights" in plan else None
     bw, peak = read_bandwidth(512 << 20), matmul_peak()
     program = json.loads((art / "program.json").read_text()) if (art / "program.json").exists() else {}
     tuned = sorted({k.get("op") for p in program.get("programs", [program]) if isinstance(p, dict)
@@ -310,7 +324,8 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     return {"suite": "full", "machine": machine, "results": results, "model": model, "layers": layers,
             "int8_activations": int8,
             "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")),
-            "load_s": load_s, **made, "tuned_kernels": tuned,
+            "load_s": load_s, "load_rss_bytes": load_rss, "plan_total_bytes": plan_total,
+            "load_rss_over_plan": load_rss / plan_total if plan_total else None, **made, "tuned_kernels": tuned,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
