@@ -41,3 +41,23 @@ def test_profile_refuses_a_batch_or_context_the_artifact_cannot_take(tiny_compil
     assert r.exit_code == 2 and "--batch 99" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["bench", "profile", str(art), "--context", "100000"])
     assert r.exit_code == 2 and "--context 100000" in r.output
+
+
+@pytest.mark.slow
+def test_profile_keeps_one_row_of_prefill_logits(tiny_compiled, monkeypatch):
+    """Full-width DeepSeek-V3.2 profiled at context 4000 was killed for memory: each prompt's logits (3999 x 129280
+    fp32, 2 GB) were kept beside a 19 GB arena. The profile prefills for the cache and reads no logits: one row
+    a request."""
+    from dayzero.runtime.executor import Runtime
+
+    _, art, _ = tiny_compiled("qwen3_moe")
+    shapes, real = [], Runtime.prefill
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        shapes.append(tuple(out.shape))
+        return out
+    monkeypatch.setattr(Runtime, "prefill", spy)
+    r = CliRunner().invoke(main, ["bench", "profile", str(art), "--batch", "2", "--context", "9", "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    assert len(shapes) == 2 and all(s[:2] == (1, 1) for s in shapes), shapes
