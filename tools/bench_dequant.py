@@ -97,17 +97,6 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best_torch_time(lambda: a.sum(), repeats)[0]
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Attainable fp32 multiply-add rate in FLOP/s: best of `repeats` torch (oneDNN / MKL) n x n x n matmuls, on
-    all of torch's threads or one, the better (``best_torch_time``) - the compute counterpart of
-    ``read_bandwidth``."""
-    import torch
-
-    a, b = torch.rand(n, n), torch.rand(n, n)
-    torch.mm(a, b)
-    return 2 * n ** 3 / best_torch_time(lambda: torch.mm(a, b), repeats)[0]
-
-
 def _torch_dequant_mxfp4(blocks, scales):
     """transformers' way (mxfp4.convert_moe_packed_tensors): LUT on each nibble, then ldexp by the E8M0 scale."""
     import torch

@@ -24,8 +24,8 @@ Cases (DESIGN.md's bench JSON; unit s, ``dayzero`` = seconds per step, ``bound``
   weight buffer at its arena dtype, fp32 where the host converts at load, bf16 where it keeps a bf16 checkpoint's
   matrix as stored; KV in fp32), and ``fraction_of_arena_bound`` the step against that: how far the kernels are from
   their own layout's bound. ``flops_bound``: the step's weight FLOPs (``step_flops``) / the fp32 matmul rate
-  measured in this run (``matmul_peak``); at 8 requests it is close to the bytes bound on two cores. ``bound`` is
-  the larger of the two (``bytes_bound``, ``flops_bound``).
+  measured in this run (``bench_ops.peak_flops``, machine ``matmul_peak_GFLOPs``); at 8 requests it is close to
+  the bytes bound on two cores. ``bound`` is the larger of the two (``bytes_bound``, ``flops_bound``).
 * ``prefill_<P>``: a prefill of P tokens from an empty cache (chunk by chunk past the chunk), the last position's
   logits (as generation and the server read them: the ``prefill_last`` program; eager with ``logits_to_keep=1``);
   ``tokens_per_s``; ``bound`` = ``flops_bound``: P tokens through every weight but the embedding table (the routed
@@ -252,7 +252,8 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     from dayzero.runtime import load
     from dayzero.runtime.executor import return_freed_heap
     from dayzero.tools.bench import machine_info
-    from dayzero.tools.bench_dequant import matmul_peak, read_bandwidth
+    from dayzero.tools.bench_dequant import read_bandwidth
+    from dayzero.tools.bench_ops import peak_flops
     from dayzero.tools.bench_long import prefill_within
     from dayzero.tools.report import build_report
 
@@ -273,7 +274,7 @@ def bench_full(model: str, layers: int, root: Path, contexts: list[int], batches
     plan = build_report(str(art)).get("plan") or {}  # dayzero report's plan line (one request's KV)
     plan_total = plan["weights"]["plan"] + rt.max_batch * plan["kv_bytes_per_sequence"]["plan"] + \
         plan["workspace"]["plan"] if "weights" in plan else None
-    bw, peak = read_bandwidth(512 << 20), matmul_peak()
+    bw, peak = read_bandwidth(512 << 20), peak_flops()
     program = json.loads((art / "program.json").read_text()) if (art / "program.json").exists() else {}
     tuned = sorted({k.get("op") for p in program.get("programs", [program]) if isinstance(p, dict)
                     for k in (p.get("kernels") or {}).values() if isinstance(k, dict) and k.get("route") == "tuned"})
