@@ -296,6 +296,28 @@ def test_mxfp4_kernel_reads_codes_with_vector_loads():
 
 
 @pytest.mark.slow  # a heavy kernel build: the end-to-end tier
+def test_avx512_fp32_tiles_decode_dwords_without_widening_bytes():
+    """On AVX-512 the fp32 tiles read a block's 16 code bytes as 4 dwords broadcast to the zmm's lane groups
+    (vbroadcasti32x4), shift them per lane group (vpsrlvd) and look them up with vpermps/vpermd: no byte-to-dword
+    widening (vpmovzxbd) or byte shift; the block scales are widened once a job (no per-block scalar E8M0 decode:
+    vmulss); and the decode tiles' accumulators live on the stack (a workspace allocation made LLVM store them
+    every iteration past the prefetches). Compiled for znver4 on any x86 host; the numerics are the tests above."""
+    import re
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
+    f = K.moe_experts_func(4, 64, 64, 32, 2, layout="nk", act=SILU_GLU(32), gate_up_bias=False, down_bias=False,
+                           wfmt="mxfp4", decode="permvar16")
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=target).mod
+    asm, ll = lib.inspect_source("asm"), lib.inspect_source("ll")
+    assert re.findall(r"\bvbroadcasti32x4\b", asm) and re.findall(r"\bvpsrlvd\b", asm)
+    lookups, widenings = re.findall(r"\bvperm[dps]+\b", asm), re.findall(r"\bvpmovzxbd\b", asm)
+    assert len(lookups) >= 4 * len(widenings)  # were one each (what remains widens the scale bytes, once a job)
+    assert not re.findall(r"\bvmulss\b", asm)
+    assert re.findall(r"\b(prefetch\w*)\b", asm)
+    assert not re.findall(r"%acc[12]\w* = tail call", ll)
+
+
+@pytest.mark.slow  # a heavy kernel build: the end-to-end tier
 def test_kernel_skips_other_ranks_experts():
     """Expert parallel (passes/shard.py) shifts each rank's ids: an id outside [0, E) is another rank's expert,
     computed nowhere here and adding nothing; the result is the combine over the in-range slots alone (those slots'

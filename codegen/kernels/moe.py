@@ -37,7 +37,14 @@ partial sums each (16 zmm accumulators kept in registers: 16 FMAs per 8 loads), 
 of vector adds; an expert's last cnt % MB tokens run as a 2-token and a 1-token tile (a decode expert with 1 token
 does 1 row of work, not MB). The small tiles prefetch (to L2) the next NB rows of the same expert, so DRAM latency
 overlaps the FMAs; the MB tiles do not (the prefetch call makes LLVM spill the accumulators to memory every
-iteration, measured slower). MXFP4 tiles run block by block (``expert_gemm_tiles(blockwise=True)``). ``kn`` uses the
+iteration, measured slower). The small tiles' accumulators are their own buffers in the default scope, which TVM
+puts on the stack: a "local" buffer inside a parallel loop is a TVMBackendAllocWorkspace pointer, which LLVM cannot
+keep in registers past the prefetches (it stored every accumulator every block). MXFP4 tiles run block by block
+(``expert_gemm_tiles(blockwise=True)``); on AVX-512 the fp32 tiles decode a block as 4 dwords broadcast to a zmm's
+lane groups, shifted per group and looked up by vpermps (``dword_lookup``), with the block scales widened once a
+job. Measured at gpt-oss-20b width, fp32 tiles (``dayzero bench moe --full-width``, same host, before / after both
+changes): decode T = 1 3.5 -> 2.6 ms, T = 8 21.2 -> 16.8 ms (42% -> 65% and 37% -> 52% of the routed experts'
+bytes / read bandwidth); prefill (``--mxfp4-routes``, T = 256) 30.3 -> 29.3 ms. ``kn`` uses the
 same loop nest reading the transposed weight (strided loads: correct, not tuned). CUDA: the same phases with the
 parallel loops bound to blocks (one thread each): compiles for sm_90, not tuned.
 
@@ -133,9 +140,10 @@ class BlockWeight:
     hi: Callable
     scale: Callable
     prefetch: Callable
+    vector: bool = False  # lo / hi take no lane and give all L lanes at once (``dword_lookup``), scale a scalar
 
 
-def expert_gemm_tiles(vec=T.vectorized, blockwise: bool = False):
+def expert_gemm_tiles(vec=T.vectorized, blockwise: bool = False, cuda: bool = False):
     """The token tiles of one expert against one block of NB weight rows, as a TIR macro: the GEMM micro-kernel of
     both expert kernels (this file's and ``expert_workspace.py``'s)::
 
@@ -199,21 +207,30 @@ def expert_gemm_tiles(vec=T.vectorized, blockwise: bool = False):
                 weight.prefetch(n, g)
             for n in T.unroll(NB):
                 for m in T.unroll(rows):
-                    for l in vec(L):
-                        acc[m, n, l] = acc[m, n, l] + (src(p0 + m, 2 * g, l) * weight.lo(n, g, l) + src(
-                            p0 + m, 2 * g + 1, l) * weight.hi(n, g, l)) * weight.scale(n, g)
+                    if weight.vector:
+                        acc[m, n, T.Ramp(0, 1, L)] = acc[m, n, T.Ramp(0, 1, L)] + (
+                            src(p0 + m, 2 * g, None) * weight.lo(n, g, None)
+                            + src(p0 + m, 2 * g + 1, None) * weight.hi(n, g, None)
+                        ) * T.Broadcast(weight.scale(n, g), L)
+                    else:
+                        for l in vec(L):
+                            acc[m, n, l] = acc[m, n, l] + (src(p0 + m, 2 * g, l) * weight.lo(n, g, l) + src(
+                                p0 + m, 2 * g + 1, l) * weight.hi(n, g, l)) * weight.scale(n, g)
         store(OUT, acc, rows, p0, n0, bias)
 
     run = block_tile if blockwise else tile
+    small = "local" if cuda else "global"
 
     @T.macro(hygienic=True)
     def tiles(OUT, acc, p_lo, p_hi, n0, K, src, bias, mb_weight, weight, prefetch):
         for mt in range((p_hi - p_lo) // MB):
             run(OUT, acc, MB, p_lo + mt * MB, n0, K, src, mb_weight, bias, no_prefetch)
         if (p_hi - p_lo) % MB >= 2:
-            run(OUT, acc, 2, p_hi - (p_hi - p_lo) % MB, n0, K, src, weight, bias, prefetch)
+            acc2 = T.alloc_buffer((2, NB, L), "float32", scope=small)  # on the stack (see the docstring)
+            run(OUT, acc2, 2, p_hi - (p_hi - p_lo) % MB, n0, K, src, weight, bias, prefetch)
         if (p_hi - p_lo) % 2 == 1:
-            run(OUT, acc, 1, p_hi - 1, n0, K, src, weight, bias, prefetch)
+            acc1 = T.alloc_buffer((1, NB, L), "float32", scope=small)
+            run(OUT, acc1, 1, p_hi - 1, n0, K, src, weight, bias, prefetch)
     return tiles
 
 
@@ -325,23 +342,49 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     def one():
         return T.thread_binding(1, thread="blockIdx.x") if cuda else T.serial(1)
 
+    # AVX-512 fp32 tiles: a block's 16 code bytes as 4 dwords, broadcast to the 4 lane groups of a zmm (one load),
+    # shifted per lane group, looked up with vpermps (which reads an index's low 4 bits): no byte widening
+    dword = mx and not cuda and decode == "permvar16" and q8 is None
+
     def k_of(ko, l):
-        """The reduction index that lane l of chunk ko stands for (MXFP4: nibble order, see above)."""
+        """The reduction index that lane l of chunk ko stands for. MXFP4 (see above): the nibble order, lane l the
+        low (ko even) or high nibble of byte l of block ko // 2; with ``dword``, lane l holds nibble l // 4 + 4 h
+        (h = ko % 2) of the block's dword l % 4, input 32 g + 8 (l % 4) + l // 4 + 4 h."""
+        if dword:
+            return 32 * (ko // 2) + 8 * (l % 4) + l // 4 + 4 * (ko % 2)
         return 32 * (ko // 2) + 2 * l + ko % 2 if mx else ko * L + l
 
-    def mx_blocks(W, S, LUT, e, n0, n_out, fetch):
+    def dword_lookup(WV, LUT, e, n, g, h, n_out, groups):
+        """float32 x L: 2 E2M1 of the codes ``k_of`` puts in the lanes of chunk 2 g + h, weight row n (``dword``):
+        the block's 4 dwords (WV: the blocks viewed as uint32) broadcast to 16 lanes, shifted right by
+        4 (l // 4) + 16 h, vpermps over the 16-entry table (only the low 4 bits index it)."""
+        words = WV[T.Ramp(((T.Cast("int64", e) * n_out + n) * groups + g) * 4, T.int64(1), 4)]  # int64 (see _func)
+        shifts = T.Shuffle([T.Ramp(T.uint32(16 * h), T.uint32(4), 4)] * 4, [i // 4 for i in range(L)])
+        codes = T.shift_right(T.Shuffle([words] * 4, list(range(L))), shifts)
+        return T.call_llvm_pure_intrin(f"float32x{L}", "llvm.x86.avx512.permvar.sf.512", LUT[T.Ramp(0, 1, L)],
+                                       T.reinterpret(f"int32x{L}", codes))
+
+    def mx_blocks(W, S, LUT, e, n0, n_out, fetch, WV=None, groups=None, SWV=None):
         """The MXFP4 rows [n0, n0 + NB) of W block by block (``BlockWeight``); ``fetch``: its prefetch reads the
-        next NB rows' block (clamped to the last row), else it is nothing."""
+        next NB rows' block (clamped to the last row), else it is nothing. With ``dword`` the lookups are
+        ``dword_lookup`` on WV (vector BlockWeight) and the scales SWV [NB G], widened once a job."""
+        scale = lambda n, g: dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5)  # noqa: E731
+        if dword:
+            scale = lambda n, g: SWV[n * groups + g]  # noqa: E731
+        pre = lambda n, g: T.evaluate(0) if cuda or not fetch else prefetch_l2(  # noqa: E731
+            W[e, T.min(n0 + NB + n, n_out - 1), g, 0])
+        if dword:
+            return BlockWeight(lambda n, g, _l: dword_lookup(WV, LUT, e, n0 + n, g, 0, n_out, groups),
+                               lambda n, g, _l: dword_lookup(WV, LUT, e, n0 + n, g, 1, n_out, groups),
+                               scale, pre, vector=True)
+
         def nibble(h):
             def look(n, g, l):
                 byte = W[e, n0 + n, g, l]
                 code = T.shift_right(byte, T.uint8(4)) if h else T.bitwise_and(byte, T.uint8(15))
                 return dequant_decode.e2m1_x2_lookup(decode, LUT[l], code)
             return look
-        return BlockWeight(nibble(0), nibble(1),
-                           lambda n, g: dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5),
-                           lambda n, g: T.evaluate(0) if cuda or not fetch else prefetch_l2(
-                               W[e, T.min(n0 + NB + n, n_out - 1), g, 0]))
+        return BlockWeight(nibble(0), nibble(1), scale, pre)
 
     def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
         return dequant_decode.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \
@@ -378,7 +421,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
     PGU, PD = parallel_chunks(GU // NB), parallel_chunks(H // NB)
     wgu_shape = (E, GU, H) if nk else (E, H, GU)
     wd_shape = (E, H, I) if nk else (E, I, H)
-    tiles = expert_gemm_tiles(vec, blockwise=mx)
+    tiles = expert_gemm_tiles(vec, blockwise=mx, cuda=cuda)
 
     def q8_rows(n):
         """Rows of a quantised-activation buffer: n with the integer tiles, else 1 (unused)."""
@@ -453,11 +496,15 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             return T.evaluate(0)
         return prefetch_l2(W[e, n, h])
 
-    def gu_src(X, XP, order, p, ko, l):  # x row of sorted position p, chunk ko lane l, fp32
-        return XP[order[p] // k, ko * L + l] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
+    def lanes(ko, l):
+        """Index of lane l of chunk ko; l None: all L lanes (a vector tile)."""
+        return T.Ramp(ko * L, 1, L) if l is None else ko * L + l
+
+    def gu_src(X, XP, order, p, ko, l):  # x row of sorted position p, chunk ko lane l (None: all), fp32
+        return XP[order[p] // k, lanes(ko, l)] if mx else T.Cast(f32, X[order[p] // k, ko * L + l])
 
     @T.macro(hygienic=True)
-    def expert_block(src, row, w_of, W, WS, Bias, out, acc, wb, LUT, p_lo, p_hi, e, n0, n_out, k_in, groups, Q):
+    def expert_block(src, row, w_of, W, WS, Bias, out, acc, wb, LUT, p_lo, p_hi, e, n0, n_out, k_in, groups, Q, WV):
         """Sorted positions [p_lo, p_hi) (expert e's tokens) x weight rows [n0, n0 + NB) (``expert_gemm_tiles``):
         src(p, ko, l) the input element, row(p) the token of sorted position p (integer tiles), w_of the weight
         element (``gu_w`` / ``d_w``). FP8 (``staged``): with >= MB tokens the block is decoded once into ``wb``
@@ -468,15 +515,19 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         else:
             if p_hi - p_lo >= MB:
                 stage(wb, W, WS, LUT, w_of, e, n0, k_in)
+            if dword and p_hi - p_lo > 0:  # the NB rows' block scales, widened once a job (Q[1]: swv)
+                for n in range(NB):
+                    for g in T.vectorized(groups):
+                        Q[1][n * groups + g] = dequant_decode.e8m0_value(WS[e, n0 + n, g]) * T.float32(0.5)
             tiles(out, acc, p_lo, p_hi, n0, k_in, src, lambda n: bias(Bias, e, n0 + n),
-                  mx_blocks(W, WS, LUT, e, n0, n_out, False) if mx else
+                  mx_blocks(W, WS, LUT, e, n0, n_out, False, WV, groups, Q[1]) if mx else
                   lambda n, ko, l: w_of(staged_buf(wb), W, WS, LUT, e, n0, n, ko, l),
-                  mx_blocks(W, WS, LUT, e, n0, n_out, True) if mx else
+                  mx_blocks(W, WS, LUT, e, n0, n_out, True, WV, groups, Q[1]) if mx else
                   lambda n, ko, l: w_of(None, W, WS, LUT, e, n0, n, ko, l),
                   lambda n, ko: prefetch(W, WS, e, T.min(n0 + NB + n, n_out - 1), ko * L))
 
     @T.macro(hygienic=True)
-    def grouped_gemm(gate_up, parts, n_out, k_in, groups, ins, W, WS, Bias, out, LUT, offs, Q):
+    def grouped_gemm(gate_up, parts, n_out, k_in, groups, ins, W, WS, Bias, out, LUT, offs, Q, WV):
         """One grouped GEMM over the routed experts (gate/up on ins = (X, XP, order); down on ins = (A,)): chunk
         c of ``parts`` owns n-blocks [c*nb, (c+1)*nb) of every expert, so each thread streams contiguous rows of
         each routed expert and the split does not depend on the routing (decode with 4 experts keeps every core
@@ -485,18 +536,18 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             acc = T.alloc_buffer((MB, NB, L), f32, scope="local")
             wb = T.alloc_buffer((NB, k_in if staged else 1), f32)
             acc8 = T.alloc_buffer((MB * NB * L,), f32, scope="local")
-            swv = T.alloc_buffer((NB * groups if q8 is not None else 1,), f32, scope="local")
+            swv = T.alloc_buffer((NB * groups if q8 is not None or dword else 1,), f32, scope="local")
             for e in range(E):
                 for nbi in range(n_out // NB // parts):
                     if gate_up:
                         expert_block(lambda p, ko, l: gu_src(ins[0], ins[1], ins[2], p, ko, l),
                                      lambda p: ins[2][p] // k, gu_w, W, WS, Bias, out, acc, wb, LUT, offs[e],
                                      offs[e + 1], e, (c * (n_out // NB // parts) + nbi) * NB, n_out, k_in, groups,
-                                     (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]))
+                                     (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]), WV)
                     else:
-                        expert_block(lambda p, ko, l: ins[0][p, ko * L + l], lambda p: p, d_w, W, WS, Bias, out,
+                        expert_block(lambda p, ko, l: ins[0][p, lanes(ko, l)], lambda p: p, d_w, W, WS, Bias, out,
                                      acc, wb, LUT, offs[e], offs[e + 1], e, (c * (n_out // NB // parts) + nbi) * NB,
-                                     n_out, k_in, groups, (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]))
+                                     n_out, k_in, groups, (acc8, swv, Q[0], Q[1], Q[2], Q[3], Q[4], Q[5]), WV)
 
     @T.macro(hygienic=True)
     def body(X, IDS, WR, WGU, WGUS, BGU, WD, WDS, BD, Y, n_tok, FL):
@@ -535,7 +586,7 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             sort_by_expert(IDS, offs, fill, order, pos, n_tok, E, k)
         # 2. gate/up grouped GEMM over the routed experts
         grouped_gemm(True, PGU, GU, H, GH, (X, XP, order), WGU, WGUS, BGU, G, LUT, offs,
-                     (flat(FL, 0), LUT8, QXL, QXH, CX, SXX))
+                     (flat(FL, 0), LUT8, QXL, QXH, CX, SXX), flat(FL, 2))
         # 3. activation
         for p in par(n_tok * k):
             for io in range(I // L):
@@ -544,7 +595,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
             if q8 is not None:
                 q8.quantise_row(lambda g, h, j: A[p, g * 32 + h * 16 + j], QAL, QAH, CA, SXA, p, GI)
         # 4. down grouped GEMM
-        grouped_gemm(False, PD, H, I, GI, (A,), WD, WDS, BD, D, LUT, offs, (flat(FL, 1), LUT8, QAL, QAH, CA, SXA))
+        grouped_gemm(False, PD, H, I, GI, (A,), WD, WDS, BD, D, LUT, offs, (flat(FL, 1), LUT8, QAL, QAH, CA, SXA),
+                     flat(FL, 3))
         # 5. weighted combine in token order
         combine_in_token_order(Y, WR, D, pos, IDS, E, n_tok, H, k, par, vec)
 
@@ -606,6 +658,8 @@ def _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, 
     stored = gu_st[1] is not None
     ((gub, gubt), (gus, gust)), ((db, dbt), (ds, dst)) = [(m, s or ((1,), "float32")) for m, s in (gu_st, d_st)]
     (gub_n,), (db_n,) = wide((math.prod(gub),)), wide((math.prod(db),))
+    # the dword views, indexed in int64: a stack of 2^31 bytes has 2^29 dwords but overflows the int32 byte math
+    gub_w, db_w = (tvm.tirx.IntImm("int64", math.prod(m) // 4) for m in (gub, db))
     gub, db = wide(gub), wide(db)
 
     @T.prim_func
@@ -625,8 +679,10 @@ def _func(body, E, H, GU, k, gu_st, d_st, x_dtype, ids_dtype, w_dtype, b_dtype, 
         Y = T.match_buffer(y_h, (n_tok, H), out_dtype)
         GBF = T.decl_buffer((gub_n,), gubt, data=GB.data)  # flat views: the integer tiles' byte vectors
         DBF = T.decl_buffer((db_n,), dbt, data=DB.data)
+        GBW = T.decl_buffer((gub_w,), "uint32", data=GB.data)  # and as dwords (the AVX-512 fp32 tiles' loads)
+        DBW = T.decl_buffer((db_w,), "uint32", data=DB.data)
         body(X, IDS, WR, GB, optional(stored, GS), optional(gate_up_bias, BGU), DB, optional(stored, DS),
-             optional(down_bias, BD), Y, n_tok, (GBF, DBF) if stored else None)
+             optional(down_bias, BD), Y, n_tok, (GBF, DBF, GBW, DBW) if stored else None)
 
     return drop_absent(func, gate_up_bias, down_bias, stored)
 
