@@ -42,6 +42,32 @@ def test_the_decode_gemv_matches_numpy_at_odd_and_prime_shapes(T, N, K):
     np.testing.assert_allclose(y.numpy(), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("N,K", [(6, 96), (64, 2880), (40, 1024)])
+def test_eight_tokens_take_the_line_by_line_gemv_on_avx512(N, K):
+    """On AVX-512 a bf16 GEMV of 8 tokens (static, or a batched decode step's symbolic count of 5..8 requests)
+    is ``dequant/gemv_bf16.py``'s kernel (x split into even / odd columns: its buffer XP), matching numpy at k
+    blocks of 32..512 and tasks of 2..32 rows; the rows past a symbolic count are not written."""
+    from dayzero.codegen.kernels import dequant_linear
+    from dayzero.codegen.kernels.dequant.decode import has_feature
+
+    host = _host()
+    if not has_feature(host, "avx512f"):
+        pytest.skip("the kernel is AVX-512's")
+    g = torch.Generator().manual_seed(N + K)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    for p, ts in (({"fmt": "bf16", "N": N, "K": K, "T": 8}, [8]),
+                  ({"fmt": "bf16", "N": N, "K": K, "T": None, "t_max": 8}, [5, 8, 3])):
+        assert "XP[" in dequant_linear.kernel(p, host).script() and \
+            "XP[" not in dequant_linear.kernel(dict(p, t_max=12) if p["T"] is None else dict(p, T=4), host).script()
+        f = dequant_linear.build(p, host)
+        for t in ts:
+            x = torch.randn(t, K, generator=g)
+            y = torch.full((t, N), float("nan"))
+            f(x, w, y)
+            ref = _numpy_linear(x.numpy(), w)
+            np.testing.assert_allclose(y.numpy(), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
 def test_the_prefill_gemm_serves_every_token_count_from_one_kernel():
     from dayzero.codegen.kernels import dequant_linear
 

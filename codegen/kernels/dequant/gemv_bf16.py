@@ -1,0 +1,154 @@
+"""The bf16-weight GEMV for 8 tokens on AVX-512: y[t, n] = sum_k x[t, k] * W[n, k], x fp32 [T, K], W bfloat16
+[N, K] as stored (``dequant_linear`` dispatches a batched decode step of 5-8 requests, or a static T = 8, to it).
+
+The TE GEMV (``gemv.fp8_gemv_cpu`` over a bf16 upcast) keeps 8 tokens x 4 rows of 16-lane accumulators: all 32 zmm
+registers, so LLVM spills 10 of them every k step; its x rows are K fp32 apart (a multiple of 4 KiB: the 8 rows'
+vectors of one k step share an L1 set and evict each other); and each 16 weights cost a widening shuffle. Here:
+
+    XP[ko, h, t, l] = x[t, 32 ko + 2 l + h]     x split once a call into even / odd columns, one k step's 16
+                                                 vectors contiguous (1 KiB)
+    per task of NBR weight rows (32 where N allows), per k block of KB = 512 (its XP, 16 KiB, stays in L1),
+    per pair of rows (2 x 8 accumulators of 16 lanes in registers, kept in P [NBR, T, 16] between k blocks),
+    per 32 values of k (one 64-byte line of each row):
+        wv = W as uint32 [n, 16 ko : +16]        one load: lane j holds bf16 2j (low half) and 2j + 1 (high)
+        lo = wv << 16, hi = wv & 0xFFFF0000       exactly W[n, 32 ko + 2j] and W[n, 32 ko + 2j + 1] as fp32
+        acc[t] += XP[ko, 0, t] * lo + XP[ko, 1, t] * hi
+    and each row's next k block prefetched to L2 a block ahead (the task's 32 rows stream at once).
+
+The pair's accumulators are their own buffers in the default scope, which TVM puts on the stack so LLVM keeps them
+in registers (a "local" or a 1 KiB buffer inside a parallel loop is a TVMBackendAllocWorkspace pointer). Products
+exact, fp32 sums (in another order than the reference's).
+
+Measured (znver4, 2 threads; old and new kernels called alternately 12 times in one process, medians): 8 tokens,
+129280 x 4096 (DeepSeek-V4's LM head) 76.6 -> 58.8 ms; 32768 x 4096 19.6 -> 16.0; 32768 x 1024 6.7 -> 5.6;
+4096 x 4096 2.3 -> 1.9. At 4 and 2 tokens it was 1.1-1.2x slower than the TE GEMV (whose rows x tokens fit the
+registers there), so it takes 8 tokens only.
+
+A symbolic T (x's rows past it read as zero, their outputs not written) serves the batched decode step, whose
+request count is only known at run time (``dequant_linear.kernel`` guards T <= 8).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+
+from dayzero.codegen.kernels.dequant.decode import has_feature
+from dayzero.codegen.tvmscript import parsed_shallow
+
+TOKENS = 8
+KB_CHOICES = (512, 256, 128, 64, 32)  # k block: the first dividing K (its XP, 2 x 8 x KB/2 fp32, in L1)
+NBR_CHOICES = (32, 16, 8, 4, 2)  # weight rows per parallel task: the first dividing N
+
+
+def applies(target: dict, tokens: int, n: int, k: int, groups: int = 1) -> bool:
+    """Whether this kernel takes a bf16 GEMV of TOKENS tokens (the static count, or a symbolic count's bound) over
+    an [n, k] weight on TARGET (a target dict): AVX-512, 8 tokens, k a multiple of 32 (whole 64-byte lines), n even,
+    one group."""
+    return (target.get("kind") == "llvm" and tokens == TOKENS and k % 32 == 0 and n % 2 == 0 and groups == 1
+            and has_feature(target, "avx512f"))
+
+
+@functools.lru_cache(maxsize=32)
+@parsed_shallow
+def bf16_gemv(N: int, K: int, symbolic: bool) -> tirx.PrimFunc:
+    """The kernel (module docstring); ``symbolic``: x and y have a symbolic row count Tx <= 8 (the caller guards
+    it), else exactly 8 rows."""
+    from tvm.script import tirx as T
+
+    TT, KH, NKO = TOKENS, K // 2, K // 32
+    KB = next(b for b in KB_CHOICES if K % b == 0)
+    NBR = next(r for r in NBR_CHOICES if N % r == 0)
+    KS = KB // 32  # k steps (64-byte lines of a row) in a block
+
+    def prefetch(W32, row, ko):
+        """Prefetch (to L2) of the row's line one k block ahead (clamped to its last line)."""
+        line = T.min(ko + KS, NKO - 1) * 16
+        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W32[row * KH + line]), 0, 2, 1))
+
+    def halves(W32, row, ko):
+        """fp32 x 16 of W[row, 32 ko + 2j] (lo) and W[row, 32 ko + 2j + 1] (hi): expressions, not bindings (a
+        TVMScript assignment becomes a buffer); LLVM shares the one load."""
+        wv = W32[T.Ramp(row * KH + ko * 16, 1, 16)]
+        return (T.reinterpret("float32x16", T.shift_left(wv, T.Broadcast(T.uint32(16), 16))),
+                T.reinterpret("float32x16", T.bitwise_and(wv, T.Broadcast(T.uint32(0xFFFF0000), 16))))
+
+    @T.macro(hygienic=True)
+    def row_sums(W32, XP, acc, row, ko):
+        for t in T.unroll(TT):
+            acc[t, T.Ramp(0, 1, 16)] = acc[t, T.Ramp(0, 1, 16)] + XP[ko, 0, t, T.Ramp(0, 1, 16)] * \
+                halves(W32, row, ko)[0] + XP[ko, 1, t, T.Ramp(0, 1, 16)] * halves(W32, row, ko)[1]
+
+    @T.macro(hygienic=True)
+    def pair(W32, XP, P, r0, row0, kb):
+        """Rows row0, row0 + 1 (P's r0, r0 + 1) over k block kb, their partial sums in registers."""
+        acc0 = T.alloc_buffer((TT, 16), "float32")
+        acc1 = T.alloc_buffer((TT, 16), "float32")
+        for t in T.unroll(TT):
+            for l in T.vectorized(16):
+                acc0[t, l] = P[r0, t, l]
+                acc1[t, l] = P[r0 + 1, t, l]
+        for ki in range(KS):
+            prefetch(W32, row0, kb * KS + ki)
+            prefetch(W32, row0 + 1, kb * KS + ki)
+            row_sums(W32, XP, acc0, row0, kb * KS + ki)
+            row_sums(W32, XP, acc1, row0 + 1, kb * KS + ki)
+        for t in T.unroll(TT):
+            for l in T.vectorized(16):
+                P[r0, t, l] = acc0[t, l]
+                P[r0 + 1, t, l] = acc1[t, l]
+
+    @T.macro(hygienic=True)
+    def store(Y, P, Tx, r, row):
+        for t in T.unroll(TT):
+            for l in T.vectorized(8):
+                P[r, t, l] = P[r, t, l] + P[r, t, l + 8]
+            for l in T.vectorized(4):
+                P[r, t, l] = P[r, t, l] + P[r, t, l + 4]
+            if t < Tx:
+                Y[t, row] = (P[r, t, 0] + P[r, t, 2]) + (P[r, t, 1] + P[r, t, 3])
+
+    @T.macro(hygienic=True)
+    def body(X, W, Y, Tx):
+        W32 = T.decl_buffer((N * KH,), "uint32", data=W.data)
+        XP = T.alloc_buffer((NKO, 2, TT, 16), "float32")
+        for ko, h, t, l in T.grid(NKO, 2, TT, 16):
+            XP[ko, h, t, l] = T.if_then_else(t < Tx, X[T.min(t, Tx - 1), 32 * ko + 2 * l + h], T.float32(0))
+        for task in T.parallel(N // NBR):
+            P = T.alloc_buffer((NBR, TT, 16), "float32")
+            for r, t in T.grid(NBR, TT):
+                for l in T.vectorized(16):
+                    P[r, t, l] = T.float32(0)
+            for kb in range(K // KB):
+                for rp in range(NBR // 2):
+                    pair(W32, XP, P, rp * 2, task * NBR + rp * 2, kb)
+            for r in range(NBR):
+                store(Y, P, Tx, r, task * NBR + r)
+
+    if symbolic:
+        @T.prim_func
+        def func(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            Tx = T.int32()
+            X = T.match_buffer(x_h, (Tx, K), "float32")
+            W = T.match_buffer(w_h, (N, K), "bfloat16")
+            Y = T.match_buffer(y_h, (Tx, N), "float32")
+            body(X, W, Y, Tx)
+        return _rooted(func)
+
+    @T.prim_func
+    def func_static(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        X = T.match_buffer(x_h, (TT, K), "float32")
+        W = T.match_buffer(w_h, (N, K), "bfloat16")
+        Y = T.match_buffer(y_h, (TT, N), "float32")
+        body(X, W, Y, TT)
+    return _rooted(func_static)
+
+
+def _rooted(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """FUNC with its body under a root block, as TE-made kernels have it (``parallel.either`` composes those)."""
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    return func.with_body(SBlockRealize([], True, SBlock([], [], [], "root", func.body)))
