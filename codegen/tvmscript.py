@@ -71,3 +71,11 @@ def from_source(src: str):
     import tvm.script
 
     return tvm.script.from_source(src)
+
+
+def prefetch_l2(element):
+    """The TVMScript statement that prefetches (to L2, for reading) the cache line of ``element``, a buffer load
+    (the MoE tiles' and the bf16 GEMV's weight streams)."""
+    from tvm.script import tirx as T
+
+    return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(element), 0, 2, 1))

@@ -147,17 +147,17 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
     problem = dequant_linear_int4_problem(p) if p["fmt"] == "int4" else None
     if problem:
         raise InternalError(f"dequant_linear_int4 cannot take {p}: {problem} (the pass checks first)")
+    G = p.get("groups", 1)  # grouped: output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K)
+    gemv_t = p.get("gemv_t")  # a symbolic T of at most gemv_t tokens run by the GEMV for gemv_t (``kernel``)
+    if (T is not None or gemv_t) and scheduled and p["fmt"] == "bf16" and not decode.is_cuda(target) and \
+            gemv_bf16.applies(target, T if T is not None else gemv_t, N, K, G):
+        return gemv_bf16.bf16_gemv(N, K, T is None).with_attr("tirx.is_scheduled", True)
     ws = _weight_placeholders(p)
     if p["fmt"] == "int4":
         wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p)
     else:
         wd = _bf16_wd(*ws, N, K) if p["fmt"] == "bf16" else _fp8_wd(*ws, N, K)
-    G = p.get("groups", 1)  # grouped: output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K)
-    gemv_t = p.get("gemv_t")  # a symbolic T of at most gemv_t tokens run by the GEMV for gemv_t (``kernel``)
     out = None
-    if (T is not None or gemv_t) and scheduled and p["fmt"] == "bf16" and not decode.is_cuda(target) and \
-            gemv_bf16.applies(target, T if T is not None else gemv_t, N, K, G):
-        return gemv_bf16.bf16_gemv(N, K, T is None).with_attr("tirx.is_scheduled", True)
     if T is not None or gemv_t:
         Tc = T if T is not None else gemv_t  # the GEMV's tokens: x's rows, zero past a symbolic T
         Tx = T if T is not None else te.var("T")

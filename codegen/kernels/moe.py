@@ -69,7 +69,7 @@ from tvm.script import tirx as T
 from dayzero import InternalError
 from dayzero.codegen.kernels.dequant import decode as dequant_decode
 from dayzero.codegen.kernels.dequant.gemv_int8 import Int8Blocks, int8_mode
-from dayzero.codegen.tvmscript import parsed_shallow
+from dayzero.codegen.tvmscript import parsed_shallow, prefetch_l2
 from dayzero.targets import capabilities
 from dayzero.targets.capabilities import MOE_L, MOE_MB, MOE_NB
 
@@ -119,11 +119,6 @@ def act_value(expr, G, p, i):
         a, b = build(e[1]), build(e[2])
         return {"mul": lambda: a * b, "add": lambda: a + b, "sub": lambda: a - b, "div": lambda: a / b}[kind]()
     return build(expr)
-
-
-def prefetch_l2(element):
-    """The statement that prefetches (to L2, for reading) the cache line of ``element``, a buffer load."""
-    return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(element), 0, 2, 1))
 
 
 def no_prefetch(n, ko):
@@ -368,15 +363,12 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
         """The MXFP4 rows [n0, n0 + NB) of W block by block (``BlockWeight``); ``fetch``: its prefetch reads the
         next NB rows' block (clamped to the last row), else it is nothing. With ``dword`` the lookups are
         ``dword_lookup`` on WV (vector BlockWeight) and the scales SWV [NB G], widened once a job."""
-        scale = lambda n, g: dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5)  # noqa: E731
-        if dword:
-            scale = lambda n, g: SWV[n * groups + g]  # noqa: E731
         pre = lambda n, g: T.evaluate(0) if cuda or not fetch else prefetch_l2(  # noqa: E731
             W[e, T.min(n0 + NB + n, n_out - 1), g, 0])
         if dword:
             return BlockWeight(lambda n, g, _l: dword_lookup(WV, LUT, e, n0 + n, g, 0, n_out, groups),
                                lambda n, g, _l: dword_lookup(WV, LUT, e, n0 + n, g, 1, n_out, groups),
-                               scale, pre, vector=True)
+                               lambda n, g: SWV[n * groups + g], pre, vector=True)
 
         def nibble(h):
             def look(n, g, l):
@@ -384,7 +376,8 @@ def moe_experts_func(E: int, H: int, GU: int, I: int, k: int, *, layout: str, ac
                 code = T.shift_right(byte, T.uint8(4)) if h else T.bitwise_and(byte, T.uint8(15))
                 return dequant_decode.e2m1_x2_lookup(decode, LUT[l], code)
             return look
-        return BlockWeight(nibble(0), nibble(1), scale, pre)
+        return BlockWeight(nibble(0), nibble(1),
+                           lambda n, g: dequant_decode.e8m0_value(S[e, n0 + n, g]) * T.float32(0.5), pre)
 
     def fp8_at(W, S, blk, e, i1, i2):  # FP8 element [e, i1, i2] (storage axes) times its block scale
         return dequant_decode.e4m3_value_div256(T.reinterpret("uint8", W[e, i1, i2])) * \

@@ -35,7 +35,7 @@ import functools
 from tvm import tirx
 
 from dayzero.codegen.kernels.dequant.decode import has_feature
-from dayzero.codegen.tvmscript import parsed_shallow
+from dayzero.codegen.tvmscript import parsed_shallow, prefetch_l2
 
 TOKENS = 8
 KB_CHOICES = (512, 256, 128, 64, 32)  # k block: the first dividing K (its XP, 2 x 8 x KB/2 fp32, in L1)
@@ -64,8 +64,7 @@ def bf16_gemv(N: int, K: int, symbolic: bool) -> tirx.PrimFunc:
 
     def prefetch(W32, row, ko):
         """Prefetch (to L2) of the row's line one k block ahead (clamped to its last line)."""
-        line = T.min(ko + KS, NKO - 1) * 16
-        return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(W32[row * KH + line]), 0, 2, 1))
+        return prefetch_l2(W32[row * KH + T.min(ko + KS, NKO - 1) * 16])
 
     def halves(W32, row, ko):
         """fp32 x 16 of W[row, 32 ko + 2j] (lo) and W[row, 32 ko + 2j + 1] (hi): expressions, not bindings (a
