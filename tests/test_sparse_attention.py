@@ -259,6 +259,50 @@ def test_mla_kernel_at_wider_latents(S, R, Dr):
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("S,H,K,dense", [(37, 64, 21, False), (5, 128, 19, False), (19, 64, 0, True)])
+def test_mla_cpu_tiles_head_groups_query_blocks_and_per_request_tables(S, H, K, dense):
+    """The CPU kernel's blocking (codegen/kernels/mla_cpu.py) where each part of it is exercised: groups of 8 and
+    16 heads (scores as vectors over the heads), tiles of JT rows with a partial last one, more queries than a
+    block of SB (W applied per block, a partial last block), and every query reading its own request's rows
+    through its own table row (the batched decode step) from a pool whose rows no query may read are NaN; equal,
+    query by query, to attention over upstream's expansion of that request's cache (mla_expand)."""
+    from dayzero.codegen.kernels import mla_cpu
+    from dayzero.codegen.kernels.attention import mla_head_group
+
+    L, R, Dr, nope, Dv, bs = 48, 64, 16, 32, 32, 16
+    assert mla_head_group(H, "llvm") == H // 8 and (S > mla_cpu.SB or H == 128) and K % mla_cpu.JT != 0 or dense
+    g = torch.Generator().manual_seed(S + H + K)
+    nb = L // bs
+    blocks = S * nb + 1
+    q = torch.randn(1, H, S, nope + Dr, generator=g)
+    w = torch.randn(H * (nope + Dv), R, generator=g) * R ** -0.5
+    table = (torch.randperm(blocks - 1, generator=g) + 1).view(S, nb).int()  # request s owns blocks table[s]
+    qpos = torch.randint(L // 2, L, (S,), generator=g)
+    lat_pool = torch.full((1, 1, blocks * bs, R), float("nan"))
+    rope_pool = torch.full((1, 1, blocks * bs, Dr), float("nan"))
+    caches, idx = [], torch.zeros((1, S, K), dtype=torch.int64)
+    for s in range(S):
+        lat, rope = torch.randn(1, 1, L, R, generator=g), torch.randn(1, 1, L, Dr, generator=g)
+        caches.append((lat, rope))
+        rows = table[s].long().repeat_interleave(bs) * bs + torch.arange(L) % bs  # pool row of each position
+        seen = torch.arange(L) <= qpos[s]  # a row past the request's position stays NaN: never read
+        lat_pool[0, 0, rows[seen]], rope_pool[0, 0, rows[seen]] = lat[0, 0, seen], rope[0, 0, seen]
+        if not dense:  # distinct rows, some in the future (masked)
+            idx[0, s] = torch.randperm(L, generator=g)[:K]
+    attrs = {"scale": 0.2, "nope": nope}
+    ref = torch.cat([(ra.mla_dense_reference([q[:, :, s:s + 1], *caches[s], w, qpos[s:s + 1]], attrs) if dense else
+                      ra.mla_sparse_reference([q[:, :, s:s + 1], *caches[s], w, qpos[s:s + 1], idx[:, s:s + 1]],
+                                              attrs)) for s in range(S)], dim=2)
+    p = dict(op=sa.MLA_DENSE if dense else sa.MLA, B=1, H=H, S=None, L=L, R=R, Dn=nope, Dr=Dr, Dv=Dv, K=K,
+             dense=dense, dtype="float32", lat_dtype="float32", w_dtype="float32", out_dtype="float32",
+             pos_dtype="int64", idx_dtype=None if dense else "int64", scale=0.2, paged=bs, P=blocks * bs, NT=nb,
+             table_dtype="int32", per_token=True)
+    lib = tvm.compile(tvm.IRModule({"main": build(p, "llvm")}), target=HOST)
+    o = torch.full((1, H, S, Dv), float("nan"))
+    lib["main"](q, lat_pool, rope_pool, w, qpos, *([] if dense else [idx]), table, o)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("S", [1, None])
 def test_mla_cuda_sm90_compiles(S):
     p = dict(op=sa.MLA, B=1, H=4, S=S, L=64, R=32, Dn=16, Dr=8, Dv=16, K=4, dtype="float32", lat_dtype="float32",

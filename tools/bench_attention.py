@@ -26,6 +26,15 @@ Each torch baseline is the better of torch on all its threads and on one (``base
 moe): on a shared host a core taken by another job stalls torch's OpenMP barriers by orders of magnitude.
 Ratios: attention part 64K / 4K (target <= 1.5), torch dense SDPA / attention part at 64K (target >= 5), and
 the indexer's 64K / 4K (linear: ~16 expected).
+
+Full width (``full_width_cases``; ``--full-width`` runs only these): the MLA attention of one full-width
+DeepSeek-V3.2 layer (128 heads, nope 128 + rope 64, v 128, latent 512, top-k 2048) at context 4096, for 1 and 8
+queries (mla_full_b{N}: a decode step of N requests, each reading its own rows through its own table row of a
+shuffled pool, as the batched decode program does). dayzero = the CPU kernel (codegen/kernels/mla_cpu.py);
+baselines: dayzero_rows = the row-by-row form (``attention.build_mla_rows``: CUDA's, and the CPU's before the
+tiles), torch_absorbed = torch eager computing the same absorbed attention over the gathered rows (einsum / bmm,
+softmax). bound = the larger of FLOPs / fp32 matmul rate (``bench_ops.peak_flops``) and bytes (the selected
+rows, W) / read bandwidth.
 """
 
 from __future__ import annotations
@@ -101,7 +110,77 @@ def _torch_indexer(iq, iw, ik, valid):
     return x.topk(TOPK, dim=-1).indices
 
 
-def run_bench(quick: bool = False) -> dict:
+FULL = dict(H=128, Dn=128, Dr=64, Dv=128, R=512, K=2048, L=4096)
+
+
+def full_width_cases(target: dict, bw: float, quick: bool = False) -> list[dict]:
+    """The full-width MLA cases (module docstring), each kernel and torch timed alternately in one loop."""
+    import torch
+
+    from dayzero.codegen.kernels.attention import build, build_mla_rows
+    from dayzero.tools.bench_ops import peak_flops
+
+    H, Dn, Dr, Dv, R, K, L = (FULL[k] for k in ("H", "Dn", "Dr", "Dv", "R", "K", "L"))
+    rate = peak_flops()
+    g = torch.Generator().manual_seed(0)
+    scale = (Dn + Dr) ** -0.5
+    w = torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5
+    out = []
+    for n in (1, 8):
+        p = dict(op="mla_sparse_attention", B=1, H=H, S=None, L=L, R=R, Dn=Dn, Dr=Dr, Dv=Dv, K=K, dtype="float32",
+                 lat_dtype="float32", w_dtype="float32", out_dtype="float32", pos_dtype="int64", idx_dtype="int64",
+                 scale=scale, paged=BLOCK, P=(n * L // BLOCK + 1) * BLOCK, NT=L // BLOCK, table_dtype="int32",
+                 per_token=True)
+        q = torch.randn(1, H, n, Dn + Dr, generator=g)
+        lat = torch.randn(1, 1, p["P"], R, generator=g)
+        rope = torch.randn(1, 1, p["P"], Dr, generator=g)
+        pos = torch.full((n,), L - 96) - torch.arange(n)
+        idx = torch.stack([torch.randperm(L - 96, generator=g)[:K] for _ in range(n)]).view(1, n, K)
+        table = (torch.randperm(n * L // BLOCK, generator=g) + 1).view(n, L // BLOCK).to(torch.int32)
+        o = torch.empty(1, H, n, Dv)
+        wk = w.view(H, Dn + Dv, R)
+
+        def torch_absorbed():
+            rows = table.long().gather(1, idx[0] // BLOCK) * BLOCK + idx[0] % BLOCK  # [n, K]
+            la, ro = lat[0, 0][rows], rope[0, 0][rows]  # [n, K, R], [n, K, Dr]
+            qs = q[0].transpose(0, 1)  # [n, H, Dn + Dr]
+            qa = torch.einsum("nhd,hdr->nhr", qs[..., :Dn], wk[:, :Dn])
+            sc = (torch.bmm(qa, la.transpose(1, 2)) + torch.bmm(qs[..., Dn:], ro.transpose(1, 2))) * scale
+            sc = sc.masked_fill((idx[0] > pos.view(-1, 1)).unsqueeze(1), float("-inf"))
+            return torch.einsum("nhr,hdr->nhd", torch.bmm(torch.softmax(sc, -1), la), wk[:, Dn:])
+
+        # torch first, in one block (TVM's pool threads keep spinning after a parallel call and would take the
+        # cores from torch), on all threads or one, the better
+        picked: dict = {}
+        t_torch = _torch_time(torch_absorbed, 3 if quick else 7, picked, "torch_absorbed")
+        want = torch_absorbed()
+        fns = {"dayzero": _compile(build(p, "llvm"), target),
+               "dayzero_rows": _compile(build_mla_rows(p, "llvm"), target)}
+        for k_, f in fns.items():
+            o.fill_(float("nan"))
+            f(q, lat, rope, w, pos, idx, table, o)
+            err = float((o[0].transpose(0, 1) - want).abs().max() / want.abs().max())
+            if not err < 1e-4:
+                raise AssertionError(f"mla_full_b{n}: {k_} differs from torch by {err:.2e} of the largest output")
+        times = {k_: [] for k_ in fns}
+        for _ in range(3 if quick else 7):  # alternately: a shared host's load falls on both kernels alike
+            for k_, f in fns.items():
+                times[k_].append(_time(lambda: f(q, lat, rope, w, pos, idx, table, o), 1))
+        med = {k_: sorted(v)[len(v) // 2] for k_, v in times.items()}
+        med["torch_absorbed"] = t_torch
+        flops = 2 * n * H * (K * (2 * R + Dr) + (Dn + Dv) * R)
+        nbytes = (n * K * (R + Dr) + w.numel()) * 4
+        bound = max(flops / rate, nbytes / bw)
+        out.append({"case": f"mla_full_b{n}", "unit": "s", "part": "attention", "dayzero": med["dayzero"],
+                    "baselines": {"dayzero_rows": med["dayzero_rows"], "torch_absorbed": med["torch_absorbed"]},
+                    "baseline_threads": picked, "bound": bound,
+                    "bound_name": "max(FLOPs / fp32 matmul rate, rows + W bytes / read bandwidth)",
+                    "flops": flops, "matmul_flops_per_s": rate, "fraction_of_bound": bound / med["dayzero"],
+                    "queries": n, "context": L})
+    return out
+
+
+def run_bench(quick: bool = False, full_width_only: bool = False) -> dict:
     import torch
 
     from dayzero.codegen.kernels.attention import build
@@ -113,6 +192,12 @@ def run_bench(quick: bool = False) -> dict:
 
     target = host_target_dict()
     bw = read_bandwidth(256 << 20)
+    if full_width_only:
+        m = machine_info()
+        m.update({"read_bandwidth_GBps": bw / 1e9, "target": target,
+                  "what": "one full-width DeepSeek-V3.2 layer's MLA attention (128 heads, latent 512, top-k 2048) "
+                          "at context 4096 through per-request shuffled block tables, fp32"})
+        return {"suite": "attention", "machine": m, "results": full_width_cases(target, bw, quick)}
     repeat = 5 if quick else 20
     g = torch.Generator().manual_seed(0)
     results = []
@@ -217,13 +302,14 @@ def run_bench(quick: bool = False) -> dict:
 @click.command("attention")
 @click.option("--json", "as_json", is_flag=True, help="Print the bench JSON object.")
 @click.option("--quick", is_flag=True, help="Fewer repeats.")
-def attention_command(as_json: bool, quick: bool):
+@click.option("--full-width", is_flag=True, help="Only one full-width DeepSeek-V3.2 layer's MLA, 1 and 8 queries.")
+def attention_command(as_json: bool, quick: bool, full_width: bool):
     """DSA decode at 1K-64K context (attention part and indexer part apart) and prefill at 1K/8K vs torch."""
-    out = run_bench(quick)
+    out = run_bench(quick, full_width_only=full_width)
     from dayzero.tools.bench import baselines_text, echo_bench
 
     echo_bench(out, as_json, lambda r: f"{r['case']:20s} {r['part']:18s} {r['dayzero'] * 1e6:10.1f} us  "
                                        f"({baselines_text(r, 1e6, '.1f', 'us')})",
                f"read bandwidth {out['machine']['read_bandwidth_GBps']:.1f} GB/s; {out['machine']['what']}")
-    for k, v in ({} if as_json else out["ratios"]).items():
+    for k, v in ({} if as_json else out.get("ratios", {})).items():
         click.echo(f"{k}: {v:.2f}")

@@ -21,6 +21,9 @@ decode step costs O(rows read), never O(L). Variants, chosen from the shapes and
 * host CPU, prefill (S symbolic or > 1): parallel over (b, h, block of QB queries). cache_attention walks the
   union of the block's row ranges once and updates every query of the block that sees the row, so a K/V row
   is read once per block (blocked over queries); sparse_attention reads each query's own K rows.
+* MLA on the host CPU (``mla_cpu``): the up-projection applied per head once for a block of queries, each
+  (query, head group) task scoring tiles of rows as vectors over its heads; CUDA keeps the row-by-row form
+  (``build_mla_rows``).
 * CUDA: one thread per (b, h, s) query, 64 threads per block (compiles for sm_90; not tuned).
 * per-token block tables (the batched decode step, passes/paged_kv.py): query s reads its rows through table
   row s; cache_attention then runs one query per task (qb = 1), as its queries share no row.
@@ -528,6 +531,15 @@ def mla_head_group(H: int, kind: str) -> int:
 
 
 def build_mla(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """MLA attention: in row tiles on the host CPU (``mla_cpu``), row by row on CUDA (``build_mla_rows``)."""
+    if kind != "cuda":
+        from dayzero.codegen.kernels import mla_cpu
+
+        return mla_cpu.build(p)
+    return build_mla_rows(p, kind)
+
+
+def build_mla_rows(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """MLA sparse attention with the up-projection absorbed (see the module docstring): per query (b, h, s)
 
         qa[r]  = scale * sum_d q[d] W[h(Dn+Dv) + d, r]               (d < Dn: the no-rope part, absorbed)
