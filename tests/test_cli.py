@@ -199,3 +199,30 @@ def test_demo_pattern_routes():
         "moe.grouped_experts": {"found": 2, "kernels": {"moe_experts_fp8": {"hand-scheduled": 1}}},
         "paged_kv_write": {"found": 3, "kernels": {"paged_state_index_put": {"hand-scheduled": 1}}},
         "sparse_attention.cache_attention": {"found": 1, "kernels": {"cache_attention": {"hand-scheduled": 1}}}}
+
+
+def test_bench_long_full_width_shares_bench_fulls_checkpoint(tmp_path, monkeypatch):
+    """``bench long --full-width-layers N`` makes (make-full) or reuses the checkpoint where ``bench full`` keeps
+    it, WORK/MODEL_LN/ckpt, and compiles its own artifact beside bench full's."""
+    from dayzero.tools import bench_full, bench_long, compiler, make_full
+
+    made, compiled = [], []
+
+    def fake_make_full(model, out, layers=None, **_):
+        made.append((model, layers))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    def fake_compile(ckpt, art, opts):
+        compiled.append((ckpt, art.name, opts.max_seq, opts.max_batch, opts.prefill_chunk))
+        art.mkdir(parents=True)
+        (art / "artifact.json").write_text("{}")
+
+    monkeypatch.setattr(make_full, "make_full", fake_make_full)
+    monkeypatch.setattr(compiler, "compile_artifact", fake_compile)
+    ckpt, full_art, _ = bench_full._artifact("deepseek_v4", 4, tmp_path, 4005, 8, 512)
+    long_art = bench_long._artifact("deepseek_v4", tmp_path, 32000, 512, full_layers=4)
+    assert made == [("deepseek_v4", 4)]  # once: bench long found bench full's checkpoint
+    assert long_art.parent / "ckpt" == ckpt and long_art != full_art
+    assert compiled[-1] == (str(ckpt), "art_32000_512", 32000, 1, 512)
+    assert bench_long._artifact("deepseek_v4", tmp_path, 32000, 512).parent.name == "deepseek_v4"  # tiny: its own

@@ -1,7 +1,9 @@
 """``dayzero bench long``: long contexts on tiny DeepSeek-V4 and tiny DeepSeek-V3.2, compiled with ``--max-seq 1M``.
 
-Per model: make-tiny (seed 0), compile once with ``--max-seq`` (default 1M = 10^6 tokens, ``tools/capacity.py``'s
-count rule) and ``--prefill-chunk`` (default 32), then for each context C (default 4k, 64k, 256k, 1M):
+Per model: make-tiny (seed 0; ``--full-width-layers N``: make-full, the published width's first N layers, in the
+directory ``bench full`` uses, so the two share a checkpoint), compile once with ``--max-seq`` (default 1M = 10^6
+tokens, ``tools/capacity.py``'s count rule) and ``--prefill-chunk`` (default 32), then for each context C (default
+4k, 64k, 256k, 1M):
 
 * prefill: a random prompt of C - 1 tokens through ``Runtime.prefill`` (chunk by chunk); tokens/s. A context whose
   prefill would outlast ``--prefill-budget`` seconds is prefilled for that long only, then its remaining chunks are
@@ -49,13 +51,21 @@ def _kind(node: str) -> str:
     return "attention" if op in ATTENTION_OPS else "rest"
 
 
-def _artifact(model: str, work: Path, max_seq: int, chunk: int) -> Path:
+def _artifact(model: str, work: Path, max_seq: int, chunk: int, full_layers: int = 0) -> Path:
+    """The model's artifact under ``work`` (made when missing): tiny (make-tiny, seed 0) at work/MODEL, or, with
+    ``full_layers``, the published width's first N layers (make-full) at work/MODEL_LN, where ``bench full`` keeps
+    the same checkpoint."""
     from dayzero.tools.compiler import CompileOptions, compile_artifact
+    from dayzero.tools.make_full import make_full
     from dayzero.tools.make_tiny import make_tiny
 
-    ckpt, art = work / model / "ckpt", work / model / f"art_{max_seq}_{chunk}"
+    base = work / (f"{model}_L{full_layers}" if full_layers else model)
+    ckpt, art = base / "ckpt", base / f"art_{max_seq}_{chunk}"
     if not (ckpt / "config.json").exists():
-        make_tiny(model, ckpt, seed=0)
+        if full_layers:
+            make_full(model, ckpt, layers=full_layers)
+        else:
+            make_tiny(model, ckpt, seed=0)
     if not (art / "artifact.json").exists():
         compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=1, prefill_chunk=chunk))
     return art
@@ -129,7 +139,7 @@ def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple
 
 
 def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int, prefill_budget: float,
-               work: str | None = None) -> dict:
+               work: str | None = None, full_layers: int = 0) -> dict:
     import torch
 
     from dayzero.runtime import load
@@ -140,7 +150,7 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
         root = Path(work or tmp)
         for model in models:
             t0 = time.perf_counter()
-            art = _artifact(model, root, max_seq, chunk)
+            art = _artifact(model, root, max_seq, chunk, full_layers)
             compile_s = time.perf_counter() - t0
             rt = load(art)
             smallest = None
@@ -159,7 +169,7 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d
                 common = {"model": model, "context": c, "max_seq": max_seq, "prefill_chunk": chunk,
-                          "bound": None, "bound_name": None}
+                          "full_width_layers": full_layers, "bound": None, "bound_name": None}
                 results += [
                     {"case": f"{model}/{c}/prefill_tokens_per_s", "unit": "tok/s", "dayzero": done / prefill_s,
                      "baselines": {}, "prefilled_tokens": done, "prefill_s": prefill_s, **common},
@@ -192,7 +202,10 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
               help="seconds of prefill per context at most (the rest of a longer prompt is skipped, see --help)")
 @click.option("--work", type=click.Path(file_okay=False), default=None,
               help="where checkpoints and artifacts go (reused when present); default a temp dir")
-def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefill_budget, work):
+@click.option("--full-width-layers", default=0, show_default=True,
+              help="N > 0: the published width's first N layers (make-full; WORK/MODEL_LN, shared with bench full)"
+                   " instead of the tiny model")
+def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefill_budget, work, full_width_layers):
     """Long contexts (tiny DeepSeek-V4, tiny DeepSeek-V3.2 compiled with --max-seq 1M): prefill tokens/s, decode
     step time split into indexer / attention / rest, resident KV bytes against the config's arithmetic."""
     from dayzero import UserError
@@ -202,9 +215,11 @@ def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefi
     top = parse_count(max_seq, "--max-seq")
     if not ctx or max(ctx) > top or min(ctx) < 2:
         raise UserError(f"--contexts must be non-empty, each in [2, --max-seq {top}]")
-    if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0:
-        raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive")
-    out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work)
+    if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0 or full_width_layers < 0:
+        raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive, --full-width-layers not "
+                        "negative")
+    out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work,
+                     full_layers=full_width_layers)
     from dayzero.tools.bench import baselines_text, echo_bench
 
     def line(r):
