@@ -66,18 +66,23 @@ def test_bench_dequant_times_the_batched_decode_route_beside_the_gemm_it_replace
 
 
 def test_bench_attention_full_width_json_at_smaller_dims(monkeypatch):
-    """``dayzero bench attention --full-width --json``: the MLA cases' JSON (the tiled CPU kernel, the row-by-row
-    form and torch's absorbed attention, each checked against torch in the run), at smaller dims so it runs in
-    seconds (the published dims are what the bench runs)."""
+    """``dayzero bench attention --full-width --json``: the MLA and V4 compressed-attention cases' JSON (the tiled
+    CPU kernels, their row-by-row forms and torch, each kernel checked against torch in the run), at smaller dims
+    so it runs in seconds (the published dims are what the bench runs)."""
     from dayzero.tools import bench_attention
 
     monkeypatch.setattr(bench_attention, "FULL", dict(H=16, Dn=32, Dr=16, Dv=32, R=64, K=40, L=256))
+    monkeypatch.setattr(bench_attention, "V4", dict(H=16, D=32, W=8, K=12, E=41, pos=299))
     r = CliRunner().invoke(main, ["bench", "attention", "--full-width", "--quick", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["suite"] == "attention" and out["machine"]["read_bandwidth_GBps"] > 0
-    assert [row["case"] for row in out["results"]] == ["mla_full_b1", "mla_full_b8"]
+    assert [row["case"] for row in out["results"]] == ["mla_full_b1", "mla_full_b8", "v4_csa_full_b1",
+                                                       "v4_csa_full_b8", "v4_hca_full_b8"]
     for row in out["results"]:
-        assert row["dayzero"] > 0 and row["baselines"]["dayzero_rows"] > 0 and row["baselines"]["torch_absorbed"] > 0
+        torch_name = "torch_absorbed" if row["case"].startswith("mla") else "torch_eager"
+        assert row["dayzero"] > 0 and row["baselines"]["dayzero_rows"] > 0 and row["baselines"][torch_name] > 0
         assert row["bound"] > 0 and 0 < row["fraction_of_bound"] == row["bound"] / row["dayzero"]
-        assert row["flops"] == 2 * row["queries"] * 16 * (40 * (2 * 64 + 16) + 64 * 64)
+    mla, v4 = out["results"][:2], out["results"][2:]
+    assert all(row["flops"] == 2 * row["queries"] * 16 * (40 * (2 * 64 + 16) + 64 * 64) for row in mla)
+    assert [row["rows"] for row in v4] == [8 + 12, 8 + 12, 8 + 2]  # window + CSA's selected / HCA's valid entries

@@ -262,15 +262,15 @@ def test_mla_kernel_at_wider_latents(S, R, Dr):
 @pytest.mark.parametrize("S,H,K,dense", [(37, 64, 21, False), (5, 128, 19, False), (19, 64, 0, True)])
 def test_mla_cpu_tiles_head_groups_query_blocks_and_per_request_tables(S, H, K, dense):
     """The CPU kernel's blocking (codegen/kernels/mla_cpu.py) where each part of it is exercised: groups of 8 and
-    16 heads (scores as vectors over the heads), tiles of JT rows with a partial last one, more queries than a
-    block of SB (W applied per block, a partial last block), and every query reading its own request's rows
-    through its own table row (the batched decode step) from a pool whose rows no query may read are NaN; equal,
-    query by query, to attention over upstream's expansion of that request's cache (mla_expand)."""
-    from dayzero.codegen.kernels import mla_cpu
+    16 heads (scores as vectors over the heads), tiles of JT rows (row_tiles) with a partial last one, more
+    queries than a block of SB (W applied per block, a partial last block), and every query reading its own
+    request's rows through its own table row (the batched decode step) from a pool whose rows no query may read
+    are NaN; equal, query by query, to attention over upstream's expansion of that request's cache (mla_expand)."""
+    from dayzero.codegen.kernels import mla_cpu, row_tiles
     from dayzero.codegen.kernels.attention import mla_head_group
 
     L, R, Dr, nope, Dv, bs = 48, 64, 16, 32, 32, 16
-    assert mla_head_group(H, "llvm") == H // 8 and (S > mla_cpu.SB or H == 128) and K % mla_cpu.JT != 0 or dense
+    assert mla_head_group(H, "llvm") == H // 8 and (S > mla_cpu.SB or H == 128) and K % row_tiles.JT != 0 or dense
     g = torch.Generator().manual_seed(S + H + K)
     nb = L // bs
     blocks = S * nb + 1

@@ -35,6 +35,10 @@ baselines: dayzero_rows = the row-by-row form (``attention.build_mla_rows``: CUD
 tiles), torch_absorbed = torch eager computing the same absorbed attention over the gathered rows (einsum / bmm,
 softmax). bound = the larger of FLOPs / fp32 matmul rate (``bench_ops.peak_flops``) and bytes (the selected
 rows, W) / read bandwidth.
+Also DeepSeek-V4-Flash's compressed attention in its batched decode step (v4_{csa,hca}_full_b{N}: 64 heads on one
+kv head, head dim 512, each request's 128-row window ring at position 3999, CSA's 512 selected entries or HCA's 31
+valid ones): dayzero (codegen/kernels/compressed_attention.py, window and entries in ``row_tiles``), dayzero_rows
+(the row-by-row form), torch_eager (the rows each request sees gathered, bmm, sink, softmax, bmm).
 """
 
 from __future__ import annotations
@@ -177,6 +181,69 @@ def full_width_cases(target: dict, bw: float, quick: bool = False) -> list[dict]
                     "bound_name": "max(FLOPs / fp32 matmul rate, rows + W bytes / read bandwidth)",
                     "flops": flops, "matmul_flops_per_s": rate, "fraction_of_bound": bound / med["dayzero"],
                     "queries": n, "context": L})
+    return out + _v4_cases(target, bw, rate, quick)
+
+
+V4 = dict(H=64, D=512, W=128, K=512, E=1001, pos=3999)  # DeepSeek-V4-Flash: 64 heads on one kv head
+
+
+def _v4_cases(target: dict, bw: float, rate: float, quick: bool) -> list[dict]:
+    """Full-width DeepSeek-V4's compressed attention in the batched decode step (per_row, each request's window
+    ring): one CSA layer at 1 and 8 requests, one HCA layer at 8 (module docstring)."""
+    import torch
+
+    from dayzero.codegen.kernels import compressed_attention as ca
+
+    H, D, W, K, E, pos = (V4[k] for k in ("H", "D", "W", "K", "E", "pos"))
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for kind, n in (("csa", 1), ("csa", 8), ("hca", 8)):
+        cr = 4 if kind == "csa" else 128  # the compression rate
+        ents = E if kind == "csa" else (pos + 1) // cr + 1
+        p = dict(op=ca.OP, B=None, H=H, Hkv=1, S=1, L=W, E=ents, D=D, dtype="float32", kv_dtype="float32",
+                 ent_dtype="float32", out_dtype="float32", pos_dtype="int64", sink_dtype="float32", scale=D ** -0.5,
+                 window=W, rate=cr, per_row=True, ring=True)
+        p.update(K=K, idx_dtype="int64") if kind == "csa" else p.update(epos_dtype="int64")
+        q, kv = torch.randn(n, H, 1, D, generator=g), torch.randn(n, 1, W, D, generator=g)
+        en, sk = torch.randn(n, 1, ents, D, generator=g), torch.randn(H, generator=g)
+        at = torch.full((n,), pos)
+        sel = torch.stack([torch.randperm(ents, generator=g)[:K] for _ in range(n)]).view(n, 1, K) \
+            if kind == "csa" else None
+        args = [q, kv, at, en, sk, sel if kind == "csa" else at.clone()]
+        o = torch.empty(n, H, 1, D)
+
+        def torch_eager():  # the rows each request sees (its window, its selected or valid entries), sink, softmax
+            ent = en[:, 0].gather(1, sel[:, 0, :, None].expand(-1, -1, D)) if kind == "csa" else \
+                en[:, 0, :(pos + 1) // cr]
+            keys = torch.cat([kv[:, 0], ent], 1)
+            sc = torch.bmm(q[:, :, 0], keys.transpose(1, 2)) * p["scale"]
+            pr = torch.softmax(torch.cat([sc, sk.view(1, H, 1).expand(n, H, 1)], -1), -1)[..., :-1]
+            return torch.bmm(pr, keys)
+
+        picked: dict = {}
+        t_torch = _torch_time(torch_eager, 3 if quick else 7, picked, "torch_eager")
+        want = torch_eager()
+        fns = {"dayzero": _compile(ca.build(p, "llvm"), target),
+               "dayzero_rows": _compile(ca.build(p, "llvm", row_by_row=True), target)}
+        for k_, f in fns.items():
+            o.fill_(float("nan"))
+            f(*args, o)
+            err = float((o[:, :, 0] - want).abs().max() / want.abs().max())
+            if not err < 1e-4:
+                raise AssertionError(f"v4_{kind}_full_b{n}: {k_} differs from torch by {err:.2e}")
+        times = {k_: [] for k_ in fns}
+        for _ in range(3 if quick else 7):
+            for k_, f in fns.items():
+                times[k_].append(_time(lambda: f(*args, o), 1))
+        med = {k_: sorted(v)[len(v) // 2] for k_, v in times.items()}
+        rows = W + (K if kind == "csa" else (pos + 1) // cr)
+        flops, nbytes = 4 * n * H * rows * D, 4 * n * rows * D
+        bound = max(flops / rate, nbytes / bw)
+        out.append({"case": f"v4_{kind}_full_b{n}", "unit": "s", "part": "attention", "dayzero": med["dayzero"],
+                    "baselines": {"dayzero_rows": med["dayzero_rows"], "torch_eager": t_torch},
+                    "baseline_threads": picked, "bound": bound,
+                    "bound_name": "max(FLOPs / fp32 matmul rate, rows' bytes / read bandwidth)",
+                    "flops": flops, "fraction_of_bound": bound / med["dayzero"], "queries": n, "rows": rows})
     return out
 
 

@@ -24,6 +24,11 @@ Variants, chosen from the shapes and the target:
 * host CPU, prefill (S symbolic or > 1): parallel over (b, head group, block of queries); the heads of a group
   share the kv head (and, for CSA, the indices), so every row a query reads is loaded once for the whole group
   (``head_group``), and HCA's entries once for the block's queries (``query_block``).
+* host CPU, the window rows and CSA's entries: per query, in tiles scored as vectors over the group's heads
+  (``row_tiles``: one rescale per tile, every product register-blocked; the queries held heads-innermost, qT).
+  Full-width DeepSeek-V4 (64 heads on one kv head, D 512), a decode step of 8 requests at position 3999, one
+  CSA layer (128 window rows + 512 entries): 75.3 -> 11.6 ms; one HCA layer: 20.7 -> 5.2 ms (znver3, 2 threads;
+  ``dayzero bench attention --full-width``, whose baseline ``dayzero_rows`` is the row-by-row form).
 * host CPU, HCA (the only branch whose rows grow with the position, p / R of them): the entries go by tiles of
   JB, each transposed once per task and scored JB-wide by every query-head of the task, the tile folded into
   the online softmax at once (one rescale per tile, exponentials JB-wide through TOPI's vectorising fast_exp,
@@ -41,7 +46,7 @@ from __future__ import annotations
 import tvm
 
 from dayzero.codegen.cpu_rules import fast_exp
-from dayzero.codegen.kernels import attention
+from dayzero.codegen.kernels import attention, row_tiles
 from dayzero.codegen.tvmscript import from_source
 from dayzero.passes.ir.node import Node
 
@@ -103,8 +108,9 @@ def _vec(D: int, line: str) -> list[str]:
             "        " + line.format(d=f"d0 * {_i(JB)} + d1")]
 
 
-def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
-    """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"."""
+def build(p: dict, kind: str = "llvm", row_by_row: bool = False) -> tvm.tirx.PrimFunc:
+    """The kernel for params ``p`` (see ``params``) on ``kind`` = "llvm" | "cuda"; ``row_by_row``: the window rows
+    and CSA entries one at a time on the CPU too (CUDA's form, the CPU's before ``row_tiles``: a bench baseline)."""
     H, Hkv, L, E, D = (p[x] for x in ("H", "Hkv", "L", "E", "D"))
     csa, hca = "K" in p, "epos_dtype" in p
     S = _i(p["S"]) if p["S"] is not None else "S"
@@ -176,16 +182,36 @@ def build(p: dict, kind: str = "llvm") -> tvm.tirx.PrimFunc:
     nvalid = f'T.min(T.max((T.Cast("int64", ep[{at}]) + {_i(1)}) // {_i(p["rate"])}, {_i(0)}), {_i(E)})' \
         if hca else None
     # each query of the block: the sliding-window rows [lo, hi] of the K=V state, then CSA's selected entries
-    rows = [f"for j in range(T.max({hi} - {lo} + {_i(1)}, {_i(0)})):"]
-    rows += update("kv", f"{lo} + j", "    ")
-    if csa:  # the indexer's selected entries, nothing else
-        rows += [f"for tk in range({_i(p['K'])}):",
-                 '    e = T.Cast("int64", x[b, s, tk])',
-                 f"    if e >= {_i(0)} and e < {_i(E)}:"]
-        rows += update("en", "e", "        ")
-    if hca and kind == "cuda":  # every causally valid entry, one at a time
-        rows += [f"for e in range({nvalid}):"]
-        rows += update("en", "e", "    ")
+    if kind == "cuda" or row_by_row:
+        rows = [f"for j in range(T.max({hi} - {lo} + {_i(1)}, {_i(0)})):"]
+        rows += update("kv", f"{lo} + j", "    ")
+        if csa:  # the indexer's selected entries, nothing else
+            rows += [f"for tk in range({_i(p['K'])}):",
+                     '    e = T.Cast("int64", x[b, s, tk])',
+                     f"    if e >= {_i(0)} and e < {_i(E)}:"]
+            rows += update("en", "e", "        ")
+        if hca and kind == "cuda":  # every causally valid entry, one at a time
+            rows += [f"for e in range({nvalid}):"]
+            rows += update("en", "e", "    ")
+    else:  # in tiles, the group's heads at once (row_tiles), against qT: the queries heads-innermost
+        body += [f'qT = T.decl_buffer(({_i(QB)}, {_i(D)}, {_i(HG)}), "float32")'] + row_tiles.scratch(HG) + [
+            f"for qi in range({_i(QB)}):",
+            f"    for hh in range({_i(HG)}):",
+            f"        for d in range({_i(D)}):",
+            f"            qT[qi, d, hh] = qf[qi * {_i(HG)} + hh, d]"]
+        state = dict(acc=f"acc[qi * {_i(HG)} + {{h}}, {{c}}]", m=f"m[qi * {_i(HG)} + {{h}}]",
+                     den=f"den[qi * {_i(HG)} + {{h}}]", HG=HG)
+
+        def src(buf: str) -> str:
+            return f'T.Cast("float32", {buf}[b, g, {{r}}, {{c}}])'
+        rows = row_tiles.tiles(count=f"T.max({hi} - {lo} + {_i(1)}, {_i(0)})", pick=[f"pos = {lo} + tk", "if True:"],
+                               row=attention.cache_row(p, "pos"), scores=[(src("kv"), "qT[qi, {c}, hv]", D)],
+                               value=(src("kv"), D), **state)
+        if csa:
+            rows += row_tiles.tiles(count=_i(p["K"]), pick=['pos = T.Cast("int64", x[b, s, tk])',
+                                                           f"if pos >= {_i(0)} and pos < {_i(E)}:"],
+                                    row="pos", scores=[(src("en"), "qT[qi, {c}, hv]", D)], value=(src("en"), D),
+                                    **state)
     body += [f"for qi in range({_i(QB)}):",
              f"    if s0 + qi < {S}:",
              "        s = s0 + qi"] + ["        " + ln for ln in rows]

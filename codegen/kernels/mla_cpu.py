@@ -1,5 +1,5 @@
 """MLA attention (``mla_sparse_attention``, ``mla_attention``: attention.py's module docstring) on the host CPU:
-the up-projection applied once per head for a block of queries, the rows in tiles, every product register-blocked.
+the up-projection applied once per head for a block of queries, the rows in tiles (``row_tiles``).
 
 Per block of SB queries (the batched decode step's requests, or a prefill chunk's queries SB at a time), three
 parallel phases:
@@ -7,24 +7,13 @@ parallel phases:
 1. absorb, per head h:  qt[s, h, c] = scale * [sum_d q[s, h, d] W[h(Dn+Dv) + d, c]  |  q[s, h, Dn + c - R]]
    (c < R + Dr), stored heads-innermost within each group of HG heads;
 2. attend, per query s and group of HG heads (``attention.mla_head_group``; a query's groups are consecutive
-   tasks, so the rows it selected are read from the caches by the groups after the first), per tile of JT
-   selected rows (their cache rows first: table lookup, visibility):
-       sc[j, :]  = sum_c [latent | rope_k][j, c] * qt[s, :, c]    RB rows x HG heads of accumulators (a vector
-                                                                  of heads per row), each row element broadcast
-       m' = max(m, max_j sc[j, :]); cr = exp(m - m'); P[j, :] = exp(sc[j, :] - m') (0 for a row not seen)
-       l = l * cr + sum_j P[j, :]                                 HG heads wide, one rescale per tile
-       acc[s, h, r] = acc[s, h, r] cr[h] + sum_j P[j, h] latent[j, r]   HB heads x CH features of
-                                                                  accumulators, a latent chunk read once for HB heads
-3. project, per head h:  o[s, h, d] = sum_r W[h(Dn+Dv) + Dn + d, r] acc[s, h, r] / l[s, h]
+   tasks, so the rows it selected are read from the caches by the groups after the first): ``row_tiles.tiles``
+   over its selected rows (or every row up to its position, ``mla_attention``), scores over [latent | rope_k]
+   against qt, values the latent rows, into acc[s, h, :] and its denominator;
+3. project, per head h:  o[s, h, d] = sum_r W[h(Dn+Dv) + Dn + d, r] acc[s, h, r] / den[s, h]
 
-so W is read once per block of queries, not once per query and head group. The per-row form
-(``attention.build_mla_rows``, CUDA's) absorbed and projected inside each (query, head group) task, so at 8
-queries it read W 8 times, and updated its online softmax row by row: two scalar ``exp`` calls and a rescale of the
-512-wide accumulator per row and head, and each score a dot product reduced across lanes. Here a tile's scores
-come out as vectors over the heads (no lane reduction), the exponentials run HG-wide through
-``cpu_rules.fast_exp``, and the accumulator is rescaled once a tile. The register blocks are default-scope
-buffers under 1 KiB, which TVM puts on the stack, so LLVM keeps them in registers (a ``local`` buffer in a
-parallel loop is a workspace pointer); ACC_FLOATS sizes them for AVX2's 16 vector registers.
+so W is read once per block of queries. The row-by-row form (``attention.build_mla_rows``, CUDA's) absorbed and
+projected inside each (query, head group) task, so at 8 queries it read W 8 times, besides its per-row softmax.
 
 Measured (``dayzero bench attention --full-width``: one full-width DeepSeek-V3.2 layer, 128 heads, latent 512,
 top-k 2048, context 4096, each query its own request's rows through a shuffled table; znver3, 2 threads, AVX2;
@@ -40,31 +29,15 @@ from __future__ import annotations
 import tvm
 
 from dayzero.codegen.cpu_rules import fast_exp
-from dayzero.codegen.kernels import attention
+from dayzero.codegen.kernels import attention, row_tiles
 from dayzero.codegen.tvmscript import from_source
 
-JT = 8  # selected rows per tile
 SB = 16  # queries per block (phases 1-3); the workspaces hold SB x H rows of R + Dr and R floats
-ACC_FLOATS = 64  # floats of one accumulator block: 8 AVX2 ymm registers of 16
 NEG = attention.NEG
 
 
 def _i(x) -> str:
     return f"T.int64({x})"
-
-
-def blocks(HG: int, R: int) -> tuple[int, int, int]:
-    """(RB, HB, CH): a score block's rows (RB x HG accumulators, RB dividing JT) and a value block's heads and
-    features (HB x CH accumulators, HB dividing HG, CH dividing R, at least two heads where HG allows, so a
-    latent chunk serves two)."""
-    rb = max(1, min(8, JT, ACC_FLOATS // HG))
-    while JT % rb:
-        rb //= 2
-    ch = next(c for c in (64, 32, 16, 8, 4, 2, 1) if R % c == 0 and c <= max(1, ACC_FLOATS // min(2, HG)))
-    hb = max(1, min(HG, ACC_FLOATS // ch))
-    while HG % hb:
-        hb //= 2
-    return rb, hb, ch
 
 
 def build(p: dict) -> tvm.tirx.PrimFunc:
@@ -85,7 +58,6 @@ def build(p: dict) -> tvm.tirx.PrimFunc:
     HG = attention.mla_head_group(H, "llvm")
     NG = H // HG
     sb = SB if p["S"] is None else max(1, min(SB, p["S"]))
-    RB, HB, CH = blocks(HG, R)
     lanes = attention.lanes_of(R)
     scale = f32 + f"({p['scale']!r})"
     if p.get("dense"):  # every row up to the query's position (and the cache's end)
@@ -95,74 +67,22 @@ def build(p: dict) -> tvm.tirx.PrimFunc:
         count = _i(K)
         pick = ['pos = T.Cast("int64", x[b, s, tk])',
                 f'if pos >= {_i(0)} and pos <= T.Cast("int64", p[s]) and pos < {_i(L)}:']
-    qt = f"qt[si, h0 // {_i(HG)}, {{c}}, hv]"  # a score block's query vector (heads hv of the task's group)
     attend = [
-        f"si = t // {_i(NG)}", f"s = s0 + si", f"h0 = t % {_i(NG)} * {_i(HG)}",
-        f'sc = T.decl_buffer(({_i(JT)}, {_i(HG)}), "float32")',  # a tile's scores, then probabilities
-        f'ml = T.decl_buffer(({_i(4)}, {_i(HG)}), "float32")',  # max, denominator, tile max, rescale
-        f'rw = T.decl_buffer(({_i(JT)},), "int64")',  # a tile's cache rows (-1: not seen)
+        f"si = t // {_i(NG)}", "s = s0 + si", f"h0 = t % {_i(NG)} * {_i(HG)}",
+        f'ml = T.decl_buffer(({_i(2)}, {_i(HG)}), "float32")',  # running max, denominator
+        ] + row_tiles.scratch(HG) + [
         f"for hh in range({_i(HG)}):",
         f"    for r in T.vectorized({_i(R)}):",
         f"        acc[si, h0 + hh, r] = {f32}(0)",
         f"for hv in T.vectorized({_i(HG)}):",
         f"    ml[0, hv] = {NEG}",
         f"    ml[1, hv] = {f32}(0)",
-        f"n = {count}",
-        f"for tile in range((n + {_i(JT - 1)}) // {_i(JT)}):",
-        f"    for jj in range({_i(JT)}):",
-        f"        tk = tile * {_i(JT)} + jj",
-        f"        rw[jj] = {_i(-1)}",
-        "        if tk < n:",
-        ] + ["            " + ln for ln in pick] + [
-        f"                rw[jj] = {attention.cache_row(p, 'pos', 's')}",
-        # scores: RB rows x HG heads a block
-        f"    for jb in range({_i(JT // RB)}):",
-        f'        sa = T.decl_buffer(({_i(RB)}, {_i(HG)}), "float32")',
-        f"        for jj in T.unroll({_i(RB)}):",
-        f"            for hv in T.vectorized({_i(HG)}):",
-        f"                sa[jj, hv] = {f32}(0)"]
-    for src, n_, off in (("lat", R, ""), ("rk", Dr, f"{_i(R)} + ")):
-        attend += [
-            f"        for c in range({_i(n_)}):",
-            f"            for jj in T.unroll({_i(RB)}):",
-            f"                for hv in T.vectorized({_i(HG)}):",
-            f'                    sa[jj, hv] = sa[jj, hv] + T.Cast("float32", {src}[b, 0, '
-            f'T.max(rw[jb * {_i(RB)} + jj], {_i(0)}), c]) * {qt.format(c=off + "c")}']
-    attend += [
-        f"        for jj in T.unroll({_i(RB)}):",
-        f"            for hv in T.vectorized({_i(HG)}):",
-        f"                sc[jb * {_i(RB)} + jj, hv] = T.Select(rw[jb * {_i(RB)} + jj] >= {_i(0)}, sa[jj, hv], {NEG})",
-        # the tile folded into the online softmax, HG heads wide
-        f"    for hv in T.vectorized({_i(HG)}):",
-        "        ml[2, hv] = ml[0, hv]",
-        f"    for jj in range({_i(JT)}):",
-        f"        for hv in T.vectorized({_i(HG)}):",
-        "            ml[2, hv] = T.max(ml[2, hv], sc[jj, hv])",
-        f"    for hv in T.vectorized({_i(HG)}):",
-        "        ml[3, hv] = T.exp(ml[0, hv] - ml[2, hv])",
-        "        ml[1, hv] = ml[1, hv] * ml[3, hv]",
-        "        ml[0, hv] = ml[2, hv]",
-        f"    for jj in range({_i(JT)}):",
-        f"        for hv in T.vectorized({_i(HG)}):",
-        f"            sc[jj, hv] = T.Select(rw[jj] >= {_i(0)}, T.exp(sc[jj, hv] - ml[2, hv]), {f32}(0))",
-        "            ml[1, hv] = ml[1, hv] + sc[jj, hv]",
-        # values: HB heads x CH features a block, the latent chunk read once for the HB heads
-        f"    for hb in range({_i(HG // HB)}):",
-        f"        for rc in range({_i(R // CH)}):",
-        f'            va = T.decl_buffer(({_i(HB)}, {_i(CH)}), "float32")',
-        f"            for hi in T.unroll({_i(HB)}):",
-        f"                for l in T.vectorized({_i(CH)}):",
-        f"                    va[hi, l] = acc[si, h0 + hb * {_i(HB)} + hi, rc * {_i(CH)} + l] * "
-        f"ml[3, hb * {_i(HB)} + hi]",
-        f"            for jj in range({_i(JT)}):",
-        f"                if rw[jj] >= {_i(0)}:",
-        f"                    for hi in T.unroll({_i(HB)}):",
-        f"                        for l in T.vectorized({_i(CH)}):",
-        f"                            va[hi, l] = va[hi, l] + sc[jj, hb * {_i(HB)} + hi] * "
-        f'T.Cast("float32", lat[b, 0, rw[jj], rc * {_i(CH)} + l])',
-        f"            for hi in T.unroll({_i(HB)}):",
-        f"                for l in T.vectorized({_i(CH)}):",
-        f"                    acc[si, h0 + hb * {_i(HB)} + hi, rc * {_i(CH)} + l] = va[hi, l]",
+        ] + row_tiles.tiles(
+            count=count, pick=pick, row=attention.cache_row(p, "pos", "s"),
+            scores=[('T.Cast("float32", lat[b, 0, {r}, {c}])', f"qt[si, h0 // {_i(HG)}, {{c}}, hv]", R),
+                    ('T.Cast("float32", rk[b, 0, {r}, {c}])', f"qt[si, h0 // {_i(HG)}, {_i(R)} + {{c}}, hv]", Dr)],
+            value=('T.Cast("float32", lat[b, 0, {r}, {c}])', R), acc="acc[si, h0 + {h}, {c}]", m="ml[0, {h}]",
+            den="ml[1, {h}]", HG=HG) + [
         f"for hh in range({_i(HG)}):",
         "    den[si, h0 + hh] = ml[1, hh]"]
     absorb = [
