@@ -43,16 +43,17 @@ def test_the_decode_gemv_matches_numpy_at_odd_and_prime_shapes(T, N, K):
 
 
 @pytest.mark.parametrize("N,K", [(6, 96), (64, 2880), (40, 1024)])
-def test_eight_tokens_take_the_line_by_line_gemv_on_avx512(N, K):
-    """On AVX-512 a bf16 GEMV of 8 tokens (static, or a batched decode step's symbolic count of 5..8 requests)
-    is ``dequant/gemv_bf16.py``'s kernel (x split into even / odd columns: its buffer XP), matching numpy at k
-    blocks of 32..512 and tasks of 2..32 rows; the rows past a symbolic count are not written."""
+def test_eight_tokens_take_the_line_by_line_gemv_on_avx512_and_avx2(N, K):
+    """On AVX-512 and on AVX2 a bf16 GEMV of 8 tokens (static, or a batched decode step's symbolic count of 5..8
+    requests) is ``dequant/gemv_bf16.py``'s kernel (x split into even / odd columns: its buffer XP; rows in pairs
+    of 16-lane vectors, or one at a time in 8 lanes), matching numpy at k blocks of 16..512 and tasks of 2..32
+    rows; the rows past a symbolic count are not written."""
     from dayzero.codegen.kernels import dequant_linear
-    from dayzero.codegen.kernels.dequant.decode import has_feature
+    from dayzero.codegen.kernels.dequant import gemv_bf16
 
     host = _host()
-    if not has_feature(host, "avx512f"):
-        pytest.skip("the kernel is AVX-512's")
+    if not gemv_bf16.lanes_for(host):
+        pytest.skip("the kernel is AVX-512's and AVX2's")
     g = torch.Generator().manual_seed(N + K)
     w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
     for p, ts in (({"fmt": "bf16", "N": N, "K": K, "T": 8}, [8]),

@@ -27,8 +27,8 @@ vector x 8-16 weight rows: 8 requests are not padded to 24/64 tokens); a T that 
 tiles, the few-token one taken at run time up to one vector of tokens (``kernel``); a bf16 / FP8 T bounded by 8
 first takes the GEMV for 1, 2, 4 or 8 tokens (the rows past T zero), whose T accumulators per row keep the weight
 stream at bandwidth where the token-vector tile decodes and broadcasts every weight (18432 x 7168 bf16, znver4,
-8 tokens: 16.5 against 53 ms); bf16 at 8 tokens on AVX-512 is ``dequant/gemv_bf16.py``'s hand-written kernel
-(the TE GEMV spilled its 32 accumulators there). The CPU schedules are ``dequant/``'s
+8 tokens: 16.5 against 53 ms); bf16 at 8 tokens on AVX-512 and AVX2 is ``dequant/gemv_bf16.py``'s hand-written
+kernel (the TE GEMV spilled its accumulators there). The CPU schedules are ``dequant/``'s
 (``gemv.fp8_gemv_cpu`` / ``gemm.gemm_cpu`` over a ``wd`` decode stage; MXFP4 takes ``gemv.mxfp4_gemv`` /
 ``gemm.mxfp4_gemm`` whole); CUDA goes through the same dlight rules as there (compiles for sm_90; not
 hand-tuned).
@@ -151,7 +151,8 @@ def _kernel(p: dict, target: dict, scheduled: bool) -> tirx.PrimFunc:
     gemv_t = p.get("gemv_t")  # a symbolic T of at most gemv_t tokens run by the GEMV for gemv_t (``kernel``)
     if (T is not None or gemv_t) and scheduled and p["fmt"] == "bf16" and not decode.is_cuda(target) and \
             gemv_bf16.applies(target, T if T is not None else gemv_t, N, K, G):
-        return gemv_bf16.bf16_gemv(N, K, T is None).with_attr("tirx.is_scheduled", True)
+        return gemv_bf16.bf16_gemv(N, K, T is None, gemv_bf16.lanes_for(target)).with_attr("tirx.is_scheduled",
+                                                                                           True)
     ws = _weight_placeholders(p)
     if p["fmt"] == "int4":
         wd = _int4_wd(*ws, *([None] * (3 - len(ws))), p)
