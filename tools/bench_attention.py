@@ -114,6 +114,24 @@ def _torch_indexer(iq, iw, ik, valid):
     return x.topk(TOPK, dim=-1).indices
 
 
+def _side_by_side(case: str, fns: dict, args: list, o, got, want, quick: bool) -> dict:
+    """Median seconds of each kernel in ``fns`` (called ``f(*args, o)``), called alternately (a shared host's load
+    falls on them alike), after checking each one's output (``got()``, a view of o) against torch's ``want``."""
+    from dayzero import InternalError
+
+    for name, f in fns.items():
+        o.fill_(float("nan"))
+        f(*args, o)
+        err = float((got() - want).abs().max() / want.abs().max())
+        if not err < 1e-4:
+            raise InternalError(f"{case}: {name} differs from torch by {err:.2e} of the largest output")
+    times = {name: [] for name in fns}
+    for _ in range(3 if quick else 7):
+        for name, f in fns.items():
+            times[name].append(_time(lambda: f(*args, o), 1))
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+
+
 FULL = dict(H=128, Dn=128, Dr=64, Dv=128, R=512, K=2048, L=4096)
 
 
@@ -160,17 +178,8 @@ def full_width_cases(target: dict, bw: float, quick: bool = False) -> list[dict]
         want = torch_absorbed()
         fns = {"dayzero": _compile(build(p, "llvm"), target),
                "dayzero_rows": _compile(build_mla_rows(p, "llvm"), target)}
-        for k_, f in fns.items():
-            o.fill_(float("nan"))
-            f(q, lat, rope, w, pos, idx, table, o)
-            err = float((o[0].transpose(0, 1) - want).abs().max() / want.abs().max())
-            if not err < 1e-4:
-                raise AssertionError(f"mla_full_b{n}: {k_} differs from torch by {err:.2e} of the largest output")
-        times = {k_: [] for k_ in fns}
-        for _ in range(3 if quick else 7):  # alternately: a shared host's load falls on both kernels alike
-            for k_, f in fns.items():
-                times[k_].append(_time(lambda: f(q, lat, rope, w, pos, idx, table, o), 1))
-        med = {k_: sorted(v)[len(v) // 2] for k_, v in times.items()}
+        med = _side_by_side(f"mla_full_b{n}", fns, [q, lat, rope, w, pos, idx, table], o,
+                            lambda: o[0].transpose(0, 1), want, quick)
         med["torch_absorbed"] = t_torch
         flops = 2 * n * H * (K * (2 * R + Dr) + (Dn + Dv) * R)
         nbytes = (n * K * (R + Dr) + w.numel()) * 4
@@ -225,17 +234,7 @@ def _v4_cases(target: dict, bw: float, rate: float, quick: bool) -> list[dict]:
         want = torch_eager()
         fns = {"dayzero": _compile(ca.build(p, "llvm"), target),
                "dayzero_rows": _compile(ca.build(p, "llvm", row_by_row=True), target)}
-        for k_, f in fns.items():
-            o.fill_(float("nan"))
-            f(*args, o)
-            err = float((o[:, :, 0] - want).abs().max() / want.abs().max())
-            if not err < 1e-4:
-                raise AssertionError(f"v4_{kind}_full_b{n}: {k_} differs from torch by {err:.2e}")
-        times = {k_: [] for k_ in fns}
-        for _ in range(3 if quick else 7):
-            for k_, f in fns.items():
-                times[k_].append(_time(lambda: f(*args, o), 1))
-        med = {k_: sorted(v)[len(v) // 2] for k_, v in times.items()}
+        med = _side_by_side(f"v4_{kind}_full_b{n}", fns, args, o, lambda: o[:, :, 0], want, quick)
         rows = W + (K if kind == "csa" else (pos + 1) // cr)
         flops, nbytes = 4 * n * H * rows * D, 4 * n * rows * D
         bound = max(flops / rate, nbytes / bw)

@@ -27,8 +27,8 @@ Variants, chosen from the shapes and the target:
 * host CPU, the window rows and CSA's entries: per query, in tiles scored as vectors over the group's heads
   (``row_tiles``: one rescale per tile, every product register-blocked; the queries held heads-innermost, qT).
   Full-width DeepSeek-V4 (64 heads on one kv head, D 512), a decode step of 8 requests at position 3999, one
-  CSA layer (128 window rows + 512 entries): 75.3 -> 11.6 ms; one HCA layer: 20.7 -> 5.2 ms (znver3, 2 threads;
-  ``dayzero bench attention --full-width``, whose baseline ``dayzero_rows`` is the row-by-row form).
+  CSA layer (128 window rows + 512 entries): 44.7 -> 8.4 ms; one HCA layer: 12.2 -> 4.35 ms (znver3, 2 threads;
+  ``dayzero bench attention --full-width``, alternately against ``dayzero_rows``, the row-by-row form).
 * host CPU, HCA (the only branch whose rows grow with the position, p / R of them): the entries go by tiles of
   JB, each transposed once per task and scored JB-wide by every query-head of the task, the tile folded into
   the online softmax at once (one rescale per tile, exponentials JB-wide through TOPI's vectorising fast_exp,

@@ -21,10 +21,11 @@ a workspace pointer); ACC_FLOATS sizes them for AVX2's 16 vector registers. The 
 
 from __future__ import annotations
 
+from dayzero.codegen.kernels.attention import NEG
+
 CW = 256  # candidates whose kept rows are gathered at a time (a tile holds kept rows only)
 JT = 8  # kept rows per tile (16 and 32 measured 5% slower on MLA at full width)
 ACC_FLOATS = 64  # floats of one accumulator block: 8 AVX2 ymm registers of 16
-NEG = "T.float32(-3.0e38)"
 
 
 def _i(x) -> str:
