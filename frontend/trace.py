@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dayzero import UserError
+from dayzero import InternalError, UserError
 from dayzero.frontend import hf
 from dayzero.frontend.checkpoint import Checkpoint, check_coverage, learn_recipes_low_precision
 from dayzero.frontend.lowprec import bf16_weights, bind_bf16, bind_low_precision
@@ -258,7 +258,9 @@ def _trace_rows(ckpt: Checkpoint, max_seq: int, max_batch: int) -> Traced:
     model, _ = hf.meta_model(ckpt)
     step = CacheStep(model, max_cache_len=max_seq)
     rows = RowDecodeStep(step)
-    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    # torch.export (2.13) gives every input its own symbol for a Dim bounded [1, 2] with an example of 2, so the
+    # states' batch dims stop being the tokens' and no pattern over them matches: export [1, 3], declare [1, 2]
+    batch = torch.export.Dim("batch", min=1, max=max(max_batch, 3))
     with torch.device("meta"):
         states = tuple(torch.zeros((2, *shape[1:]), dtype=getattr(step, n).dtype)
                        for (_, _, n), shape in zip(step.names, rows.state_shapes))
@@ -268,6 +270,9 @@ def _trace_rows(ckpt: Checkpoint, max_seq: int, max_batch: int) -> Traced:
     t = to_graph(ep, symbol_names_from(ep, {"input_ids": {0: "batch"}}), strip_prefix="model.")
     t.graph = rewrite(t.graph, lambda n: n.replace(attrs=dict(n.attr, name=names[n.attr["name"]]))
                       if n.op == "input" and n.attr.get("name") in names else None)
+    if t.graph.symbols != (("batch", 1, max(max_batch, 3)),):
+        raise InternalError(f"the batched decode step traced with symbols {t.graph.symbols}, not one batch dim")
+    t.graph = t.graph.replace(symbols=(("batch", 1, max_batch),))
     return t
 
 

@@ -442,3 +442,19 @@ def test_per_token_kernels_compile_for_cuda_sm90(op):
     f = build(_per_token_params(op), "cuda").with_attr("tirx.is_scheduled", True)
     lib = tvm.compile(tvm.IRModule({"main": f}), target={"kind": "cuda", "arch": "sm_90"})
     assert "__global__" in lib.mod.imports[0].inspect_source()
+
+
+def test_deepseek_v4_row_step_states_share_the_batch_dim(tmp_path):
+    """Every input and output of the row program has the one ``batch`` dim, bounded by --max-batch: torch.export
+    gives each input its own symbol for a Dim bounded [1, 2] (the inputs' shapes then say nothing about each
+    other, and no attention or indexer pattern of the step matched at --max-batch 2)."""
+    from dayzero.frontend.checkpoint import Checkpoint
+    from dayzero.frontend.trace import _trace_rows
+    from dayzero.passes.ir.shape_expr import make_symbol
+    from dayzero.tools.make_tiny import make_tiny
+
+    g = _trace_rows(Checkpoint(make_tiny("deepseek_v4", tmp_path / "ckpt", seed=0)), 32, 2).graph
+    assert g.symbols == (("batch", 1, 2),)
+    batch = make_symbol("batch")
+    assert [i.type.shape[0] for i in g.inputs] == [batch] * len(g.inputs)
+    assert [o.type.shape[0] for o in g.outputs] == [batch] * len(g.outputs)
