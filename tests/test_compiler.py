@@ -42,7 +42,7 @@ def test_graph_steps_in_phase_order():
     assert len(set(names)) == len(names)
     # the ordering rules the passes' docstrings state
     order = ["fold_empty", "fold_constants", "moe", "dequant", "shard", "dequant_bf16", "inplace_state",
-             "sparse_attention", "compressed_attention", "expert_workspace", "paged_kv", "fuse"]
+             "inplace_input", "sparse_attention", "compressed_attention", "expert_workspace", "paged_kv", "fuse"]
     assert sorted(order, key=names.index) == order
     assert names[-1] == "fuse"  # every pattern pass matches the unfused ops
 

@@ -47,6 +47,7 @@ from dayzero.passes.dequant_bf16 import dequant_bf16
 from dayzero.passes.fold_constants import fold_constants
 from dayzero.passes.fold_empty import fold_empty
 from dayzero.passes.fuse import fuse
+from dayzero.passes.inplace_input import inplace_input
 from dayzero.passes.inplace_state import inplace_state
 from dayzero.passes.last_position import LAST_PROGRAM, last_position
 from dayzero.passes.ir.collective import Mesh
@@ -228,6 +229,7 @@ GRAPH_STEPS: tuple[tuple[str, Step], ...] = (
     ("dequant_bf16", lambda g, env: dequant_bf16(g)),  # after shard: each rank's bf16 slices read as stored
     # -- lay out state: cache writes in place ----------------------------------------------------------------------
     ("inplace_state", lambda g, env: inplace_state(g)),
+    ("inplace_input", lambda g, env: inplace_input(g)),  # scatters into a program input's own copy
     # -- identify patterns that read the in-place cache ----------------------------------------------------------
     ("sparse_attention", lambda g, env: sparse_attention(g, env.constants)),  # after inplace_state
     ("compressed_attention", lambda g, env: compressed_attention(g, env.constants)),  # after sparse_attention

@@ -2,9 +2,10 @@
 
     state_index_put(state [d0..dn], idx [S], values [d0..S..dn])   state[.., idx[s], ..] = values[.., s, ..]
     assign(state, value)                                             state[...] = value[...]
+    scatter_inplace(x, index, src) {dim}                             x[.., index[i], ..] = src[i] along dim
 
-Both take their inputs only and write input 0's bytes (``OpDef.inplace``): the runtime passes the state buffer
-itself. Symbolic dimensions (``seq``) are bound from the argument shapes. Written scheduled: the outermost loop
+All take their inputs only and write input 0's bytes (``OpDef.inplace``): the runtime passes the state buffer
+(scatter_inplace: the program input's own buffer, passes/inplace_input.py) itself. Symbolic dimensions (``seq``) are bound from the argument shapes. Written scheduled: the outermost loop
 is parallel.
 """
 
@@ -106,3 +107,22 @@ def assign(n: Node):
     body = loops + f"{indent}s[{', '.join(a)}] = T.Cast(\"{state.dtype}\", v[{', '.join(a)}])\n"
     return _func(["s_", "v_"], matches, body, dims)
 
+
+
+def scatter_inplace(n: Node):
+    """x[i0, .., index[i], .., in] = src[i] along ``dim`` for every i of index's shape (torch's scatter_ with a
+    src); an index outside [0, x.shape[dim]) writes nothing (torch would raise; no kernel writes out of bounds)."""
+    x, index, src = n.inputs
+    dim = int(n.attr["dim"]) % x.type.ndim
+    dims = _Dims()
+    matches = [f'x = T.match_buffer(x_, {_shape(dims, x.shape)}, "{x.dtype}")',
+               f'p = T.match_buffer(p_, {_shape(dims, index.shape)}, "{index.dtype}")',
+               f'v = T.match_buffer(v_, {_shape(dims, src.shape)}, "{src.dtype}")']
+    loops, a = _loops(index.shape, dims)
+    target = list(a)
+    target[dim] = "r"
+    indent = "            " if len(a) > 1 else "        "
+    body = (loops + f'{indent}r = T.Cast("int64", p[{", ".join(a)}])\n'
+            f"{indent}if r >= T.int64(0) and r < {dims(x.shape[dim])}:\n"
+            f'{indent}    x[{", ".join(target)}] = T.Cast("{x.dtype}", v[{", ".join(a)}])\n')
+    return _func(["x_", "p_", "v_"], matches, body, dims)

@@ -105,4 +105,5 @@ KERNELS: dict[str, Kernel] = {
     "state_index_put": Kernel(state.state_index_put, None, _every_kind),
     "paged_state_index_put": Kernel(state.paged_state_index_put, None, _every_kind),
     "assign": Kernel(state.assign, None, _every_kind),
+    "scatter_inplace": Kernel(state.scatter_inplace, None, _every_kind),  # passes/inplace_input.py
 }

@@ -124,6 +124,10 @@ DAYZERO_OPS: tuple[OpDef, ...] = (
           doc="state[.., table[idx // bs] * bs + idx % bs, ..] = values in place (dim = the position dim, bs = "
               "block_size): a KV-cache write into a paged pool; output aliases the state. A per-token table "
               "[S, NT] (attr per_token) maps values[.., s, ..] through its row s"),
+    OpDef("scatter_inplace", args=(("x", TENSOR), ("index", TENSOR), ("src", TENSOR), ("dim", ATTR)),
+          inplace=True, meta_ok=False, reference=lambda ins, a: ins[0].scatter_(a["dim"], ins[1], ins[2]),
+          doc="x.scatter_(dim, index, src) into a program input's own buffer (passes/inplace_input.py): "
+              "x[.., index[i], ..] = src[i] along dim for every i of index; output aliases x"),
     # ---- a group of element-wise / injective ops with at most one row reduction (passes/fuse.py) -------------
     OpDef("fused", args=(("body", ATTR),), reference=fused_reference,
           doc="one kernel for a group of ops: inputs are the group's external values; attr body = ((op, args, "
