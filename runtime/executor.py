@@ -38,6 +38,24 @@ logger = logging.getLogger(__name__)
 
 
 
+# a row program's compressed-entries state (kv_pages.row_entries) is gathered up to the row its requests' steps
+# write, rounded up to this: its readers (tools/compiler.py ENTRY_READERS) read no row past a query's visible ones
+# but the rest of the tile that holds the last (codegen/kernels/indexer.py JB = 16 rows), and discard it
+ENTRY_ROWS_ALIGN = 64
+
+
+class Filled:
+    """A program input the caller writes straight into the program's own input buffer (``write(view)``), instead
+    of handing over a tensor that ``run`` then copies there: a row program's gathered states."""
+
+    def __init__(self, shape: tuple[int, ...], write: Callable[[torch.Tensor], None]):
+        self.shape = torch.Size(shape)
+        self.write = write
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
 class _Program:
     def __init__(self, pj: dict, lib, arena: torch.Tensor, max_bytes: list[int]):
         self.name = pj["name"]
@@ -155,7 +173,9 @@ class _Program:
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
         for bid, t in zip(self.inputs, inputs):
             name = self.buffers[bid]["name"]
-            if name in self.input_ranges and t.numel():
+            if name in self.input_ranges and (isinstance(t, Filled) or t.numel()):
+                if isinstance(t, Filled):
+                    raise InternalError(f"{name}: an input whose values are checked cannot be written in place")
                 lo, hi = self.input_ranges[name]
                 bad = (t < lo) | (t >= hi)
                 if bool(bad.any()):
@@ -254,7 +274,7 @@ class _Program:
         for view, t in zip(in_views, inputs):
             if tuple(view.shape) != tuple(t.shape):
                 raise UserError(f"input shape {tuple(t.shape)} does not match the program's {tuple(view.shape)}")
-            view.copy_(t)
+            t.write(view) if isinstance(t, Filled) else view.copy_(t)
         if observe is None:
             for f, args in fast:
                 f(*args)
@@ -761,11 +781,21 @@ class Runtime:
         bs = self.kv.block_size
         rows = torch.arange(len(slots))
         at_slots = torch.tensor(slots, dtype=torch.int64)
+        entries = self._row_entries
         inputs, back = [ids, pos], []
         for name, table_name, length in self._row_plan:
+            src = views[name]
+            if table_name is None and name in entries:  # rows up to the one each step writes; that row back
+                at = (pos // entries[name]).clamp_(max=src.shape[1] - 1)
+                n = min(src.shape[1], -(-(int(at.max()) + 1) // ENTRY_ROWS_ALIGN) * ENTRY_ROWS_ALIGN)
+                inputs.append(Filled((len(slots), *src.shape[1:]), lambda view, src=src, n=n: [
+                    view[k, :n].copy_(src[s, :n]) for k, s in enumerate(slots)]))
+                back.append((src, at))
+                continue
             if table_name is None:
-                inputs.append(views[name].index_select(0, at_slots))
-                back.append(views[name])
+                inputs.append(Filled((len(slots), *src.shape[1:]),
+                                     lambda view, src=src: torch.index_select(src, 0, at_slots, out=view)))
+                back.append(src)
                 continue
             pool = views[name]
             table = self.kv.batch_table(table_name, slots).long()  # [B, table_len]
@@ -778,10 +808,26 @@ class Runtime:
         for dest, new in zip(back, out[1:]):
             if isinstance(dest, torch.Tensor):
                 dest.index_copy_(0, at_slots, new)
+            elif len(dest) == 2:  # compressed entries: the row each step wrote
+                src, at = dest
+                src[at_slots, at] = new[rows, at]
             else:
                 pool, at, whole = dest
                 pool[:, at] = (new[rows, :, pos] if whole else new[:, :, -1]).transpose(0, 1)
         return out[0].clone()
+
+    @cached_property
+    def _row_entries(self) -> dict[str, int]:
+        """``kv_pages.row_entries``: {per-request state: compress rate} of the row program's compressed entries
+        read only below each query's causal bound (tools/compiler.py ``rows_entries``); {} in an older artifact
+        (every such state gathered and written back whole)."""
+        plan = {name: table for name, table, _ in self._row_plan}
+        ent = self.program_json["kv_pages"].get("row_entries", {})
+        for name in ent:
+            if plan.get(name, "") is not None or self._row_views[name].dim() != 3:
+                raise UserError(f"program.json: kv_pages.row_entries names {name!r:.40}, no per-request "
+                                "[rows, width] state of the batched decode step")
+        return ent
 
     @cached_property
     def _row_window(self) -> int | None:

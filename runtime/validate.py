@@ -480,6 +480,10 @@ def _check_kv_pages(cfg, progs: dict, sizes: dict, w: _Where) -> None:
         w.fail("kv_pages.length", f"{length} is below the programs' largest symbol bound {top}")
     if "row_window" in cfg:  # the rows of each paged state the row-batched decode step takes per request
         w.int(cfg["row_window"], "kv_pages.row_window", 1, length)
+    if "row_entries" in cfg:  # {state: compress rate}: compressed entries the row step reads below the bound
+        for name, rate in w.obj(cfg["row_entries"], "kv_pages.row_entries").items():
+            w.str(name, "kv_pages.row_entries key")
+            w.int(rate, f"kv_pages.row_entries[{name!r:.40}]", 1, length)
     paged, names = set(), set()
     for k, t in enumerate(w.lst(w.key(cfg, "tables", "kv_pages"), "kv_pages.tables")):
         tp = f"kv_pages.tables[{k}]"

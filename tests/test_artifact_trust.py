@@ -223,6 +223,25 @@ def test_kv_blocks_beyond_the_pool_are_refused(tiny_compiled, tmp_path):
         load(d)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("entries, match", [
+    ({"cache_1_compressor_entries": 0}, r"kv_pages.row_entries\['cache_1_compressor_entries'\]: 0 is below 1"),
+    ({"cache_1_compressor_entries": "4"}, r"kv_pages.row_entries\['cache_1_compressor_entries'\]: expected an int"),
+    ({"cache_0_keys": 8}, r"kv_pages.row_entries names 'cache_0_keys', no per-request \[rows, width\] state"),
+])
+def test_row_entries_must_name_per_request_entries_with_a_rate(tiny_compiled, tmp_path, entries, match):
+    """kv_pages.row_entries tells the runtime which states of DeepSeek-V4's batched step it gathers only up to
+    each request's entry row: a rate that is no positive int, or a name that is no per-request [rows, width]
+    state (a paged K=V pool), is one line."""
+    _, art, _ = tiny_compiled("deepseek_v4")
+    d = copy_artifact(art, tmp_path / "art")
+    edit_json(d, "program.json", lambda p: p["kv_pages"].update(row_entries=entries))
+    with pytest.raises(UserError, match=match):
+        rt = load(d)
+        rt.prefill([1, 2, 3], slot=0)
+        rt.decode_batch([4], [0])
+
+
 def test_copy_run_past_its_destination_is_refused(tiny_compiled, tmp_path):
     _, art, _ = tiny_compiled("qwen3_moe")
     d = copy_artifact(art, tmp_path / "art")

@@ -225,4 +225,6 @@ def test_bench_long_full_width_shares_bench_fulls_checkpoint(tmp_path, monkeypat
     assert made == [("deepseek_v4", 4)]  # once: bench long found bench full's checkpoint
     assert long_art.parent / "ckpt" == ckpt and long_art != full_art
     assert compiled[-1] == (str(ckpt), "art_32000_512", 32000, 1, 512)
+    bench_long._artifact("deepseek_v4", tmp_path, 32000, 512, full_layers=4, batch=2)  # the batched step's own
+    assert compiled[-1] == (str(ckpt), "art_32000_512_b2", 32000, 2, 512)
     assert bench_long._artifact("deepseek_v4", tmp_path, 32000, 512).parent.name == "deepseek_v4"  # tiny: its own

@@ -75,3 +75,23 @@ def test_a_second_compile_takes_every_kernel_from_the_kernel_cache(tmp_path):
     assert off["cached_kernels"] == 0
     so = [(tmp_path / d / "kernels.so").read_bytes() for d in "abc"]
     assert so[0] == so[1] == so[2]
+
+
+def test_compressed_entries_read_by_a_generic_op_stay_whole():
+    """rows_entries lists a row-program state only when its readers stop at the causal bound: an entries state
+    that a generic op reads (every row) is not listed, so the runtime gathers and writes it back whole."""
+    from dayzero.passes.ir.text import parse_graph
+    from dayzero.tools.compiler import rows_entries
+
+    text = """
+    graph main symbols(batch in [1, 4]) {
+      %0 = input {name="cache_0_compressor_entries"} : float32[batch, 9, 8]
+      %1 = input {name="rows"} : int64[batch, 1, 8]
+      %2 = input {name="new"} : float32[batch, 1, 8]
+      %3 = scatter_inplace(%0, %1, %2) {dim=1} : float32[batch, 9, 8]
+      %4 = sum.dim_IntList(%3) {dim=[1]} : float32[batch, 8]
+      return %4, %3
+    }
+    """
+    layout = [{"buffer": "cache_0_compressor_entries", "compress_rate": 4}]
+    assert rows_entries(parse_graph(text), layout) == {}

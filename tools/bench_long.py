@@ -24,6 +24,11 @@ tokens, ``tools/capacity.py``'s count rule) and ``--prefill-chunk`` (default 32)
   bytes per token x C + the per-sequence constant) beside ``tools/capacity.py``'s ``kv_bytes_per_sequence`` for
   the config at C (fp32 values and indexer keys, as the tiny artifacts store them); the ratio (target: within 1%).
 
+* batched decode (``--batch B`` > 1, the artifacts compiled with ``--max-batch B``): one ``decode_batch`` step of
+  B requests, each at position C - 1 (the other slots prefilled one chunk, then continued at C - 1 like a skipped
+  tail), against B one-request decode steps (``decode_step`` x B): what serving B requests at once costs over
+  stepping them one by one, so a per-request cost that grows with ``--max-seq`` instead of C shows up here.
+
 ``attention_vs_4k``: decode attention time at each C over its time at the smallest context (target at 1M: <= 1.5).
 """
 
@@ -51,7 +56,7 @@ def _kind(node: str) -> str:
     return "attention" if op in ATTENTION_OPS else "rest"
 
 
-def _artifact(model: str, work: Path, max_seq: int, chunk: int, full_layers: int = 0) -> Path:
+def _artifact(model: str, work: Path, max_seq: int, chunk: int, full_layers: int = 0, batch: int = 1) -> Path:
     """The model's artifact under ``work`` (made when missing): tiny (make-tiny, seed 0) at work/MODEL, or, with
     ``full_layers``, the published width's first N layers (make-full) at work/MODEL_LN, where ``bench full`` keeps
     the same checkpoint."""
@@ -60,14 +65,14 @@ def _artifact(model: str, work: Path, max_seq: int, chunk: int, full_layers: int
     from dayzero.tools.make_tiny import make_tiny
 
     base = work / (f"{model}_L{full_layers}" if full_layers else model)
-    ckpt, art = base / "ckpt", base / f"art_{max_seq}_{chunk}"
+    ckpt, art = base / "ckpt", base / (f"art_{max_seq}_{chunk}" + (f"_b{batch}" if batch > 1 else ""))
     if not (ckpt / "config.json").exists():
         if full_layers:
             make_full(model, ckpt, layers=full_layers)
         else:
             make_tiny(model, ckpt, seed=0)
     if not (art / "artifact.json").exists():
-        compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=1, prefill_chunk=chunk))
+        compile_artifact(str(ckpt), art, CompileOptions(max_seq=max_seq, max_batch=batch, prefill_chunk=chunk))
     return art
 
 
@@ -102,6 +107,27 @@ def _timed_decode(rt, token: int, steps: int) -> dict:
             split[kinds[i]] += t - prev
             prev = t
     return {"step_s": total / steps, **{k: v / steps for k, v in split.items()}}
+
+
+def _timed_decode_batch(rt, token: int, batch: int, length: int, steps: int) -> float:
+    """Mean seconds of one ``decode_batch`` step of requests 0..batch-1, each at position ``length`` (slot 0
+    prefilled by the caller, the others one chunk, then continued at ``length``), after one warm-up step."""
+    import torch
+
+    for s in range(1, batch):
+        rt.prefill(torch.full((1, min(rt.prefill_chunk, length)), token), slot=s)
+    total = 0.0
+    for k in range(steps + 1):
+        for s in range(batch):
+            _skip_to(rt, length, s)
+        t0 = time.perf_counter()
+        rt.decode_batch([token] * batch, list(range(batch)))
+        if k:
+            total += time.perf_counter() - t0
+    _skip_to(rt, length, 0)
+    for s in range(1, batch):
+        rt.reset(s)
+    return total / steps
 
 
 def _kv_figures(art: Path, ckpt: Path, context: int) -> dict:
@@ -139,7 +165,7 @@ def prefill_within(rt, prompt: list[int], budget: float, slot: int = 0) -> tuple
 
 
 def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int, prefill_budget: float,
-               work: str | None = None, full_layers: int = 0) -> dict:
+               work: str | None = None, full_layers: int = 0, batch: int = 1) -> dict:
     import torch
 
     from dayzero.runtime import load
@@ -150,7 +176,7 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
         root = Path(work or tmp)
         for model in models:
             t0 = time.perf_counter()
-            art = _artifact(model, root, max_seq, chunk, full_layers)
+            art = _artifact(model, root, max_seq, chunk, full_layers, batch)
             compile_s = time.perf_counter() - t0
             rt = load(art)
             smallest = None
@@ -166,6 +192,7 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                     last = (n, time.perf_counter() - t1, time.process_time() - c1)
                 _skip_to(rt, c - 1)  # decode at position c - 1 (rows past the prefilled ones stay zero)
                 d = _timed_decode(rt, prompt[-1], steps)
+                batched = _timed_decode_batch(rt, prompt[-1], batch, c - 1, steps) if batch > 1 else None
                 kv = _kv_figures(art, art.parent / "ckpt", c)
                 smallest = smallest or d
                 common = {"model": model, "context": c, "max_seq": max_seq, "prefill_chunk": chunk,
@@ -178,6 +205,9 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
                      "cpu_s": last[2], **common},
                     {"case": f"{model}/{c}/decode_step", "unit": "s", "dayzero": d["step_s"], "baselines": {},
                      "split_s": {k: d[k] for k in ("indexer", "attention", "rest")}, **common},
+                    *([{"case": f"{model}/{c}/decode_batch_step", "unit": "s", "dayzero": batched,
+                        "baselines": {"one_request_steps": batch * d["step_s"]}, "batch": batch, **common}]
+                      if batched is not None else []),
                     {"case": f"{model}/{c}/decode_attention_vs_smallest", "unit": "x",
                      "dayzero": d["attention"] / smallest["attention"], "baselines": {}, "target": 1.5,
                      "smallest_context": min(contexts), **common},
@@ -205,7 +235,10 @@ def bench_long(models, contexts: list[int], max_seq: int, chunk: int, steps: int
 @click.option("--full-width-layers", default=0, show_default=True,
               help="N > 0: the published width's first N layers (make-full; WORK/MODEL_LN, shared with bench full)"
                    " instead of the tiny model")
-def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefill_budget, work, full_width_layers):
+@click.option("--batch", default=2, show_default=True,
+              help="requests of the batched decode step (decode_batch_step; 1: no batched step)")
+def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefill_budget, work, full_width_layers,
+                 batch):
     """Long contexts (tiny DeepSeek-V4, tiny DeepSeek-V3.2 compiled with --max-seq 1M): prefill tokens/s, decode
     step time split into indexer / attention / rest, resident KV bytes against the config's arithmetic."""
     from dayzero import UserError
@@ -215,11 +248,11 @@ def long_command(as_json, models, contexts, max_seq, prefill_chunk, steps, prefi
     top = parse_count(max_seq, "--max-seq")
     if not ctx or max(ctx) > top or min(ctx) < 2:
         raise UserError(f"--contexts must be non-empty, each in [2, --max-seq {top}]")
-    if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0 or full_width_layers < 0:
-        raise UserError("--steps, --prefill-chunk and --prefill-budget must be positive, --full-width-layers not "
-                        "negative")
+    if steps < 1 or prefill_chunk < 1 or prefill_budget <= 0 or full_width_layers < 0 or batch < 1:
+        raise UserError("--steps, --prefill-chunk, --prefill-budget and --batch must be positive, "
+                        "--full-width-layers not negative")
     out = bench_long(models or MODELS, ctx, top, prefill_chunk, steps, prefill_budget, work=work,
-                     full_layers=full_width_layers)
+                     full_layers=full_width_layers, batch=batch)
     from dayzero.tools.bench import baselines_text, echo_bench
 
     def line(r):

@@ -52,7 +52,7 @@ from dayzero.passes.inplace_state import inplace_state
 from dayzero.passes.last_position import LAST_PROGRAM, last_position
 from dayzero.passes.ir.collective import Mesh
 from dayzero.passes.ir.dayzero_ops import BLOCK_TABLE
-from dayzero.passes.ir.node import Graph
+from dayzero.passes.ir.node import Graph, Node, users
 from dayzero.passes.ir.text import print_graph
 from dayzero.passes.ir.verify import verify as verify_graph
 from dayzero.passes.memory_plan import PER_REQUEST_ZONES
@@ -319,6 +319,45 @@ def rows_held(g: Graph, kv_pages: dict) -> int:
     return held.pop()
 
 
+# the kernels that read a compressed-entries state only below the causal bound (entry e for a query at position p
+# iff e < (p + 1) // rate), by the argument they read it as; and the ops a state passes through on the way
+ENTRY_READERS = {"compressed_attention": 3, "dsa_indexer_topk": 2}
+_ENTRY_PATH = {"scatter_inplace": 0, "scatter.src": 0, "clone": 0, "unsqueeze": 0}
+
+
+def rows_entries(g: Graph, layout: list[dict]) -> dict[str, int]:
+    """{input: compress rate} for the row-batched step's compressed-entries states (``layout``: the frontend's
+    cache layout) that are read only by ENTRY_READERS, written by one scatter along the entry dim and returned: a
+    request at position p then needs only the rows [0, p // rate] of such a state gathered, and back only row
+    p // rate (the one its step wrote). Any other reader (a generic op over every row) keeps the state whole."""
+    rates = {d["buffer"]: int(d["compress_rate"]) for d in layout if d.get("compress_rate")}
+    use = users(g)
+    returned = {id(o) for o in g.outputs}
+    return {n.attr["name"]: rates[n.attr["name"]] for n in g.inputs
+            if n.attr.get("name") in rates and n.type.ndim == 3 and _entries_read_bounded(n, use, returned)}
+
+
+def _entries_read_bounded(n: Node, use: dict, returned: set) -> bool:
+    """Every path from ``n`` runs through _ENTRY_PATH ops (one scatter along dim 1) into ENTRY_READERS, and the
+    scattered value is returned."""
+    writes, is_returned, todo = 0, False, [n]
+    while todo:
+        v = todo.pop()
+        is_returned |= id(v) in returned and v is not n
+        for u in use.get(id(v), []):
+            at = [i for i, x in enumerate(u.inputs) if x is v]
+            if u.op in ENTRY_READERS and at == [ENTRY_READERS[u.op]]:
+                continue
+            if u.op not in _ENTRY_PATH or at != [_ENTRY_PATH[u.op]]:
+                return False
+            if u.op.startswith("scatter"):
+                if u.attr.get("dim") not in (1, -2):
+                    return False
+                writes += 1
+            todo.append(u)
+    return writes == 1 and is_returned
+
+
 @dataclass
 class Programs:
     """The compiler's programs after their graph steps and lowering, in build order."""
@@ -372,7 +411,8 @@ def build_programs(fe: Frontend, options: CompileOptions, verify: bool = False, 
             decode = res.graphs["decode"]
             why = build("decode_batch", fe.decode_rows.graph, accept=lambda g: rows_refusal(g, decode))
             if not why and res.kv_pages is not None:
-                res.kv_pages = dict(res.kv_pages, row_window=rows_held(res.graphs["decode_batch"], res.kv_pages))
+                res.kv_pages = dict(res.kv_pages, row_window=rows_held(res.graphs["decode_batch"], res.kv_pages),
+                                    row_entries=rows_entries(res.graphs["decode_batch"], fe.cache_layout))
         elif why and fe.decode_rows_error:
             why = f"{why}; the batched row step did not trace: {fe.decode_rows_error}"
         elif not why:
