@@ -173,9 +173,9 @@ class _Program:
     def bind(self, inputs: list[torch.Tensor]) -> tuple:
         for bid, t in zip(self.inputs, inputs):
             name = self.buffers[bid]["name"]
-            if name in self.input_ranges and (isinstance(t, Filled) or t.numel()):
-                if isinstance(t, Filled):
-                    raise InternalError(f"{name}: an input whose values are checked cannot be written in place")
+            if name in self.input_ranges and isinstance(t, Filled):
+                raise InternalError(f"{name}: an input whose values are checked cannot be written in place")
+            if name in self.input_ranges and t.numel():
                 lo, hi = self.input_ranges[name]
                 bad = (t < lo) | (t >= hi)
                 if bool(bad.any()):

@@ -5,8 +5,8 @@
     scatter_inplace(x, index, src) {dim}                             x[.., index[i], ..] = src[i] along dim
 
 All take their inputs only and write input 0's bytes (``OpDef.inplace``): the runtime passes the state buffer
-(scatter_inplace: the program input's own buffer, passes/inplace_input.py) itself. Symbolic dimensions (``seq``) are bound from the argument shapes. Written scheduled: the outermost loop
-is parallel.
+itself (scatter_inplace: the program input's own buffer, passes/inplace_input.py). Symbolic dimensions (``seq``)
+are bound from the argument shapes. Written scheduled: the outermost loop is parallel.
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ def assign(n: Node):
     indent = "            " if len(a) > 1 else "        "
     body = loops + f"{indent}s[{', '.join(a)}] = T.Cast(\"{state.dtype}\", v[{', '.join(a)}])\n"
     return _func(["s_", "v_"], matches, body, dims)
-
 
 
 def scatter_inplace(n: Node):
