@@ -462,11 +462,12 @@ def test_deepseek_v4_row_step_states_share_the_batch_dim(tmp_path):
 
 @pytest.mark.slow
 def test_deepseek_v4_rows_move_only_the_entries_their_steps_touch(tmp_path):
-    """At --max-seq 1024 the compressed entries are 257 (CSA, rate 4) and 129 (HCA, rate 8) rows a request: the row
-    program scatters each step's entry into its own input (no copy of the state), the runtime gathers a request's
-    rows only up to the one its step writes (rounded up to ENTRY_ROWS_ALIGN) and writes back only that row. Two
-    requests of 250 and 120 tokens step together across position 256, where the longer one's CSA rows pass 64;
-    their tokens equal each alone upstream."""
+    """At --max-seq 8192 the compressed entries are 2049 (CSA, rate 4) and 1025 (HCA, rate 8) rows a request: the
+    row program scatters each step's entry into its own input (no copy of the state), the runtime gathers a
+    request's rows only up to the one its step writes (rounded up to ENTRY_ROWS_ALIGN) and writes back only that
+    row. Two long prompts (7930 and 6001 tokens, several prefill chunks, compressor windows and sliding windows)
+    step together across position 7936, where the longer one's CSA rows pass a multiple of 64; their tokens
+    equal each alone upstream (eager still fits at 8K), and each alone through the one-request decode."""
     from dayzero.runtime.executor import ENTRY_ROWS_ALIGN
     from dayzero.codegen.kernels import indexer
     from dayzero.tools.driver import compile_model
@@ -474,7 +475,7 @@ def test_deepseek_v4_rows_move_only_the_entries_their_steps_touch(tmp_path):
 
     assert ENTRY_ROWS_ALIGN % indexer.JB == 0  # a gathered prefix ends on a tile boundary of the readers
     ckpt = make_tiny("deepseek_v4", tmp_path / "ckpt", seed=0)
-    compile_model(str(ckpt), tmp_path / "art", max_seq=1024, max_batch=2, prefill_chunk=128)
+    compile_model(str(ckpt), tmp_path / "art", max_seq=8192, max_batch=2, prefill_chunk=1024)
     rt = load(tmp_path / "art")
     assert rt._row_entries == {"cache_0_compressor_entries": 8, "cache_1_compressor_entries": 4,
                                "cache_1_indexer_entries": 4}
@@ -483,10 +484,12 @@ def test_deepseek_v4_rows_move_only_the_entries_their_steps_touch(tmp_path):
         n for n in steps if n.startswith(("scatter.src", "clone"))]
     ref = load_upstream(ckpt)
     ref.generation_config.eos_token_id = None
-    prompts = [_prompt(n, 7 + n) for n in (250, 120)]
-    out = {s: [int(rt.prefill(p, slot=s)[0, -1].argmax())] for s, p in enumerate(prompts)}
+    prompts = [_prompt(n, 7 + n) for n in (7930, 6001)]
+    alone = [rt.generate(p, STEPS + 1, slot=0) for p in prompts]
+    out = {s: [int(rt.prefill(p, slot=s, last=True)[0, -1].argmax())] for s, p in enumerate(prompts)}
     for _ in range(STEPS):
         for s, row in zip(out, rt.decode_batch([out[s][-1] for s in out], list(out))):
             out[s].append(int(row.argmax()))
     for s, p in enumerate(prompts):
-        assert out[s] == _upstream(ref, p, STEPS + 1), s
+        want = _upstream(ref, p, STEPS + 1)
+        assert out[s] == want and alone[s] == want, s
